@@ -1,0 +1,107 @@
+"""The process group and its shape: one torchrun world shared by FSDP2 (all ranks) and vLLM (TP groups).
+
+Ranks are laid out DP-major: rank = dp_rank * tp + tp_rank, which is how vLLM's external launcher
+forms its tensor-parallel groups (consecutive ranks). FSDP shards every weight over the whole world.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """World shape: `tp` ranks per vLLM tensor-parallel group, `dp` = world // tp groups."""
+
+    world: int
+    rank: int
+    local_rank: int
+    tp: int
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.world % self.tp:
+            raise ValueError(
+                f"rollout.tp={self.tp} must be >= 1 and divide the number of ranks ({self.world}); "
+                f"allowed: {[d for d in range(1, self.world + 1) if self.world % d == 0]}"
+            )
+
+    @property
+    def dp(self) -> int:
+        return self.world // self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    def tp_rank_of(self, rank: int) -> int:
+        return rank % self.tp
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def device() -> torch.device:
+    """This rank's compute device: its CUDA device under torchrun on GPUs, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init_distributed(tp: int, *, timeout_s: int = 1800) -> ParallelDims:
+    """Join the torchrun world (nccl on CUDA, gloo on CPU); a single process without torchrun is a world of 1."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    dims = ParallelDims(world, int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), tp)
+    if not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ:  # plain `python ...`: a world of one
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+                              LOCAL_RANK="0")
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(dims.local_rank)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dims
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fsdp_mesh(dims: ParallelDims):
+    """A 1-D device mesh over every rank: FSDP shards each weight W ways."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device().type, (dims.world,), mesh_dim_names=("fsdp",))
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Sum a few floats over all ranks (one collective)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device())
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_reduce_max(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device())
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()

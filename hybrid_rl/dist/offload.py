@@ -1,0 +1,174 @@
+"""Offload: move a component's tensors (params, grads, optimizer state) out of memory and back.
+
+The mechanism works on *storages*, below FSDP: the bytes of each storage are copied to a backing
+store, then the storage is resized to zero, which frees it while every tensor, view and DTensor
+that refers to it (FSDP's sharded parameters, the optimizer's state) stays the same Python object.
+Reloading resizes the storage back and copies the bytes in: bitwise exact, and nothing above this
+module needs to know it happened.
+
+Targets:
+* ``cpu``: pinned host memory (from an accelerator). On a CPU-only machine there is nothing to
+  gain, so it is a no-op there (said once).
+* ``disk``: one file per component under the offload directory; frees real host memory (this is
+  how the CPU tests exercise the path) and is read back with `readinto` straight into the storage.
+* ``none``: stay resident.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+TARGETS = ("none", "cpu", "disk")
+
+
+@dataclass
+class _Stash:
+    storage: torch.UntypedStorage
+    nbytes: int
+    cpu: torch.Tensor | None = None  # uint8 host copy ("cpu")
+    offset: int = 0  # byte offset in the component file ("disk")
+
+
+@dataclass
+class _Component:
+    target: str
+    stashes: list[_Stash] = field(default_factory=list)
+    path: Path | None = None
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's state tensors (Adam moments); the scalar `step` counters stay put."""
+    out = []
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.numel() > 1:
+                out.append(v.to_local() if hasattr(v, "to_local") else v)
+    return out
+
+
+def param_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Local shards of a module's parameters (DTensors unwrapped)."""
+    return [p.to_local() if hasattr(p, "to_local") else p for p in module.parameters()]
+
+
+def grad_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [g.to_local() if hasattr(g, "to_local") else g for p in module.parameters() if (g := p.grad) is not None]
+
+
+class OffloadManager:
+    """Offloads named components to cpu/disk and reloads them; reports what each holds."""
+
+    def __init__(self, directory: str | Path, *, rank: int = 0):
+        self.dir = Path(directory)
+        self.rank = rank
+        self._components: dict[str, _Component] = {}
+        self._warned_cpu = False
+
+    def is_offloaded(self, name: str) -> bool:
+        return name in self._components
+
+    def offload(self, name: str, tensors: Iterable[torch.Tensor], target: str) -> int:
+        """Free the storages behind `tensors` into `target`; returns the bytes freed."""
+        if target not in TARGETS:
+            raise ValueError(f"offload target for {name!r} must be one of {TARGETS}, got {target!r}")
+        assert name not in self._components, f"{name} is already offloaded"
+        tensors = list(tensors)
+        if target == "none" or (target == "cpu" and not _on_accelerator(tensors)):
+            if target == "cpu" and not self._warned_cpu:
+                log.info("offload target 'cpu' has no effect on a CPU-only machine (use 'disk' to free host RAM)")
+                self._warned_cpu = True
+            return 0
+        comp = _Component(target)
+        seen: set[int] = set()
+        for t in tensors:
+            st = t.untyped_storage()
+            if st.nbytes() == 0 or st.data_ptr() in seen:
+                continue
+            seen.add(st.data_ptr())
+            comp.stashes.append(_Stash(st, st.nbytes()))
+        if target == "disk":
+            self._write(name, comp)
+        else:
+            for s in comp.stashes:
+                s.cpu = torch.empty(s.nbytes, dtype=torch.uint8, pin_memory=True)
+                s.cpu.copy_(_as_bytes(s.storage), non_blocking=True)
+            torch.cuda.synchronize()
+        for s in comp.stashes:
+            s.storage.resize_(0)
+        self._components[name] = comp
+        _release_freed_memory()
+        return sum(s.nbytes for s in comp.stashes)
+
+    def reload(self, name: str) -> None:
+        """Bring a component back, bitwise as it was. A component that was not offloaded is left alone."""
+        comp = self._components.pop(name, None)
+        if comp is None:
+            return
+        for s in comp.stashes:
+            s.storage.resize_(s.nbytes)
+        if comp.target == "disk":
+            self._read(comp)
+        else:
+            for s in comp.stashes:
+                _as_bytes(s.storage).copy_(s.cpu, non_blocking=True)
+                s.cpu = None
+            torch.cuda.synchronize()
+
+    def offloaded_bytes(self) -> dict[str, int]:
+        return {n: sum(s.nbytes for s in c.stashes) for n, c in self._components.items()}
+
+    def _write(self, name: str, comp: _Component) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        comp.path = self.dir / f"{name}.rank{self.rank}.bin"
+        offset = 0
+        with open(comp.path, "wb") as f:
+            for s in comp.stashes:
+                s.offset = offset
+                f.write(memoryview(_host_bytes(s.storage).numpy()))
+                offset += s.nbytes
+
+    def _read(self, comp: _Component) -> None:
+        with open(comp.path, "rb") as f:
+            for s in comp.stashes:
+                f.seek(s.offset)
+                dst = _as_bytes(s.storage)
+                if dst.device.type == "cpu":
+                    f.readinto(memoryview(dst.numpy()))
+                else:
+                    host = torch.empty(s.nbytes, dtype=torch.uint8)
+                    f.readinto(memoryview(host.numpy()))
+                    dst.copy_(host)
+        comp.path.unlink()
+
+
+def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _host_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    b = _as_bytes(storage)
+    return b if b.device.type == "cpu" else b.cpu()
+
+
+def _on_accelerator(tensors: Iterable[torch.Tensor]) -> bool:
+    return any(t.device.type != "cpu" for t in tensors)
+
+
+def _release_freed_memory() -> None:
+    """Hand freed host memory back to the OS (glibc keeps large freed blocks otherwise)."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if os.name == "posix":
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except OSError:
+            pass

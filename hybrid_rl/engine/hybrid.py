@@ -1,0 +1,224 @@
+"""HybridEngine: the same ranks hold the policy as FSDP2 shards (train mode) and as vLLM (rollout mode).
+
+Who owns which memory in which mode:
+
+=================  ===========================================  ==========================================
+                   train mode                                   rollout mode
+=================  ===========================================  ==========================================
+policy params      FSDP2 shards, resident                       offloaded after the sync (`offload.params`)
+grads, optimizer   resident                                     offloaded first (`offload.grads/optim`)
+vLLM weights       released (`release`: sleep / restart)        resident, synced from the shards
+KV cache           released                                     resident
+=================  ===========================================  ==========================================
+
+The switch into rollout runs a fixed checklist, one logged line per step with time and memory:
+offload train state (grads, optimizer) -> bring vLLM weights in -> sync (bucketed reshard + verify)
+-> offload the policy params (they were the sync's source; sharded, they are 1/W of the model)
+-> bring the KV cache in. Leaving rollout releases the KV cache and vLLM weights, then reloads the
+train state. `generate()` outside rollout mode is an error, not a silent slow path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from hybrid_rl.dist.fsdp import is_sharded, local_tensor
+from hybrid_rl.dist.mesh import ParallelDims
+from hybrid_rl.dist.offload import OffloadManager, grad_tensors, optimizer_tensors, param_tensors
+from hybrid_rl.engine.layout import Layout
+from hybrid_rl.engine.reshard import (
+    ReshardPlan,
+    SourceParam,
+    SyncStats,
+    WeightSyncError,
+    block_checksum,
+    build_plan,
+    checksums_match,
+    probe_for,
+    stream_slices,
+)
+from hybrid_rl.engine.vllm_engine import Generation, Sampling, VLLMEngine
+from hybrid_rl.utils import memory
+
+log = logging.getLogger(__name__)
+
+RELEASE_MODES = ("keep", "sleep", "restart")
+
+
+class Mode(Enum):
+    TRAIN = "train"
+    ROLLOUT = "rollout"
+
+
+@dataclass(frozen=True)
+class SwitchOptions:
+    """How the engine switches modes and syncs weights (filled from the `rollout` and `offload` configs)."""
+
+    bucket_bytes: int
+    verify: bool
+    probe_cols: int
+    release: str  # how vLLM gives memory back in train mode: keep | sleep (CUDA) | restart
+    offload_params: str  # none | cpu | disk
+    offload_grads: str
+    offload_optim: str
+
+
+@dataclass
+class SwitchReport:
+    """What the last switch into rollout did: for metrics and the log."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    sync_path: str = ""
+    bytes_received: int = 0
+    buckets: int = 0
+    peak_buffer_bytes: int = 0
+
+
+def hf_name(name: str) -> str:
+    """A parameter's Hugging Face name, with wrapper prefixes (activation checkpointing, compile) removed."""
+    for junk in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        name = name.replace(junk, "")
+    return name
+
+
+class HybridEngine:
+    """Owns the switch between FSDP training and vLLM rollout on this rank."""
+
+    def __init__(
+        self, policy: torch.nn.Module, *, optimizer: torch.optim.Optimizer | None, dims: ParallelDims,
+        vllm: VLLMEngine, layout: Layout, offload: OffloadManager, options: SwitchOptions, device: torch.device,
+        sync_dtype: torch.dtype,
+    ):
+        self.policy, self.optimizer, self.dims = policy, optimizer, dims
+        self.vllm, self.layout, self.offload, self.options = vllm, layout, offload, options
+        self.device, self.sync_dtype = device, sync_dtype
+        self.mode = Mode.TRAIN
+        self.report = SwitchReport()
+        self.sync_index = 0
+        self._plan: ReshardPlan | None = None
+        self._path: str | None = None
+        self.corrupt_hook = None  # tests: callable(bucket_index, recv_buffer) applied on the next sync
+
+    # -- modes -----------------------------------------------------------------------------------
+
+    @contextmanager
+    def rollout_mode(self) -> Iterator[HybridEngine]:
+        """Enter rollout mode for the body of the `with`, then return to train mode."""
+        self.enter_rollout()
+        try:
+            yield self
+        finally:
+            self.enter_train()
+
+    def enter_rollout(self) -> None:
+        assert self.mode is Mode.TRAIN, "enter_rollout() called in rollout mode"
+        o, rep = self.options, SwitchReport()
+        with self._step(rep, "offload_train_state"):
+            if self.optimizer is not None:
+                self.offload.offload("actor.optim", optimizer_tensors(self.optimizer), o.offload_optim)
+            self.offload.offload("actor.grads", grad_tensors(self.policy), o.offload_grads)
+        with self._step(rep, "vllm_weights_in"):
+            if not self.vllm.started:
+                self.vllm.start()
+            elif o.release == "sleep":
+                self.vllm.wake_up(["weights"])
+        with self._step(rep, "sync_weights"):
+            self._sync(rep)
+        with self._step(rep, "offload_params"):
+            self.offload.offload("actor.params", param_tensors(self.policy), o.offload_params)
+        with self._step(rep, "kv_cache_in"):
+            if o.release == "sleep":
+                self.vllm.wake_up(["kv_cache"])
+        self.report = rep
+        self.mode = Mode.ROLLOUT
+
+    def enter_train(self) -> None:
+        assert self.mode is Mode.ROLLOUT, "enter_train() called in train mode"
+        rep = self.report
+        with self._step(rep, "release_vllm"):
+            if self.options.release == "sleep":
+                self.vllm.sleep()
+            elif self.options.release == "restart":
+                self.vllm.stop()
+        with self._step(rep, "reload_train_state"):
+            for name in ("actor.params", "actor.grads", "actor.optim"):
+                self.offload.reload(name)
+        self.mode = Mode.TRAIN
+
+    def close(self) -> None:
+        """Shut vLLM down (before the process group goes) and drop offload files."""
+        if self.mode is Mode.ROLLOUT:
+            self.enter_train()
+        self.vllm.stop()
+
+    @contextmanager
+    def _step(self, rep: SwitchReport, name: str) -> Iterator[None]:
+        before = memory.describe()
+        t0 = time.perf_counter()
+        yield
+        rep.seconds[name] = time.perf_counter() - t0
+        if self.dims.is_main:
+            log.info("switch %-20s %7.3fs  %s -> %s", name, rep.seconds[name], before, memory.describe())
+
+    # -- rollout ---------------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling, seeds: list[int]) -> list[list[Generation]]:
+        if self.mode is not Mode.ROLLOUT:
+            raise RuntimeError("HybridEngine.generate() needs rollout mode: use `with engine.rollout_mode():`")
+        return self.vllm.generate(prompts, sampling, seeds)
+
+    # -- weight sync -----------------------------------------------------------------------------
+
+    def _sources(self) -> list[SourceParam]:
+        out = []
+        for name, p in self.policy.named_parameters():
+            n = hf_name(name)
+            if self.layout.skip(n):
+                continue
+            out.append(SourceParam(n, local_tensor(p).detach(), tuple(p.shape)))
+        return out
+
+    def _sync(self, rep: SwitchReport) -> None:
+        sources = self._sources()
+        if self._plan is None:
+            sharded = any(is_sharded(p) for p in self.policy.parameters())
+            self._plan = build_plan(
+                sources, self.layout, rank=self.dims.rank, world=self.dims.world, tp_rank_of=self.dims.tp_rank_of,
+                bucket_bytes=self.options.bucket_bytes, dtype=self.sync_dtype, sharded=sharded,
+            )
+            self._path = self.vllm.weight_sync_path(self._plan.slices)
+            if self.dims.is_main:
+                log.info("weight sync: %s path, %d buckets, %.2f MiB per rank", self._path,
+                         len(self._plan.buckets), self._plan.bytes_per_sync / 2**20)
+        stats = SyncStats()
+        stream = stream_slices(
+            self._plan, sources, device=self.device, probe_cols=self.options.probe_cols,
+            sync_index=self.sync_index, stats=stats, corrupt=self.corrupt_hook,
+        )
+        self.vllm.load_weights(stream, self._path)
+        self.corrupt_hook = None
+        if self.options.verify:
+            self._verify(self._plan)
+        self.sync_index += 1
+        rep.sync_path, rep.bytes_received = self._path, stats.bytes_received
+        rep.buckets, rep.peak_buffer_bytes = stats.buckets, stats.peak_buffer_bytes
+
+    def _verify(self, plan: ReshardPlan) -> None:
+        """Compare the senders' checksums with checksums of what vLLM now holds; raise on any mismatch."""
+        probes = [probe_for(ts, self.options.probe_cols, self.sync_index) for ts in plan.slices]
+        landed = self.vllm.readback(list(zip(plan.slices, probes, strict=True)))
+        got = torch.stack([block_checksum(x, row0=0, col_ids=c) for x, c in zip(landed, probes, strict=True)])
+        ok = checksums_match(plan.expected.to(got.device), got)
+        if not bool(ok.all()):
+            bad = [plan.slices[i].hf_name for i in torch.nonzero(~ok).flatten().tolist()]
+            raise WeightSyncError(
+                f"rank {self.dims.rank}: weights did not land in vLLM as sent (sync {self.sync_index}, "
+                f"{len(bad)} mismatched: {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''})"
+            )

@@ -1,0 +1,285 @@
+"""Resharding: FSDP2 shards -> each rank's vLLM tensor-parallel slice, in bounded buckets.
+
+FSDP2 shards every weight along dim 0 over all W ranks (rank r holds rows [r*c, (r+1)*c), c =
+ceil(N/W)). vLLM's TP rank t needs a column block, a row block, a vocab block or the whole tensor
+(`layout.TPSlice`). For each bucket of weights this module sends, with one `all_to_all_single`,
+exactly the intersection of what each source rank holds with what each destination rank needs:
+
+* every rank receives only its own TP slice (bytes in = slice bytes, never the full model);
+* weights are cast to the rollout dtype before any byte moves;
+* peak extra memory is one bucket of send + receive buffers (plus, on the CPU reload path, one
+  layer of staging that vLLM's loader buffers).
+
+Verification: each sender also computes a checksum of every piece it sends (a row- and
+column-weighted fp64 sum, in the destination slice's coordinates). One more small all-to-all at the
+end gives every rank the expected checksum of each of its slices, computed from the *sender's*
+data; the engine compares it with the same checksum read back from vLLM's parameters
+(`SyncVerifier`). A corrupted or missing bucket therefore fails loudly instead of leaving stale
+weights in the rollout model.
+
+No vLLM import here: the sink that writes into vLLM lives in `vllm_engine.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from hybrid_rl.engine.layout import Layout, TPSlice
+
+
+class WeightSyncError(RuntimeError):
+    """Weights did not land in vLLM as sent: never generate from stale or corrupt weights."""
+
+
+@dataclass(frozen=True)
+class SourceParam:
+    """One trainable weight as this rank holds it: a dim-0 shard (FSDP2) or the full tensor."""
+
+    name: str
+    local: torch.Tensor
+    shape: tuple[int, ...]
+
+
+def fsdp_row_ranges(rows: int, world: int) -> list[tuple[int, int]]:
+    """Rows each rank holds under FSDP2's Shard(0) (torch.chunk semantics: ceil-sized chunks)."""
+    c = -(-rows // world)
+    return [(min(r * c, rows), min((r + 1) * c, rows)) for r in range(world)]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of weight `index` that rank `src` sends to rank `dst`.
+
+    `rows` are the source-local rows, `cols` the full-tensor columns (every piece spans the whole
+    width of the destination slice); `slice_row0` is the block's first row inside that slice and
+    `slice_ncols` the slice's width (None for 1-D weights).
+    """
+
+    index: int
+    src: int
+    dst: int
+    rows: tuple[int, int]
+    cols: tuple[int, int] | None
+    slice_row0: int
+    slice_ncols: int | None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        r = self.rows[1] - self.rows[0]
+        return (r,) if self.cols is None else (r, self.cols[1] - self.cols[0])
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _piece(index: int, ts: TPSlice, src: int, dst: int, held: tuple[int, int], sharded: bool) -> Piece | None:
+    """Intersection of the rows `src` holds with the slice `dst` needs (None when empty)."""
+    a, b = held
+    off = a if sharded else 0
+    full_cols = None if len(ts.full_shape) == 1 else (0, ts.full_shape[1])
+    width = None if full_cols is None else ts.shape[1]
+    if ts.dim == 0:
+        lo, hi = max(a, ts.start), min(b, ts.stop)
+        if lo >= hi:
+            return None
+        return Piece(index, src, dst, (lo - off, hi - off), full_cols, lo - ts.start, width)
+    if a >= b:
+        return None
+    cols = (ts.start, ts.stop) if ts.dim == 1 else full_cols
+    return Piece(index, src, dst, (a - off, b - off), cols, a, width)
+
+
+@dataclass
+class Bucket:
+    """Weights moved by one all-to-all, with this rank's send/receive pieces precomputed."""
+
+    indices: list[int]
+    sends: list[list[Piece]]  # per destination rank
+    recvs: list[list[Piece]]  # per source rank
+    recv_bytes: int = 0
+
+
+@dataclass
+class ReshardPlan:
+    """Everything about a sync that depends only on shapes: computed once, reused every step."""
+
+    slices: list[TPSlice]  # this rank's slice of each weight, in source order
+    buckets: list[Bucket]
+    dtype: torch.dtype
+    rank: int
+    world: int
+    bytes_per_sync: int = 0
+    # Senders' checksums of this rank's slices, filled in at the end of each `stream_slices`.
+    expected: torch.Tensor | None = field(default=None, repr=False)
+
+
+def build_plan(
+    params: list[SourceParam], layout: Layout, *, rank: int, world: int, tp_rank_of: Callable[[int], int],
+    bucket_bytes: int, dtype: torch.dtype, sharded: bool,
+) -> ReshardPlan:
+    """Plan the pieces this rank sends and receives, grouped in buckets of about `bucket_bytes` received.
+
+    Weights of one vLLM module (q/k/v -> qkv_proj, gate/up -> gate_up_proj) stay in one bucket: vLLM
+    processes a fused layer only once all its parts have arrived.
+    """
+    elt = torch.empty((), dtype=dtype).element_size()
+    slices = [layout.slice(p.name, p.shape, tp_rank_of(rank)) for p in params]
+    groups: list[list[int]] = []
+    for i, ts in enumerate(slices):
+        if groups and slices[groups[-1][-1]].module == ts.module:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    buckets: list[Bucket] = []
+    current: list[int] = []
+    for g in groups:
+        if current and sum(slices[i].numel for i in current + g) * elt > bucket_bytes:
+            buckets.append(_bucket(current, params, layout, rank, world, tp_rank_of, sharded, elt))
+            current = []
+        current += g
+    if current:
+        buckets.append(_bucket(current, params, layout, rank, world, tp_rank_of, sharded, elt))
+    plan = ReshardPlan(slices, buckets, dtype, rank, world)
+    plan.bytes_per_sync = sum(b.recv_bytes for b in buckets)
+    return plan
+
+
+def _bucket(indices, params, layout, rank, world, tp_rank_of, sharded, elt) -> Bucket:
+    sends: list[list[Piece]] = [[] for _ in range(world)]
+    recvs: list[list[Piece]] = [[] for _ in range(world)]
+    # Unsharded weights are whole on every rank: each rank just takes its own slice locally.
+    peers = range(world) if sharded else [rank]
+    for i in indices:
+        p = params[i]
+        held = fsdp_row_ranges(p.shape[0], world) if sharded else [(0, p.shape[0])] * world
+        mine = layout.slice(p.name, p.shape, tp_rank_of(rank))
+        for other in peers:
+            theirs = layout.slice(p.name, p.shape, tp_rank_of(other))
+            if piece := _piece(i, theirs, rank, other, held[rank], sharded):  # my rows ∩ their slice
+                sends[other].append(piece)
+            if piece := _piece(i, mine, other, rank, held[other], sharded):  # their rows ∩ my slice
+                recvs[other].append(piece)
+    recv_bytes = sum(pc.numel for per_src in recvs for pc in per_src) * elt
+    return Bucket(list(indices), sends, recvs, recv_bytes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checksums: the same numbers computed from the sender's pieces and from vLLM's landed weights.
+
+
+def probe_columns(ncols: int, max_cols: int, sync_index: int) -> torch.Tensor:
+    """Columns checked this sync: all of them for small weights, else a strided subset that rotates
+    with `sync_index`, so every column is checked within `stride` syncs."""
+    stride = max(1, -(-ncols // max_cols))
+    return torch.arange(sync_index % stride, ncols, stride)
+
+
+def probe_for(ts: TPSlice, max_cols: int, sync_index: int) -> torch.Tensor | None:
+    return None if len(ts.full_shape) == 1 else probe_columns(ts.shape[1], max_cols, sync_index)
+
+
+def block_checksum(x: torch.Tensor, *, row0: int, col_ids: torch.Tensor | None) -> torch.Tensor:
+    """Position-weighted fp64 sum of rows `x` placed at `row0` of a slice; a 0-d tensor on x's device.
+
+    For 2-D weights `x` holds only the probed columns, whose slice column indices are `col_ids`.
+    Weighting each element by its row and column makes swapped or shifted rows and columns
+    visible, not only changed sums.
+    """
+    x = x.detach().double()
+    wr = 1.0 + ((torch.arange(x.shape[0], dtype=torch.float64, device=x.device) + row0) % 7) / 8.0
+    if x.dim() == 1:
+        return (x * wr).sum()
+    wc = 1.0 + (col_ids.to(x.device, torch.float64) % 5) / 8.0
+    return ((x @ wc) * wr).sum()
+
+
+def checksums_match(expected: torch.Tensor, landed: torch.Tensor) -> torch.Tensor:
+    """Elementwise: equal up to fp64 summation-order noise (the values themselves are bit-identical)."""
+    return (expected - landed).abs() <= 1e-9 * (expected.abs() + 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The transfer.
+
+
+@dataclass
+class SyncStats:
+    bytes_received: int = 0
+    buckets: int = 0
+    peak_buffer_bytes: int = 0
+
+
+def stream_slices(
+    plan: ReshardPlan, params: list[SourceParam], *, device: torch.device, group=None,
+    probe_cols: int = 256, sync_index: int = 0, stats: SyncStats | None = None,
+    corrupt: Callable[[int, torch.Tensor], None] | None = None,
+) -> Iterator[tuple[TPSlice, torch.Tensor]]:
+    """Yield (slice, tensor) for every weight this rank's vLLM needs, bucket by bucket.
+
+    Must be driven to the end on every rank in lockstep (each bucket is a collective). After the
+    last item, `plan.expected` holds the senders' checksums of this rank's slices.
+    `corrupt(bucket_index, recv_buffer)` is a fault-injection hook for tests.
+    """
+    stats = stats or SyncStats()
+    world = plan.world
+    partial = torch.zeros(world, len(plan.slices), dtype=torch.float64, device=device)
+    for b_idx, bucket in enumerate(plan.buckets):
+        send_splits = [sum(pc.numel for pc in bucket.sends[d]) for d in range(world)]
+        recv_splits = [sum(pc.numel for pc in bucket.recvs[s]) for s in range(world)]
+        send = torch.empty(sum(send_splits), dtype=plan.dtype, device=device)
+        off = 0
+        for d in range(world):
+            for pc in bucket.sends[d]:
+                block = _source_block(params[pc.index], pc)
+                view = send[off : off + pc.numel].view(pc.shape)
+                view.copy_(block)  # casts to the rollout dtype before the bytes move
+                if pc.slice_ncols is None:
+                    partial[d, pc.index] += block_checksum(view, row0=pc.slice_row0, col_ids=None)
+                else:
+                    cols = probe_columns(pc.slice_ncols, probe_cols, sync_index)
+                    partial[d, pc.index] += block_checksum(view[:, cols], row0=pc.slice_row0, col_ids=cols)
+                off += pc.numel
+        recv = torch.empty(sum(recv_splits), dtype=plan.dtype, device=device)
+        if world > 1:
+            dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
+        else:
+            recv.copy_(send)
+        stats.peak_buffer_bytes = max(stats.peak_buffer_bytes, (send.numel() + recv.numel()) * send.element_size())
+        del send
+        if corrupt is not None:
+            corrupt(b_idx, recv)
+        stats.bytes_received += recv.numel() * recv.element_size()
+        stats.buckets += 1
+        yield from _assemble(plan, bucket, recv, device)
+    if world > 1:
+        # Row s of `partial` goes to rank s; what comes back is what every sender computed for me.
+        received = torch.empty_like(partial)
+        dist.all_to_all_single(received, partial, group=group)
+        partial = received
+    plan.expected = partial.sum(0)
+
+
+def _source_block(p: SourceParam, pc: Piece) -> torch.Tensor:
+    block = p.local[pc.rows[0] : pc.rows[1]]
+    if pc.cols is not None and block.dim() == 2:
+        block = block[:, pc.cols[0] : pc.cols[1]]
+    return block
+
+
+def _assemble(plan: ReshardPlan, bucket: Bucket, recv: torch.Tensor, device) -> Iterator[tuple[TPSlice, torch.Tensor]]:
+    """Place the received pieces into one tensor per TP slice, in source order."""
+    out = {i: torch.empty(plan.slices[i].shape, dtype=plan.dtype, device=device) for i in bucket.indices}
+    off = 0
+    for s in range(plan.world):
+        for pc in bucket.recvs[s]:
+            dst = out[pc.index]
+            dst[pc.slice_row0 : pc.slice_row0 + pc.shape[0]].copy_(recv[off : off + pc.numel].view(pc.shape))
+            off += pc.numel
+    for i in bucket.indices:
+        yield plan.slices[i], out.pop(i)

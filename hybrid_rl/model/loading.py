@@ -1,0 +1,53 @@
+"""Load Hugging Face models and tokenizers from a local folder (never from a hub)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_model_dir(path: str) -> Path:
+    """A clear error for a model folder that does not exist or is not a Hugging Face model."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ValueError(f"model.path={path!r} is not a directory (expected a Hugging Face model folder)")
+    if not (p / "config.json").is_file():
+        raise ValueError(f"model.path={path!r} has no config.json (expected a Hugging Face model folder)")
+    return p
+
+
+def attn_implementation() -> str:
+    """flash-attn on CUDA where installed (packed sequences run as varlen), else PyTorch SDPA."""
+    if torch.cuda.is_available():
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    return "sdpa"
+
+
+def load_causal_lm(path: str, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    from transformers import AutoModelForCausalLM
+
+    check_model_dir(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation())
+    return model.to(device)
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    check_model_dir(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_config(path: str):
+    from transformers import AutoConfig
+
+    check_model_dir(path)
+    return AutoConfig.from_pretrained(path)

@@ -1,0 +1,50 @@
+"""Memory readings for logs and tests: host RSS (and its peak) and accelerator memory."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process."""
+    return _status_kib("VmRSS") * 1024
+
+
+def peak_rss_bytes() -> int:
+    """High-water mark of the RSS since start or since the last `reset_peak_rss()`."""
+    return _status_kib("VmHWM") * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's RSS high-water mark (Linux `clear_refs` 5); False where not permitted."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def device_bytes() -> tuple[int, int]:
+    """(allocated, peak allocated) on the current CUDA device; (0, 0) without one."""
+    if not torch.cuda.is_available():
+        return 0, 0
+    return torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+
+
+def describe() -> str:
+    """One short reading for a log line: 'rss 1.23 GiB' plus the device's allocation on CUDA."""
+    gib = 1024**3
+    s = f"rss {rss_bytes() / gib:.2f} GiB"
+    if torch.cuda.is_available():
+        alloc, _ = device_bytes()
+        s += f", cuda {alloc / gib:.2f} GiB"
+    return s

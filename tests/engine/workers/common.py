@@ -1,0 +1,55 @@
+"""Shared set-up for the engine's multi-process test workers (run under torchrun)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from hybrid_rl.utils.env import set_runtime_defaults
+
+set_runtime_defaults()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from hybrid_rl.dist.fsdp import shard_model  # noqa: E402
+from hybrid_rl.dist.mesh import device, fsdp_mesh, init_distributed  # noqa: E402
+from hybrid_rl.dist.offload import OffloadManager  # noqa: E402
+from hybrid_rl.engine.hybrid import HybridEngine, SwitchOptions  # noqa: E402
+from hybrid_rl.engine.layout import Layout, ModelDims  # noqa: E402
+from hybrid_rl.engine.vllm_engine import EngineSpec, VLLMEngine  # noqa: E402
+from hybrid_rl.model.loading import DTYPES, load_causal_lm  # noqa: E402
+
+
+def build(model_path: str, *, tp: int, dtype: str = "float32", release: str = "keep", offload: str = "none",
+          bucket_mb: float = 0.25, lr: float = 1e-3, scratch: str | None = None):
+    dims = init_distributed(tp)
+    torch.manual_seed(0)
+    model = load_causal_lm(model_path, dtype=torch.float32)
+    shard_model(model, fsdp_mesh(dims), param_dtype=DTYPES[dtype])
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    spec = EngineSpec(model_path=model_path, tp=tp, dtype=dtype, max_model_len=256, seed=0, kv_cache_gb=0.25)
+    options = SwitchOptions(bucket_bytes=int(bucket_mb * 2**20), verify=True, probe_cols=64, release=release,
+                            offload_params=offload, offload_grads=offload, offload_optim=offload)
+    engine = HybridEngine(
+        model, optimizer=opt, dims=dims, vllm=VLLMEngine(spec), layout=Layout(ModelDims.from_hf_config(model.config), tp),
+        offload=OffloadManager(scratch or f"/tmp/hr_offload_{os.getpid()}", rank=dims.rank), options=options,
+        device=device(), sync_dtype=DTYPES[dtype],
+    )
+    return engine, model, opt, dims
+
+
+def full_state_dict(model) -> dict[str, torch.Tensor]:
+    """Every weight gathered in full (collective; test-only)."""
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()}
+
+
+def write_result(result: dict) -> None:
+    if dist.get_rank() == 0:
+        Path(os.environ["HR_TEST_OUT"]).write_text(json.dumps(result, indent=1))
+
+
+def log(*a) -> None:
+    print(f"[rank{dist.get_rank()}]", *a, file=sys.stderr, flush=True)
