@@ -105,7 +105,7 @@ class OffloadManager:
         for s in comp.stashes:
             s.storage.resize_(0)
         self._components[name] = comp
-        _release_freed_memory()
+        release_freed_memory()
         return sum(s.nbytes for s in comp.stashes)
 
     def reload(self, name: str) -> None:
@@ -133,20 +133,23 @@ class OffloadManager:
         with open(comp.path, "wb") as f:
             for s in comp.stashes:
                 s.offset = offset
-                f.write(memoryview(_host_bytes(s.storage).numpy()))
+                if s.storage.device.type == "cpu":
+                    f.write(_raw(s.storage))
+                else:
+                    host = _as_bytes(s.storage).cpu()
+                    f.write(_raw(host.untyped_storage()))
                 offset += s.nbytes
 
     def _read(self, comp: _Component) -> None:
         with open(comp.path, "rb") as f:
             for s in comp.stashes:
                 f.seek(s.offset)
-                dst = _as_bytes(s.storage)
-                if dst.device.type == "cpu":
-                    f.readinto(memoryview(dst.numpy()))
+                if s.storage.device.type == "cpu":
+                    f.readinto(_raw(s.storage))
                 else:
                     host = torch.empty(s.nbytes, dtype=torch.uint8)
-                    f.readinto(memoryview(host.numpy()))
-                    dst.copy_(host)
+                    f.readinto(_raw(host.untyped_storage()))
+                    _as_bytes(s.storage).copy_(host)
         comp.path.unlink()
 
 
@@ -154,16 +157,20 @@ def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-def _host_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
-    b = _as_bytes(storage)
-    return b if b.device.type == "cpu" else b.cpu()
+def _raw(storage: torch.UntypedStorage) -> memoryview:
+    """A zero-copy byte view of a host storage for file I/O.
+
+    Not `tensor.numpy()`: exporting to numpy marks the storage non-resizable for good, and the
+    offload mechanism is storage resizing.
+    """
+    return memoryview((ctypes.c_char * storage.nbytes()).from_address(storage.data_ptr())).cast("B")
 
 
 def _on_accelerator(tensors: Iterable[torch.Tensor]) -> bool:
     return any(t.device.type != "cpu" for t in tensors)
 
 
-def _release_freed_memory() -> None:
+def release_freed_memory() -> None:
     """Hand freed host memory back to the OS (glibc keeps large freed blocks otherwise)."""
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

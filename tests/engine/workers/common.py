@@ -24,18 +24,21 @@ from hybrid_rl.model.loading import DTYPES, load_causal_lm  # noqa: E402
 
 
 def build(model_path: str, *, tp: int, dtype: str = "float32", release: str = "keep", offload: str = "none",
-          bucket_mb: float = 0.25, lr: float = 1e-3, scratch: str | None = None):
+          bucket_mb: float = 0.25, lr: float = 1e-3, vllm: VLLMEngine | None = None, probe_cols: int = 64):
+    """An FSDP policy + AdamW + HybridEngine; pass `vllm` to share one vLLM engine between policies."""
     dims = init_distributed(tp)
     torch.manual_seed(0)
     model = load_causal_lm(model_path, dtype=torch.float32)
     shard_model(model, fsdp_mesh(dims), param_dtype=DTYPES[dtype])
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    spec = EngineSpec(model_path=model_path, tp=tp, dtype=dtype, max_model_len=256, seed=0, kv_cache_gb=0.25)
-    options = SwitchOptions(bucket_bytes=int(bucket_mb * 2**20), verify=True, probe_cols=64, release=release,
+    if vllm is None:
+        vllm = VLLMEngine(EngineSpec(model_path=model_path, tp=tp, dtype=dtype, max_model_len=256, seed=0,
+                                     kv_cache_gb=0.25))
+    options = SwitchOptions(bucket_bytes=int(bucket_mb * 2**20), verify=True, probe_cols=probe_cols, release=release,
                             offload_params=offload, offload_grads=offload, offload_optim=offload)
     engine = HybridEngine(
-        model, optimizer=opt, dims=dims, vllm=VLLMEngine(spec), layout=Layout(ModelDims.from_hf_config(model.config), tp),
-        offload=OffloadManager(scratch or f"/tmp/hr_offload_{os.getpid()}", rank=dims.rank), options=options,
+        model, optimizer=opt, dims=dims, vllm=vllm, layout=Layout(ModelDims.from_hf_config(model.config), tp),
+        offload=OffloadManager(f"/tmp/hr_offload_{os.getpid()}", rank=dims.rank), options=options,
         device=device(), sync_dtype=DTYPES[dtype],
     )
     return engine, model, opt, dims

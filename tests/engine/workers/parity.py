@@ -18,9 +18,10 @@ p = argparse.ArgumentParser()
 p.add_argument("--model", required=True)
 p.add_argument("--tp", type=int, default=1)
 p.add_argument("--steps", type=int, default=3)
+p.add_argument("--release", default="keep", choices=["keep", "restart"])
 a = p.parse_args()
 
-engine, model, opt, dims = build(a.model, tp=a.tp)
+engine, model, opt, dims = build(a.model, tp=a.tp, release=a.release)
 prompts = [[58, 382, 266, 224, 20, 21], [30, 31, 32], [100, 200, 300, 40, 41], [7, 8, 9, 10]]
 result = {"steps": []}
 hf = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)

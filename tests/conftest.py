@@ -1,0 +1,48 @@
+"""Shared fixtures: tiny offline models, and a runner for real multi-process (torchrun) workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybrid_rl.utils.env import set_runtime_defaults
+
+set_runtime_defaults()
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, str]:
+    """Random-weight models built offline once per session: name -> folder."""
+    from hybrid_rl.model.tiny import TinySpec, build_tiny_model
+
+    root = tmp_path_factory.mktemp("models")
+    specs = {
+        "qwen2": TinySpec(arch="qwen2"),
+        "llama_tied_kv1": TinySpec(arch="llama", kv_heads=1, tie_embeddings=True),
+        "qwen3": TinySpec(arch="qwen3"),
+        "mid": TinySpec(hidden=256, layers=12, heads=4, kv_heads=2, intermediate=1024),
+    }
+    return {name: str(build_tiny_model(root / name, spec)) for name, spec in specs.items()}
+
+
+def run_torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: int = 900, tmp_path: Path) -> dict:
+    """Launch `script` under `torchrun --nproc_per_node=nproc`; return the JSON its rank 0 wrote.
+
+    The worker's output is shown on failure. Each launch gets its own rendezvous port.
+    """
+    out = tmp_path / f"result_{Path(script).stem}.json"
+    env = dict(os.environ, HR_TEST_OUT=str(out), PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           "--standalone", str(script), *args]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 or not out.exists():
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-80:])
+        pytest.fail(f"torchrun {Path(script).name} failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(out.read_text())
