@@ -105,6 +105,7 @@ class HybridEngine:
         self._plan: ReshardPlan | None = None
         self._path: str | None = None
         self.corrupt_hook = None  # tests: callable(bucket_index, recv_buffer) applied on the next sync
+        self._verbose = True  # log the first round trip's checklist at INFO
 
     # -- modes -----------------------------------------------------------------------------------
 
@@ -158,6 +159,7 @@ class HybridEngine:
         with self._step(rep, "reload_train_state"):
             self._reload_train_state()
         self.mode = Mode.TRAIN
+        self._verbose = False
 
     def _reload_train_state(self) -> None:
         for name in ("actor.params", "actor.grads", "actor.optim"):
@@ -175,8 +177,9 @@ class HybridEngine:
         t0 = time.perf_counter()
         yield
         rep.seconds[name] = time.perf_counter() - t0
-        if self.dims.is_main:
-            log.info("switch %-20s %7.3fs  %s -> %s", name, rep.seconds[name], before, memory.describe())
+        if self.dims.is_main:  # the whole checklist at the first switch; afterwards only with DEBUG logging
+            level = logging.INFO if self._verbose else logging.DEBUG
+            log.log(level, "switch %-20s %7.3fs  %s -> %s", name, rep.seconds[name], before, memory.describe())
 
     # -- rollout ---------------------------------------------------------------------------------
 

@@ -101,6 +101,9 @@ class VLLMEngine:
         assert self.llm is None, "vLLM engine already started"
         from vllm import LLM
 
+        # Layerwise reload warns "RotaryEmbedding: Failed to load weights" at every sync: rotary layers have
+        # a buffer but no checkpoint weights, and keep it as they should. Not a failure; keep logs readable.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         s = self.spec
         if not torch.cuda.is_available() and s.tp > 1:
             _remove_stale_cpu_shm()

@@ -51,3 +51,23 @@ def load_config(path: str):
 
     check_model_dir(path)
     return AutoConfig.from_pretrained(path)
+
+
+def load_critic(path: str, *, device: torch.device | str = "cpu"):
+    """A value model: the policy's backbone with a 1-output token head (`...ForTokenClassification`)."""
+    from transformers import AutoModelForTokenClassification
+
+    check_model_dir(path)
+    model = AutoModelForTokenClassification.from_pretrained(
+        path, num_labels=1, dtype=torch.float32, attn_implementation=attn_implementation())
+    return model.to(device)
+
+
+def load_reward_model(path: str, *, device: torch.device | str = "cpu"):
+    """A sequence-classification reward model folder (one score per sequence)."""
+    from transformers import AutoModelForSequenceClassification
+
+    check_model_dir(path)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, dtype=torch.float32, attn_implementation=attn_implementation())
+    return model.to(device).eval()

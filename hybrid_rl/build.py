@@ -1,0 +1,182 @@
+"""Config -> components. Wiring only: every decision lives in the component it configures.
+
+The order matters for users: everything that can be checked cheaply (model folder, architecture,
+TP size, datasets, reward functions) is checked before any weight is loaded, so a bad input fails
+in seconds with a message that names it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hybrid_rl.config import Config, ConfigError
+from hybrid_rl.data import PromptLoader, load_preference_dataset, load_prompt_dataset
+from hybrid_rl.dist.fsdp import shard_model
+from hybrid_rl.dist.mesh import ParallelDims, device, fsdp_mesh, init_distributed
+from hybrid_rl.dist.offload import OffloadManager
+from hybrid_rl.engine.hybrid import HybridEngine, SwitchOptions
+from hybrid_rl.engine.layout import Layout, ModelDims, check_architecture
+from hybrid_rl.engine.vllm_engine import EngineSpec, VLLMEngine
+from hybrid_rl.model.handle import Model
+from hybrid_rl.model.loading import (
+    DTYPES,
+    load_causal_lm,
+    load_config,
+    load_critic,
+    load_reward_model,
+    load_tokenizer,
+)
+from hybrid_rl.rewards import RewardPool, Rubric, RubricItem, resolve_reward
+from hybrid_rl.rollout.sampler import Sampler, SamplingSettings
+from hybrid_rl.utils.schedule import lr_multiplier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Components:
+    cfg: Config
+    dims: ParallelDims
+    tokenizer: object
+    actor: Model
+    engine: HybridEngine
+    sampler: Sampler
+    train_loader: PromptLoader
+    val_records: list
+    rewards: RewardPool | None
+    reference: Model | None
+    critic: Model | None
+    reward_model: Model | None
+    offload: OffloadManager
+
+
+def check_inputs(cfg: Config, world: int) -> None:
+    """Cheap checks of everything the user pointed at, before any heavy work."""
+    hf = load_config(cfg.model.path)
+    arch = (getattr(hf, "architectures", None) or [type(hf).__name__])[0]
+    check_architecture(arch)
+    ParallelDims(world, 0, 0, cfg.rollout.tp)
+    for name in (cfg.reward.model_path, cfg.critic.path):
+        if name and not Path(name).is_dir():
+            raise ConfigError(f"{name!r} (reward.model_path / critic.path) is not a model folder")
+
+
+def build(cfg: Config) -> Components:
+    dims = init_distributed(cfg.rollout.tp)
+    _seed_everything(cfg.trainer.seed)
+    tokenizer = load_tokenizer(cfg.model.path)
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(f"the tokenizer in model.path={cfg.model.path!r} has no EOS token: generation cannot stop")
+    loader, val_records = _datasets(cfg, tokenizer)
+    rewards = _rewards(cfg) if cfg.algorithm.objective != "dpo" or _online(cfg) else None
+
+    actor = _actor(cfg, dims)
+    offload = OffloadManager(cfg.offload.dir or Path(cfg.trainer.output_dir) / "offload", rank=dims.rank)
+    engine = _engine(cfg, dims, actor, offload)
+    settings = SamplingSettings(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p,
+                                cfg.rollout.top_k)
+    sampler = Sampler(engine, tokenizer, dims, settings, seed=cfg.trainer.seed)
+    a = cfg.algorithm
+    reference = _frozen(load_causal_lm(cfg.model.path), cfg, dims) if a.use_reference else None
+    critic = _critic(cfg, dims) if a.use_critic else None
+    rm = _frozen(load_reward_model(cfg.reward.model_path), cfg, dims) if cfg.reward.model_path else None
+    return Components(cfg, dims, tokenizer, actor, engine, sampler, loader, val_records, rewards, reference,
+                      critic, rm, offload)
+
+
+def _online(cfg: Config) -> bool:
+    """Online DPO: preference pairs come from the policy's own rollouts, ranked by reward."""
+    return cfg.algorithm.objective == "dpo" and cfg.algorithm.name == "online_dpo"
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _datasets(cfg: Config, tokenizer):
+    d = cfg.data
+    if cfg.algorithm.objective == "dpo" and not _online(cfg):
+        train = load_preference_dataset(d.train_files, tokenizer, max_prompt_tokens=d.max_prompt_tokens,
+                                        max_response_tokens=d.max_response_tokens, prompt_key=d.prompt_key,
+                                        apply_chat_template=d.apply_chat_template)
+    else:
+        train = load_prompt_dataset(d.train_files, tokenizer, max_prompt_tokens=d.max_prompt_tokens,
+                                    prompt_key=d.prompt_key, apply_chat_template=d.apply_chat_template)
+    loader = PromptLoader(train, d.prompts_per_step, seed=cfg.trainer.seed, shuffle=d.shuffle)
+    val = []
+    if d.val_files:
+        val = list(load_prompt_dataset(d.val_files, tokenizer, max_prompt_tokens=d.max_prompt_tokens,
+                                       prompt_key=d.prompt_key, apply_chat_template=d.apply_chat_template))
+        val = val[: d.val_prompts] if d.val_prompts else val
+    return loader, val
+
+
+def _rewards(cfg: Config) -> RewardPool:
+    r = cfg.reward
+    specs = [(r.fn, 1.0, "")] if r.fn else [(f.name, f.weight, f.pattern) for f in r.fns]
+    items = []
+    for name, weight, pattern in specs:
+        fn = resolve_reward(name, pattern=pattern) if name == "format" else resolve_reward(name)
+        items.append(RubricItem(name.rsplit(":", 1)[-1], fn, weight))
+    return RewardPool(Rubric(items), r.num_workers, timeout_s=r.timeout_s)
+
+
+def _scheduler(opt, cfg: Config, warmup: int):
+    f = lr_multiplier(warmup_steps=warmup, total_steps=cfg.trainer.total_steps, schedule=cfg.optim.schedule,
+                      min_ratio=cfg.optim.min_lr_ratio)
+    return torch.optim.lr_scheduler.LambdaLR(opt, f)
+
+
+def _shard(module: torch.nn.Module, cfg: Config, dims: ParallelDims) -> torch.nn.Module:
+    module.to(device())
+    return shard_model(module, fsdp_mesh(dims), param_dtype=DTYPES[cfg.model.dtype])
+
+
+def _actor(cfg: Config, dims: ParallelDims) -> Model:
+    module = load_causal_lm(cfg.model.path)
+    if cfg.model.activation_checkpointing:
+        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    module.config.use_cache = False
+    _shard(module, cfg, dims)
+    o = cfg.optim
+    opt = torch.optim.AdamW(module.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+    return Model(module, opt, _scheduler(opt, cfg, o.warmup_steps))
+
+
+def _critic(cfg: Config, dims: ParallelDims) -> Model:
+    module = load_critic(cfg.critic.path or cfg.model.path)
+    module.config.use_cache = False
+    _shard(module, cfg, dims)
+    opt = torch.optim.AdamW(module.parameters(), lr=cfg.critic.lr, betas=tuple(cfg.optim.betas))
+    return Model(module, opt, _scheduler(opt, cfg, cfg.critic.warmup_steps))
+
+
+def _frozen(module: torch.nn.Module, cfg: Config, dims: ParallelDims) -> Model:
+    module.requires_grad_(False)
+    module.eval()
+    return Model(_shard(module, cfg, dims))
+
+
+def _engine(cfg: Config, dims: ParallelDims, actor: Model, offload: OffloadManager) -> HybridEngine:
+    r, cuda = cfg.rollout, torch.cuda.is_available()
+    release = r.release if r.release != "auto" else ("sleep" if cuda else "keep")
+    if release == "sleep" and not cuda:
+        raise ConfigError("rollout.release=sleep needs CUDA (vLLM refuses sleep mode on CPU); use keep or restart")
+    kv = r.kv_cache_gb or (None if cuda else 0.5)
+    spec = EngineSpec(model_path=cfg.model.path, tp=r.tp, dtype=r.dtype,
+                      max_model_len=r.max_model_len or cfg.data.max_prompt_tokens + r.max_new_tokens,
+                      seed=cfg.trainer.seed, enforce_eager=r.enforce_eager,
+                      gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_gb=kv, sleep_mode=release == "sleep")
+    o = cfg.offload
+    options = SwitchOptions(bucket_bytes=int(r.bucket_mb * 2**20), verify=r.verify, probe_cols=r.verify_probe_cols,
+                            release=release, offload_params=o.actor_params, offload_grads=o.actor_grads,
+                            offload_optim=o.actor_optim)
+    layout = Layout(ModelDims.from_hf_config(actor.module.config), r.tp)
+    return HybridEngine(actor.module, optimizer=actor.optimizer, dims=dims, vllm=VLLMEngine(spec), layout=layout,
+                        offload=offload, options=options, device=device(), sync_dtype=DTYPES[r.dtype])

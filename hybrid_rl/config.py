@@ -1,0 +1,354 @@
+"""Every configuration knob, its type and its default: one dataclass per Hydra group.
+
+YAML files (`conf/`, `recipes/`) only override these. `load_config()` composes a recipe with command
+line overrides through Hydra's compose API and returns a typed, validated `Config`; every error
+names the key and what is allowed. Nothing below this module sees a `DictConfig`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+CONF_DIR = REPO / "conf"
+RECIPES_DIR = REPO / "recipes"
+
+
+class ConfigError(ValueError):
+    """A bad configuration value: the message names the key and the allowed values."""
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 0  # 0 = full fine-tuning
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                 "gate_proj", "up_proj", "down_proj"])
+
+
+@dataclass
+class ModelConfig:
+    path: str = "???"  # a local Hugging Face model folder
+    dtype: str = "bfloat16"  # compute dtype of FSDP mixed precision (master weights stay float32)
+    activation_checkpointing: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    apply_chat_template: bool = False  # render plain-string prompts as one user turn
+    max_prompt_tokens: int = 512
+    max_response_tokens: int = 512  # DPO preference data only
+    prompts_per_step: int = 8
+    val_prompts: int = 64  # held-out prompts scored at each validation (0 = all)
+    shuffle: bool = True
+
+
+@dataclass
+class RolloutConfig:
+    tp: int = 1
+    n: int = 8  # samples per prompt
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    dtype: str = "bfloat16"  # vLLM weights; synced weights are cast to it before they move
+    max_model_len: int = 0  # 0 = max_prompt_tokens + max_new_tokens
+    kv_cache_gb: float = 0.0  # 0 = vLLM default on CUDA; 0.5 GiB per rank on CPU
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool = True
+    release: str = "auto"  # vLLM memory in train mode: auto | keep | sleep | restart
+    bucket_mb: float = 256.0  # weights moved per all-to-all during the sync
+    verify: bool = True  # checksum every synced weight against what landed in vLLM
+    verify_probe_cols: int = 256
+    val_greedy: bool = True
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "grpo"
+    advantage: str = "grpo"  # gae | grpo | rloo | reinforce_pp
+    objective: str = "ppo_clip"  # ppo_clip | dpo
+    norm_by_std: bool = True  # GRPO only
+    gamma: float = 1.0
+    lam: float = 1.0
+    loss_agg: str = "token-mean"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float = 0.0  # 0 = off; else c > 1
+    entropy_coef: float = 0.0
+    ppo_epochs: int = 1
+    mini_batches: int = 1  # optimizer steps per epoch
+    use_reference: bool = True
+    kl_coef: float = 0.001
+    kl_estimator: str = "low_var_kl"
+    kl_in_reward: bool = False  # True: penalty in the token rewards; False: a loss term
+    kl_target: float = 0.0  # > 0: adaptive KL coefficient towards this target
+    kl_horizon: int = 10000
+    use_critic: bool = False
+    value_clip: float = 0.5
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, sample more
+    max_sampling_rounds: int = 4
+    overlong_buffer: int = 0  # DAPO overlong shaping: 0 = off
+    overlong_penalty: float = 1.0
+    dpo_beta: float = 0.1
+    dpo_kind: str = "sigmoid"
+    dpo_label_smoothing: float = 0.0
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 0
+    schedule: str = "constant"  # constant | cosine | linear
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0
+
+
+@dataclass
+class CriticConfig:
+    path: str = ""  # "" = initialise from model.path
+    lr: float = 1e-5
+    warmup_steps: int = 0
+
+
+@dataclass
+class RewardFnConfig:
+    name: str = "math"  # a built-in (math | format | code) or a dotted path `pkg.module:function`
+    weight: float = 1.0
+    pattern: str = ""  # the format checker's regular expression
+
+
+@dataclass
+class RewardConfig:
+    fns: list[RewardFnConfig] = field(default_factory=lambda: [RewardFnConfig()])
+    fn: str = ""  # shorthand: one user reward function `pkg.module:function` (replaces `fns`)
+    model_path: str = ""  # a sequence-classification reward model folder ("" = none)
+    model_weight: float = 1.0
+    num_workers: int = 2  # reward worker processes (0 = inline, for debugging)
+    timeout_s: float = 10.0  # per sample
+
+
+@dataclass
+class OffloadConfig:
+    dir: str = ""  # "" = <output_dir>/offload
+    actor_params: str = "none"  # none | cpu | disk
+    actor_grads: str = "none"
+    actor_optim: str = "none"
+    reference: str = "none"
+    critic: str = "none"
+    reward_model: str = "none"
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 100
+    output_dir: str = "outputs/run"
+    save_every: int = 0  # 0 = only at the end
+    keep_last: int = 2
+    resume: str = "auto"  # auto | never
+    seed: int = 0
+    micro_batch_tokens: int = 8192  # token budget of one packed forward/backward
+    val_every: int = 0  # 0 = before and after training only
+    max_bad_steps: int = 3  # consecutive NaN/Inf steps before the run stops
+    export: bool = True
+    show_progress: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Composition
+
+
+def register() -> None:
+    """Register the schema with Hydra's ConfigStore as `base` (recipes start with `defaults: [base, _self_]`)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="base", node=Config)
+
+
+def load_config(config_name: str, overrides: list[str]) -> Config:
+    """Compose `config_name` (a recipe in recipes/ or a config in conf/) with `key=value` overrides."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    for o in overrides:
+        check_override(o)
+    register()
+    GlobalHydra.instance().clear()
+    known = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+    # Recipes compose `base` and each other; conf/ holds the plain defaults (`config`).
+    config_dir = RECIPES_DIR if (RECIPES_DIR / f"{config_name}.yaml").exists() else CONF_DIR
+    if not (config_dir / f"{config_name}.yaml").exists():
+        raise ConfigError(f"--config-name={config_name}: no such recipe; known recipes: {', '.join(known)}")
+    try:
+        with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+            cfg = compose(config_name=config_name, overrides=list(overrides))
+        obj = OmegaConf.to_object(cfg)
+    except (OmegaConfBaseException, HydraException, ValueError) as e:
+        raise ConfigError(_hydra_message(e)) from None
+    obj = _drop_hydra(obj)
+    validate(obj)
+    return obj
+
+
+def check_override(override: str) -> None:
+    """`key=value` must name a field of the schema and give a value of its type (else ConfigError)."""
+    import typing
+
+    import yaml
+
+    key, sep, raw = override.lstrip("+~").partition("=")
+    if not sep:
+        raise ConfigError(f"{override!r}: overrides are key=value, e.g. trainer.total_steps=10")
+    node: Any = Config
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        hints = typing.get_type_hints(node)
+        if part not in hints:
+            where = ".".join(parts[:i]) or "the top level"
+            raise ConfigError(f"{key}: no such key; keys of {where}: {', '.join(sorted(hints))}")
+        node = hints[part]
+        if i < len(parts) - 1 and not is_dataclass(node):
+            raise ConfigError(f"{key}: {'.'.join(parts[: i + 1])} has no sub-keys")
+    try:
+        value = yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError:
+        value = raw
+    if not _fits(node, value):
+        raise ConfigError(f"{key}={raw}: expected {getattr(node, '__name__', node)}, got {type(value).__name__}")
+
+
+def _fits(kind: Any, value: Any) -> bool:
+    import typing
+
+    if value is None or is_dataclass(kind):
+        return True  # null or a nested group: Hydra checks the details
+    origin = typing.get_origin(kind)
+    if origin is list:
+        return isinstance(value, list)
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-5 as a string; Hydra reads it as a float
+            try:
+                float(value)
+                return True
+            except ValueError:
+                return False
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if kind is str:
+        return isinstance(value, str | int | float) and not isinstance(value, bool)
+    return True
+
+
+def _hydra_message(e: Exception) -> str:
+    msg = str(e).strip().splitlines()
+    return "bad configuration: " + " ".join(line.strip() for line in msg if line.strip())
+
+
+def _drop_hydra(obj: Any) -> Config:
+    if not isinstance(obj, Config):
+        raise ConfigError("a recipe must start with `defaults: [base, _self_]` (the typed schema)")
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: every allowed value in one place, checked before anything heavy starts.
+
+CHOICES = {
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "rollout.dtype": ("float32", "bfloat16", "float16"),
+    "rollout.release": ("auto", "keep", "sleep", "restart"),
+    "algorithm.advantage": ("gae", "grpo", "rloo", "reinforce_pp"),
+    "algorithm.objective": ("ppo_clip", "dpo"),
+    "algorithm.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
+    "algorithm.kl_estimator": ("k1", "abs", "k2", "k3", "low_var_kl"),
+    "algorithm.dpo_kind": ("sigmoid", "ipo", "hinge"),
+    "optim.schedule": ("constant", "cosine", "linear"),
+    "trainer.resume": ("auto", "never"),
+    **{f"offload.{k}": ("none", "cpu", "disk")
+       for k in ("actor_params", "actor_grads", "actor_optim", "reference", "critic", "reward_model")},
+}
+POSITIVE = ("rollout.n", "rollout.max_new_tokens", "rollout.bucket_mb", "data.prompts_per_step",
+            "data.max_prompt_tokens", "trainer.total_steps", "trainer.micro_batch_tokens", "trainer.keep_last",
+            "algorithm.ppo_epochs", "algorithm.mini_batches", "optim.lr", "rollout.tp", "trainer.max_bad_steps",
+            "algorithm.max_sampling_rounds")
+NON_NEGATIVE = ("rollout.temperature", "algorithm.kl_coef", "algorithm.entropy_coef", "optim.grad_clip",
+                "optim.warmup_steps", "trainer.save_every", "trainer.val_every", "algorithm.overlong_buffer",
+                "reward.num_workers", "data.val_prompts")
+
+
+def get(cfg: Config, key: str) -> Any:
+    obj = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def validate(cfg: Config) -> None:
+    """Raise ConfigError naming the first bad key and its allowed values."""
+    for key, allowed in CHOICES.items():
+        if get(cfg, key) not in allowed:
+            raise ConfigError(f"{key}={get(cfg, key)!r} is not allowed; choose one of: {', '.join(allowed)}")
+    for key in POSITIVE:
+        v = get(cfg, key)
+        if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
+            raise ConfigError(f"{key}={v!r} must be > 0")
+    for key in NON_NEGATIVE:
+        v = get(cfg, key)
+        if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
+            raise ConfigError(f"{key}={v!r} must be >= 0")
+    a = cfg.algorithm
+    if not 0 <= a.clip_low < 1 or a.clip_high < 0:
+        raise ConfigError(f"algorithm.clip_low={a.clip_low} must be in [0, 1) and clip_high={a.clip_high} >= 0")
+    if a.dual_clip and a.dual_clip <= 1:
+        raise ConfigError(f"algorithm.dual_clip={a.dual_clip} must be 0 (off) or > 1")
+    if a.advantage == "gae" and not a.use_critic:
+        raise ConfigError("algorithm.advantage=gae needs a critic: set algorithm.use_critic=true")
+    if a.advantage in ("grpo", "rloo") and a.objective == "ppo_clip" and cfg.rollout.n < 2:
+        raise ConfigError(f"algorithm.advantage={a.advantage} compares samples of a prompt: rollout.n must be >= 2")
+    if a.objective == "dpo" and not a.use_reference:
+        raise ConfigError("algorithm.objective=dpo needs the reference model: set algorithm.use_reference=true")
+    if cfg.model.path in ("", "???"):
+        raise ConfigError("model.path is required: a local Hugging Face model folder (e.g. model.path=/models/qwen)")
+    if not cfg.data.train_files:
+        raise ConfigError("data.train_files is required: a list of JSONL or Parquet files, e.g. "
+                          "data.train_files=[/data/train.jsonl]")
+    if cfg.model.lora.rank < 0:
+        raise ConfigError(f"model.lora.rank={cfg.model.lora.rank} must be >= 0 (0 = full fine-tuning)")
+
+
+def to_dict(cfg: Any) -> Any:
+    """A plain dict of the config (for checkpoints and logs)."""
+    if is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in fields(cfg)}
+    if isinstance(cfg, list):
+        return [to_dict(x) for x in cfg]
+    return cfg

@@ -1,0 +1,51 @@
+"""A synthetic task a tiny model can learn by RL on two CPU cores in minutes.
+
+Each prompt lists eight distinct numbers and asks for the one at a given position:
+
+    Numbers: 37 82 15 64 9 51 3 70. Which number is third?
+
+and the answer is boxed (`\\boxed{15}`), scored by the math answer matcher against `ground_truth`.
+The supervised warm-up teaches only the *format*: its targets box a number from the list chosen at
+random, so the warmed-up model answers in format but is right about one time in eight. Whatever it
+learns beyond that (reading the position and copying the right number) comes from RL.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+ORDINALS = ["first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth"]
+
+
+def make_row(rng: random.Random, *, positions: int = 8, fixed_position: int | None = None) -> dict:
+    numbers = rng.sample(range(1, 100), positions)
+    k = fixed_position if fixed_position is not None else rng.randrange(positions)
+    prompt = f"Numbers: {' '.join(map(str, numbers))}. Which number is {ORDINALS[k]}?"
+    return {"prompt": prompt, "ground_truth": str(numbers[k]), "numbers": numbers}
+
+
+def warmup_target(row: dict, rng: random.Random) -> str:
+    """A format-only supervised target: a random number of the list, boxed."""
+    return f" The answer is \\boxed{{{rng.choice(row['numbers'])}}}."
+
+
+def write_task(out_dir: str | Path, *, n_train: int, n_val: int, seed: int = 0,
+               fixed_position: int | None = None) -> tuple[Path, Path]:
+    """Write train.jsonl and val.jsonl (disjoint prompts) under out_dir."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    rows, seen = [], set()
+    while len(rows) < n_train + n_val:
+        row = make_row(rng, fixed_position=fixed_position)
+        if row["prompt"] not in seen:
+            seen.add(row["prompt"])
+            rows.append(row)
+    paths = out / "train.jsonl", out / "val.jsonl"
+    for path, part in zip(paths, (rows[:n_train], rows[n_train:]), strict=True):
+        with open(path, "w") as f:
+            for r in part:
+                f.write(json.dumps({"prompt": r["prompt"], "ground_truth": r["ground_truth"]}) + "\n")
+    return paths

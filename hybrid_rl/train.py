@@ -1,0 +1,79 @@
+"""Entry point: `torchrun --nproc_per_node=N -m hybrid_rl.train --config-name=<recipe> key=value ...`.
+
+Exit codes: 0 done (or stopped by SIGTERM/Ctrl-C after a checkpoint), 2 bad configuration or input
+(one message naming the key, file or line), 1 anything else.
+"""
+
+from __future__ import annotations
+
+from hybrid_rl.utils.env import set_runtime_defaults
+
+set_runtime_defaults()
+
+import logging  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+EXIT_BAD_INPUT = 2
+
+
+def parse_args(argv: list[str]) -> tuple[str, list[str]]:
+    """Hydra-style arguments: `--config-name NAME` or `--config-name=NAME`, then `key=value` overrides."""
+    name, overrides, i = "grpo", [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--config-name="):
+            name = arg.split("=", 1)[1]
+        elif arg in ("--config-name", "-cn"):
+            i += 1
+            name = argv[i]
+        elif arg in ("-h", "--help"):
+            print(__doc__)
+            raise SystemExit(0)
+        else:
+            overrides.append(arg)
+        i += 1
+    return name, overrides
+
+
+def setup_logging() -> None:
+    main = int(os.environ.get("RANK", 0)) == 0
+    logging.basicConfig(level=logging.INFO if main else logging.WARNING, format="%(asctime)s %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S")
+    for noisy in ("vllm", "transformers", "torch", "httpx", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hybrid_rl.build import build, check_inputs
+    from hybrid_rl.config import ConfigError, load_config
+
+    setup_logging()
+    name, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = load_config(name, overrides)
+        check_inputs(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+        components = build(cfg)
+    except (ConfigError, ValueError) as e:  # DatasetError and the engine's layout errors are ValueErrors too
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    from hybrid_rl.trainer import Trainer
+
+    trainer = Trainer(components)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+        _shutdown()
+    return 0
+
+
+def _shutdown() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
