@@ -1,0 +1,60 @@
+"""What runs inside a reward worker process, and the progress board the parent reads.
+
+Each worker owns one slot of a shared array: (index of the sample it is scoring, when it started;
+-1 and 0.0 when idle). The parent reads the board to find a sample stuck past the hard limit, and
+so knows exactly which sample to count as a timeout. ``time.monotonic`` is system-wide on Linux,
+so the start times compare across processes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from hybrid_rl.rewards.rubric import Rubric, SampleScore
+
+__all__ = ["init_worker", "ready", "score_chunk", "stuck_samples"]
+
+_rubric: Rubric | None = None
+_board: Any = None
+_slot = -1
+
+
+def init_worker(rubric: Rubric, board: Any, next_slot: Any) -> None:
+    """Worker initialiser: keep the rubric, take a progress slot, load what the rewards need."""
+    global _rubric, _board, _slot
+    _rubric, _board = rubric, board
+    with next_slot.get_lock():
+        _slot = next_slot.value
+        next_slot.value += 1
+    rubric.warmup()
+
+
+def ready() -> int:
+    return os.getpid()
+
+
+def _mark(index: int, started: float) -> None:
+    if 0 <= _slot < len(_board) // 2:
+        with _board.get_lock():
+            _board[2 * _slot], _board[2 * _slot + 1] = index, started
+
+
+def score_chunk(chunk: list[tuple[int, str, Mapping[str, Any]]]) -> list[SampleScore]:
+    assert _rubric is not None, "worker initialiser did not run"
+    scores = []
+    for index, response, sample in chunk:
+        _mark(index, time.monotonic())
+        scores.append(_rubric.score_sample(index, response, sample))
+    _mark(-1, 0.0)
+    return scores
+
+
+def stuck_samples(board: Any, limit_s: float) -> list[int]:
+    """Indices of samples some worker has been scoring for longer than ``limit_s`` (parent side)."""
+    now = time.monotonic()
+    with board.get_lock():
+        values = list(board)
+    return [int(values[i]) for i in range(0, len(values), 2) if values[i + 1] > 0 and now - values[i + 1] > limit_s]

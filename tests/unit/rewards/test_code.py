@@ -1,0 +1,166 @@
+"""``code.run`` / ``code.score``: test verdicts, status mapping, code extraction and the isolation policy."""
+
+import json
+import logging
+
+import pytest
+
+from hybrid_rl.rewards import sandbox
+from hybrid_rl.rewards.code import CodeResult, extract_code, run, score
+from hybrid_rl.rewards.sandbox import SandboxConfig, SandboxUnavailableError
+
+needs_sandbox = pytest.mark.skipif(sandbox.isolation_level() != "bwrap", reason="bubblewrap is not available")
+
+REVERSE = "print(input()[::-1])"
+TESTS = [{"input": "abc\n", "output": "cba"}, {"input": "xy\n", "output": "yx\n"}, {"input": "a\n", "output": "a"}]
+
+
+@pytest.mark.parametrize(
+    ("response", "expected"),
+    [
+        ("```python\nprint(1)\n```", "print(1)\n"),
+        ("a\n```py\nx = 1\n```\nb\n```python\nprint(2)\n```\ntext", "print(2)\n"),
+        ("```python\nprint(1)\n```\n```bash\nls\n```", "print(1)\n"),
+        ("```\nprint(3)\n```", "print(3)\n"),
+        ("```Python3\nprint(4)\n```", "print(4)\n"),
+        ("```python\nprint(5)\n", "print(5)\n"),  # cut off before the closing fence
+        ("print(6)", "print(6)"),
+        ("```bash\nls\n```", "```bash\nls\n```"),  # no Python block: the whole text
+    ],
+)
+def test_extracts_the_last_python_block(response, expected):
+    assert extract_code(response) == expected
+
+
+@needs_sandbox
+def test_correct_program_passes_every_test():
+    assert run(REVERSE, TESTS) == CodeResult(passed=3, total=3, status="ok", detail="")
+
+
+@needs_sandbox
+def test_trailing_whitespace_and_blank_lines_are_ignored():
+    tests = [{"input": "", "output": "1\n2"}]
+    assert run("print('1   ')\nprint('2\\t')\nprint()\nprint()", tests).status == "ok"
+    assert run("print(' 1')\nprint(2)", tests).status == "wrong"  # leading whitespace counts
+
+
+@needs_sandbox
+def test_partly_correct_program_is_wrong_with_partial_credit():
+    code = "s = input()\nprint(s[::-1] if len(s) > 1 else 'nope')"
+    result = run(code, TESTS)
+    assert (result.passed, result.total, result.status) == (2, 3, "wrong")
+    assert "test 2" in result.detail and "nope" in result.detail
+
+
+@needs_sandbox
+def test_runtime_error_is_error_with_the_exception_in_the_detail():
+    result = run("raise ValueError('bad input')", TESTS[:1])
+    assert result.status == "error" and "ValueError: bad input" in result.detail
+
+
+@needs_sandbox
+def test_syntax_error_is_error():
+    assert run("def f(:\n  pass", TESTS[:1]).status == "error"
+
+
+@needs_sandbox
+def test_program_reads_all_of_stdin():
+    tests = [{"input": "\n".join(map(str, range(100_000))) + "\n", "output": str(sum(range(100_000)))}]
+    assert run("import sys\nprint(sum(int(x) for x in sys.stdin))", tests).status == "ok"
+
+
+@needs_sandbox
+def test_main_guard_runs():
+    assert (
+        run(
+            "def main():\n    print('a')\nif __name__ == '__main__':\n    main()", [{"input": "", "output": "a"}]
+        ).passed
+        == 1
+    )
+
+
+@needs_sandbox
+def test_unicode_output_is_compared_as_text():
+    assert run("print('héllo ✓')", [{"input": "", "output": "héllo ✓"}]).status == "ok"
+
+
+@needs_sandbox
+def test_worst_failure_decides_the_status():
+    code = "import sys\nn = int(input())\nif n == 1:\n    print(1)\nelif n == 2:\n    print(0)\nelse:\n    while True: pass"
+    tests = [{"input": "1", "output": "1"}, {"input": "2", "output": "2"}, {"input": "3", "output": "3"}]
+    result = run(code, tests, timeout_s=1.0)
+    assert (result.passed, result.status) == (1, "timeout")
+
+
+@needs_sandbox
+def test_tests_may_be_given_as_json_or_columns():
+    columns = {"inputs": ["abc\n", "xy\n"], "outputs": ["cba", "yx"]}
+    assert run(REVERSE, json.dumps(TESTS)).status == "ok"
+    assert run(REVERSE, columns).status == "ok"
+
+
+def test_no_tests_is_an_error_and_scores_zero():
+    assert run(REVERSE, []) == CodeResult(0, 0, "error", "no tests")
+    assert score("```python\nprint(1)\n```", []) == 0.0
+
+
+def test_unreadable_tests_are_an_error():
+    assert run(REVERSE, "not json").status == "error"
+
+
+@pytest.mark.parametrize("code", ["", "   \n", None])
+def test_empty_code_is_an_error(code):
+    assert run(code, TESTS).status == "error"
+
+
+@needs_sandbox
+def test_score_is_the_fraction_of_tests_passed():
+    response = "Reverse it:\n```python\ns = input()\nprint(s[::-1] if len(s) > 1 else 'nope')\n```"
+    assert score(response, TESTS) == pytest.approx(2 / 3)
+    assert score(None, TESTS) == 0.0
+
+
+def test_weaker_isolation_is_refused_unless_allowed(monkeypatch):
+    monkeypatch.setattr(sandbox, "_probed", ("rlimits", "bwrap missing (simulated)"))
+    with pytest.raises(SandboxUnavailableError, match="bwrap missing"):
+        run(REVERSE, TESTS)
+    with pytest.raises(SandboxUnavailableError, match="min_isolation='rlimits'"):
+        sandbox.check_isolation(SandboxConfig())
+
+
+def test_weaker_isolation_runs_when_the_config_allows_it(monkeypatch):
+    monkeypatch.setattr(sandbox, "_probed", ("rlimits", "bwrap missing (simulated)"))
+    result = run(REVERSE, TESTS, config=SandboxConfig(min_isolation="rlimits"))
+    assert result.status == "ok"
+    assert run("while True: pass", TESTS[:1], timeout_s=1.0, config=SandboxConfig(min_isolation="rlimits")).status == (
+        "timeout"
+    )
+
+
+def test_unknown_isolation_level_is_a_config_error():
+    with pytest.raises(ValueError, match="min_isolation"):
+        SandboxConfig(min_isolation="none")
+
+
+def test_isolation_level_is_logged_once_per_process(monkeypatch, caplog):
+    monkeypatch.setattr(sandbox, "_probed", None)
+    monkeypatch.setattr(sandbox, "_probe", lambda: ("rlimits", "simulated"))
+    with caplog.at_level(logging.INFO, logger="hybrid_rl.rewards.sandbox"):
+        assert sandbox.isolation_level() == "rlimits"
+        assert sandbox.isolation_level() == "rlimits"
+    messages = [r.getMessage() for r in caplog.records if "isolation" in r.getMessage() or "level" in r.getMessage()]
+    assert len(messages) == 1 and "rlimits" in messages[0]
+
+
+@pytest.mark.parametrize("machine", ["x86_64", "aarch64"])
+def test_seccomp_filter_is_a_whole_number_of_bpf_instructions(machine):
+    from hybrid_rl.rewards._seccomp import build_filter
+
+    program = build_filter(machine)
+    assert program is not None and len(program) % 8 == 0 and len(program) // 8 < 4096
+
+
+def test_seccomp_filter_is_skipped_on_unknown_architectures():
+    from hybrid_rl.rewards._seccomp import build_filter
+
+    assert build_filter("riscv64") is None
