@@ -336,6 +336,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"algorithm.advantage={a.advantage} compares samples of a prompt: rollout.n must be >= 2")
     if a.objective == "dpo" and not a.use_reference:
         raise ConfigError("algorithm.objective=dpo needs the reference model: set algorithm.use_reference=true")
+    if a.overlong_buffer > cfg.rollout.max_new_tokens:
+        raise ConfigError(f"algorithm.overlong_buffer={a.overlong_buffer} must be <= rollout.max_new_tokens="
+                          f"{cfg.rollout.max_new_tokens} (the penalty ramps over the last tokens of the budget)")
     if cfg.model.path in ("", "???"):
         raise ConfigError("model.path is required: a local Hugging Face model folder (e.g. model.path=/models/qwen)")
     if not cfg.data.train_files:

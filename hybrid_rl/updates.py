@@ -83,7 +83,7 @@ def _local_pairs(batch: TrainBatch, mb: MicroBatch) -> torch.Tensor | None:
 
 
 class StepStats:
-    """Token-weighted means of micro-batch stats, plus a few maxima."""
+    """Token-weighted means of micro-batch stats."""
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = defaultdict(float)
@@ -95,7 +95,11 @@ class StepStats:
             self.weights[k] += weight
 
     def means(self, prefix: str) -> dict[str, float]:
-        return {f"{prefix}/{k}": self.sums[k] / self.weights[k] for k in self.sums if self.weights[k]}
+        """Token-weighted means over all micro-batches of all ranks (every rank has the same keys)."""
+        keys = sorted(self.sums)
+        totals = all_reduce_sum([self.sums[k] for k in keys] + [self.weights[k] for k in keys])
+        n = len(keys)
+        return {f"{prefix}/{k}": totals[i] / totals[n + i] for i, k in enumerate(keys) if totals[n + i]}
 
 
 def update_actor(actor: Model, batch: TrainBatch, objective: str, settings: ObjectiveSettings,

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .losses import aggregate, dpo_loss, kl, policy_loss
+from .masked import masked_mean
 from .registry import lookup
 
 
@@ -45,22 +46,26 @@ class MicroInputs:
 
 
 def ppo_clip(x: MicroInputs, s: ObjectiveSettings, denoms: dict) -> tuple[Tensor, dict[str, float]]:
-    """PPO clipped surrogate (+ KL to the reference as a loss term, - entropy bonus)."""
+    """PPO clipped surrogate (+ KL to the reference as a loss term, - entropy bonus).
+
+    The loss uses the mini-batch's global denominators; the reported stats are this micro-batch's
+    token means (the trainer averages them, weighted by tokens).
+    """
     denoms = {k: denoms[k] for k in ("num_tokens", "num_seqs", "horizon")}
     loss, stats = policy_loss(x.logp, x.old_logp, x.advantages, x.mask, s.clip_low, s.clip_high, s.dual_clip,
                               s.loss_agg, **denoms)
-    stats = dict(stats, pg_loss=loss.item())
+    with torch.no_grad():
+        stats = dict(stats, pg_loss=policy_loss(x.logp, x.old_logp, x.advantages, x.mask, s.clip_low, s.clip_high,
+                                                s.dual_clip, "token-mean")[0].item())
     if x.ref_logp is not None:
         k = kl(x.logp, x.ref_logp, s.kl_estimator, mask=x.mask)
-        kl_term = aggregate(k, x.mask, s.loss_agg, **denoms)
-        stats["kl"] = kl_term.item()
+        stats["kl"] = masked_mean(k.detach(), x.mask).item()
         if s.kl_coef:
-            loss = loss + s.kl_coef * kl_term
+            loss = loss + s.kl_coef * aggregate(k, x.mask, s.loss_agg, **denoms)
     if x.entropy is not None:
-        ent = aggregate(x.entropy, x.mask, s.loss_agg, **denoms)
-        stats["entropy"] = ent.item()
+        stats["entropy"] = masked_mean(x.entropy.detach(), x.mask).item()
         if s.entropy_coef:
-            loss = loss - s.entropy_coef * ent
+            loss = loss - s.entropy_coef * aggregate(x.entropy, x.mask, s.loss_agg, **denoms)
     return loss, stats
 
 

@@ -1,13 +1,13 @@
 """A synthetic task a tiny model can learn by RL on two CPU cores in minutes.
 
-Each prompt lists eight distinct numbers and asks for the one at a given position:
+Each prompt lists six distinct digits and asks for the one at a given position:
 
-    Numbers: 37 82 15 64 9 51 3 70. Which number is third?
+    Digits: 3 8 1 6 9 5. Which is third?
 
-and the answer is boxed (`\\boxed{15}`), scored by the math answer matcher against `ground_truth`.
-The supervised warm-up teaches only the *format*: its targets box a number from the list chosen at
-random, so the warmed-up model answers in format but is right about one time in eight. Whatever it
-learns beyond that (reading the position and copying the right number) comes from RL.
+and the answer is boxed (`\\boxed{1}`), scored by the math answer matcher against `ground_truth`.
+The supervised warm-up teaches only the *format*: its targets box a digit from the list chosen at
+random, so the warmed-up model answers in format but is right about one time in six. Whatever it
+learns beyond that (reading the position and copying the right digit) comes from RL.
 """
 
 from __future__ import annotations
@@ -19,16 +19,20 @@ from pathlib import Path
 ORDINALS = ["first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth"]
 
 
-def make_row(rng: random.Random, *, positions: int = 8, fixed_position: int | None = None) -> dict:
-    numbers = rng.sample(range(1, 100), positions)
+def make_row(rng: random.Random, *, positions: int = 6, fixed_position: int | None = None) -> dict:
+    digits = rng.sample(range(1, 10), positions)
     k = fixed_position if fixed_position is not None else rng.randrange(positions)
-    prompt = f"Numbers: {' '.join(map(str, numbers))}. Which number is {ORDINALS[k]}?"
-    return {"prompt": prompt, "ground_truth": str(numbers[k]), "numbers": numbers}
+    prompt = f"Digits: {' '.join(map(str, digits))}. Which is {ORDINALS[k]}?"
+    return {"prompt": prompt, "ground_truth": str(digits[k]), "numbers": digits}
+
+
+def numbers_of(prompt: str) -> list[int]:
+    return [int(x) for x in prompt.split(":")[1].split(".")[0].split()]
 
 
 def warmup_target(row: dict, rng: random.Random) -> str:
-    """A format-only supervised target: a random number of the list, boxed."""
-    return f" The answer is \\boxed{{{rng.choice(row['numbers'])}}}."
+    """A format-only supervised target: a random digit of the list, boxed."""
+    return f" \\boxed{{{rng.choice(row['numbers'])}}}"
 
 
 def write_task(out_dir: str | Path, *, n_train: int, n_val: int, seed: int = 0,

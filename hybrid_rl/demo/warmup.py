@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from hybrid_rl.data import pack
-from hybrid_rl.demo.task import warmup_target
+from hybrid_rl.demo.task import numbers_of, warmup_target
 
 
 def supervised_warmup(model_dir: str | Path, train_file: str | Path, out_dir: str | Path, *, epochs: int = 3,
@@ -23,7 +23,7 @@ def supervised_warmup(model_dir: str | Path, train_file: str | Path, out_dir: st
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     rows = [json.loads(line) for line in open(train_file)]
     for r in rows:
-        r["numbers"] = [int(x) for x in r["prompt"].split(":")[1].split(".")[0].split()]
+        r["numbers"] = numbers_of(r["prompt"])
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     for epoch in range(epochs):

@@ -168,20 +168,26 @@ class VLLMEngine:
     # -- generation ------------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], sampling: Sampling, seeds: list[int]) -> list[list[Generation]]:
-        """Sample `sampling.n` responses per prompt; returns them grouped by prompt."""
+        """Sample `sampling.n` responses per prompt; returns them grouped by prompt.
+
+        Each response is its own request with seed `seeds[i] + j`: vLLM's `n > 1` with a fixed seed
+        draws the same sequence n times. Prefix caching shares the prompt's KV across the n requests.
+        """
         from vllm import SamplingParams
 
+        n = sampling.n
         params = [
             SamplingParams(
-                n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                max_tokens=sampling.max_tokens, logprobs=0, seed=seed, detokenize=False,
+                n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                max_tokens=sampling.max_tokens, logprobs=0, seed=seed + j, detokenize=False,
                 stop_token_ids=list(sampling.stop_token_ids),
             )
             for seed in seeds
+            for j in range(n)
         ]
-        reqs = [{"prompt_token_ids": list(p)} for p in prompts]
+        reqs = [{"prompt_token_ids": list(p)} for p in prompts for _ in range(n)]
         outs = self.llm.generate(reqs, params, use_tqdm=False)
-        return [[_generation(i, c) for c in out.outputs] for i, out in enumerate(outs)]
+        return [[_generation(i, outs[i * n + j].outputs[0]) for j in range(n)] for i in range(len(prompts))]
 
 
 def _generation(index: int, c) -> Generation:

@@ -1,0 +1,29 @@
+"""End-to-end fixtures: the demo task's data (prompts and preference pairs) on a tiny random model."""
+
+from pathlib import Path
+
+import pytest
+
+from hybrid_rl.demo.data import write_preferences
+from hybrid_rl.demo.task import write_task
+
+
+@pytest.fixture(scope="session")
+def task_files(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("task")
+    train, val = write_task(root, n_train=64, n_val=8)
+    prefs = write_preferences(train, Path(root) / "prefs.jsonl")
+    return {"train": str(train), "val": str(val), "prefs": str(prefs)}
+
+
+def tiny_overrides(model: str, data: dict[str, str], out: Path, **extra) -> list[str]:
+    """A fast configuration for CPU tests: tiny batches, short responses, fp32, one reward worker."""
+    base = {
+        "model.path": model, "data.train_files": f"[{data['train']}]", "data.val_files": f"[{data['val']}]",
+        "data.val_prompts": 4, "data.prompts_per_step": 4, "rollout.n": 4, "rollout.max_new_tokens": 8,
+        "rollout.tp": 1, "model.dtype": "float32", "rollout.dtype": "float32", "trainer.total_steps": 2,
+        "trainer.output_dir": str(out), "trainer.micro_batch_tokens": 256, "trainer.show_progress": "false",
+        "reward.num_workers": 1, "optim.lr": "1e-4", "rollout.bucket_mb": 1,
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
