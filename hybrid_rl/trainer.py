@@ -75,7 +75,7 @@ class Trainer:
         start = self._resume()
         t = self.cfg.trainer
         self.metrics = MetricsLogger(self.out, enabled=self.dims.is_main, total_steps=t.total_steps,
-                                     start_step=start + 1, show_progress=t.show_progress)
+                                     start_step=start + 1 if start else 0, show_progress=t.show_progress)
         signal.signal(signal.SIGTERM, self._request_stop)
         signal.signal(signal.SIGINT, self._request_stop)
         if start == 0 and self.c.val_records:

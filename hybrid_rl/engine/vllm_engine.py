@@ -124,6 +124,10 @@ class VLLMEngine:
         )
         if s.kv_cache_gb is not None:
             kwargs["kv_cache_memory_bytes"] = int(s.kv_cache_gb * 2**30)
+        if not torch.cuda.is_available():
+            # A prompt split across scheduler steps makes vLLM rewind the request's seeded generator, which
+            # CPU generators cannot do ("CPU Generator does not use offset"): schedule whole prompts only.
+            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(8192, s.max_model_len))
         if torch.cuda.is_available():
             kwargs.update(gpu_memory_utilization=s.gpu_memory_utilization, enable_sleep_mode=s.sleep_mode)
         self.llm = LLM(**kwargs)

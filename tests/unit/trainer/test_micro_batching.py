@@ -1,0 +1,52 @@
+"""The update's gradient does not depend on how a mini-batch is cut into micro-batches."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hybrid_rl.algos.objectives import MicroInputs, ObjectiveSettings, ppo_clip
+from hybrid_rl.model.forward import micro_batches, policy_logprobs
+from hybrid_rl.types import Sample, TrainBatch
+from hybrid_rl.updates import _denominators, _rows, response_mask
+
+
+def _samples(n: int) -> list[Sample]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        p = torch.randint(5, 400, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
+        r = torch.randint(5, 400, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
+        out.append(Sample(tuple(p), tuple(r), (), False, i // 2, i, {}, ""))
+    return out
+
+
+def _grads(model, batch: TrainBatch, budget: int, agg: str) -> list[torch.Tensor]:
+    model.zero_grad()
+    s = ObjectiveSettings(agg, 0.2, 0.2, None, 0.1, "k3", 0.01, 0.1, "sigmoid", 0.0)
+    denoms = _denominators(batch, horizon=8)
+    mbs = micro_batches(batch.samples, budget)
+    for mb in mbs:
+        logp, ent = policy_logprobs(model, mb, temperature=1.0, with_entropy=True)
+        w = logp.shape[1]
+        x = MicroInputs(logp, ent, _rows(batch.mask, mb, w, "cpu"), _rows(batch.old_logp, mb, w, "cpu"),
+                        _rows(batch.advantages, mb, w, "cpu"), _rows(batch.ref_logp, mb, w, "cpu"), None)
+        loss, _ = ppo_clip(x, s, denoms)
+        loss.backward()
+    return len(mbs), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_micro_batch_of_one_and_of_four_give_equal_gradients(tiny_models, agg):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["qwen2"], dtype=torch.float32)
+    samples = _samples(8)
+    width = max(len(s.response_ids) for s in samples)
+    mask = response_mask(samples, width)
+    with torch.no_grad():
+        old = torch.randn(8, width) * 0.1 - 3.0
+        batch = TrainBatch(samples, mask, torch.zeros(8), old, torch.randn(8, width) * mask, old + 0.05)
+    n1, g1 = _grads(model, batch, budget=1, agg=agg)  # every sequence alone
+    n4, g4 = _grads(model, batch, budget=4 * 16, agg=agg)  # about four sequences per micro-batch
+    assert n1 == 8 and 1 < n4 < 8
+    for a, b in zip(g1, g4, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
