@@ -108,6 +108,9 @@ def _datasets(cfg: Config, tokenizer):
     else:
         train = load_prompt_dataset(d.train_files, tokenizer, max_prompt_tokens=d.max_prompt_tokens,
                                     prompt_key=d.prompt_key, apply_chat_template=d.apply_chat_template)
+    if len(train) < d.prompts_per_step:
+        raise ConfigError(f"data.prompts_per_step={d.prompts_per_step} is more than the {len(train)} usable rows of "
+                          f"data.train_files (after dropping over-long prompts); lower it or add data")
     loader = PromptLoader(train, d.prompts_per_step, seed=cfg.trainer.seed, shuffle=d.shuffle)
     val = []
     if d.val_files:

