@@ -57,11 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as e:  # DatasetError and the engine's layout errors are ValueErrors too
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
-    from hybrid_rl.trainer import Trainer
+    from hybrid_rl.trainer import Trainer, TrainingError
 
     trainer = Trainer(components)
     try:
         trainer.fit()
+    except TrainingError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
     finally:
         trainer.close()
         _shutdown()

@@ -34,6 +34,7 @@ from hybrid_rl.checkpoint.collective import (
 )
 from hybrid_rl.checkpoint.files import fsync_dir, replace_dir, torch_bytes, torch_read, write_durable
 from hybrid_rl.checkpoint.state import Component, load_component, save_component
+from hybrid_rl.utils.faults import maybe_die
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class Checkpointer:
             self._write(tmp, components, rank_state, shared_state)
         except CAUGHT as e:
             error = e
+        maybe_die("checkpoint_write", step)  # fault-injection tests only (HYBRID_RL_FAULT)
         self._agree(error, what, tmp)
         self._agree(self._on_rank0(self._commit, step, tmp, final, components), what, tmp)
         if self.rank == 0:

@@ -9,6 +9,7 @@ so the start times compare across processes.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -29,7 +30,23 @@ def init_worker(rubric: Rubric, board: Any, next_slot: Any) -> None:
     with next_slot.get_lock():
         _slot = next_slot.value
         next_slot.value += 1
+    _exit_with_parent()
     rubric.warmup()
+
+
+def _exit_with_parent(period_s: float = 1.0) -> None:
+    """Leave when the trainer rank that started this worker is gone (even SIGKILLed: no one tells us).
+
+    Otherwise an orphaned worker lives on, holding the job's output pipes open.
+    """
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(period_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def ready() -> int:

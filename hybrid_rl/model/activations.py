@@ -1,0 +1,146 @@
+"""Activation bytes of one packed micro-batch through a Hugging Face dense decoder. Pure arithmetic.
+
+The counts follow what autograd actually saves in transformers' Llama/Qwen2/Qwen3 code (checked
+tensor by tensor with `saved_tensors_hooks`), per token and per layer, with `b` the compute dtype's
+bytes (FSDP mixed precision computes in `model.dtype`):
+
+* each RMSNorm keeps a float32 copy of its input, a float32 rsqrt per row and the normalised input
+  in `b` (its output is kept by the next linear layer);
+* attention keeps q, k, v and the output (plus a float32 log-sum-exp per head). With SDPA on packed
+  input transformers passes a block-diagonal mask, which turns GQA off (k and v are repeated to every
+  head) and costs T x T x b per layer; flash-attn (varlen) keeps k and v at their own head count and
+  needs no mask;
+* the SwiGLU MLP keeps gate, act(gate), up and their product: 4 x intermediate x b.
+
+Log-probs (`model/logprobs.py`) are computed chunk by chunk in float32, but under autograd every
+chunk's float32 logits (and softmax, when the entropy is wanted) stay saved until backward, so the
+vocabulary term grows with every response token: 4 (+4) x V bytes per token. The estimate assumes
+every packed token is a response token (an upper bound).
+
+With activation checkpointing each block keeps only its input; backward recomputes one block at a
+time. Sizes are upper bounds for the tensors that are alive together, not allocator-exact: the
+tests hold them to the allocator's measured peak within the tolerance stated there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from hybrid_rl.model.param_count import ArchDims
+
+Attention = Literal["sdpa", "flash"]
+LOGITS_CHUNK = 1024  # `logits_to_logprobs`' default chunk
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """The parts of one micro-batch's activation memory, in bytes.
+
+    `logits` and `transient` are never alive together (backward frees the vocabulary tensors before it
+    reaches the blocks; a no-grad pass frees each block's intermediates before the head), so the peak
+    is `layers + max(logits, transient)`.
+    """
+
+    layers: int  # what the blocks keep for backward (or their inputs when checkpointed) + model-level inputs
+    logits: int  # vocabulary-sized tensors at their peak (the value / score head's are tiny)
+    transient: int  # one block: its recompute and backward temporaries (grad), its live intermediates (no grad)
+
+    @property
+    def total(self) -> int:
+        return self.layers + max(self.logits, self.transient)
+
+
+def _norm(n: int, rows: int, b: int) -> int:
+    """RMSNorm over `n` values in `rows` rows (per token): float32 copy, rsqrt, normalised copy."""
+    return 4 * n + 4 * rows + b * n
+
+
+def layer_saved_per_token(d: ArchDims, tokens: int, b: int, attention: Attention) -> int:
+    """Bytes one decoder block saves for backward, per token (the SDPA mask included, spread over tokens)."""
+    h, q = d.hidden_size, d.num_heads * d.head_dim
+    kv = _kv_width(d, attention)
+    attn = b * (2 * q + 2 * kv) + 4 * d.num_heads  # q, k, v, output (the o_proj input) and log-sum-exp
+    if d.qk_norm:
+        attn += _norm(q, d.num_heads, b) + _norm(d.num_kv_heads * d.head_dim, d.num_kv_heads, b)
+    mask = b * tokens if attention == "sdpa" else 0
+    norms_and_inputs = 2 * (_norm(h, 1, b) + b * h)  # two norms + their outputs kept by the next linear
+    return norms_and_inputs + attn + 4 * d.intermediate_size * b + mask
+
+
+def _kv_width(d: ArchDims, attention: Attention) -> int:
+    """k/v width as attention sees it: SDPA with a mask repeats KV heads to every query head."""
+    return (d.num_heads if attention == "sdpa" else d.num_kv_heads) * d.head_dim
+
+
+def _model_level(d: ArchDims, tokens: int, b: int) -> int:
+    """Input ids, rotary cos/sin, the final norm and the head's input."""
+    return tokens * (8 + 2 * d.head_dim * b + _norm(d.hidden_size, 1, b) + b * d.hidden_size)
+
+
+def _block_backward(d: ArchDims, tokens: int, b: int) -> int:
+    """Gradients alive while backward goes through one block (MLP and float32 residual-stream grads)."""
+    return tokens * (3 * d.intermediate_size * b // 2 + 8 * d.hidden_size)
+
+
+def _logits_grad(d: ArchDims, tokens: int, responses: int, b: int, entropy: bool) -> int:
+    """Peak of the head under autograd: the largest of three moments (measured, `tests/unit/plan`).
+
+    * end of forward: the lm_head output and its gathered response rows (`b`), every chunk's saved
+      float32 logits (for float32 compute they are views of the gathered rows) and softmax;
+    * first chunk of backward: the saved chunks, the zero-padded full-size gradient of one chunk's
+      slice, and four chunk-sized float32 gradients;
+    * from the third chunk on, autograd sums slice gradients out of place: three full-size buffers.
+    """
+    v, chunk = d.vocab_size, min(responses, LOGITS_CHUNK)
+    upcast = 1 if b < 4 else 0  # `.float()` of float32 logits is the same tensor, not a copy
+    saved = responses * v * 4 * (upcast + (1 if entropy else 0))
+    end_of_forward = (tokens + responses) * v * b + saved + (chunk * v * 4 if entropy else 0)
+    first_chunk = saved + responses * v * b + 4 * chunk * v * 4
+    summing = 0
+    if -(-responses // chunk) >= 3:
+        summing = 3 * responses * v * b + (1 - upcast) * responses * v * b + (2 * chunk * v * 4 if entropy else 0)
+    return max(end_of_forward, first_chunk, summing)
+
+
+def _logits_no_grad(d: ArchDims, tokens: int, responses: int, b: int, entropy: bool) -> int:
+    """lm_head output + gathered response rows + one chunk's float32 copy, softmax and product."""
+    v, chunk = d.vocab_size, min(responses, LOGITS_CHUNK)
+    upcast = 1 if b < 4 else 0  # `.float()` of float32 logits is the same tensor
+    return (tokens + responses) * v * b + chunk * v * 4 * (upcast + (2 if entropy else 1))
+
+
+def train_activations(d: ArchDims, tokens: int, *, b: int, attention: Attention, checkpointing: bool,
+                      head: str = "lm", entropy: bool = True, responses: int | None = None) -> ActivationBytes:
+    """Peak activation memory of one forward + backward of a `tokens`-token packed micro-batch.
+
+    `responses`: response tokens in it (default: all of them, an upper bound).
+    """
+    responses = tokens if responses is None else responses
+    per_layer = layer_saved_per_token(d, tokens, b, attention) * tokens
+    transient = _block_backward(d, tokens, b)
+    if checkpointing:  # blocks keep their input; backward recomputes one block, then runs through it
+        layers, transient = d.num_layers * tokens * d.hidden_size * b, transient + per_layer
+    else:
+        layers = d.num_layers * per_layer
+    logits = _logits_grad(d, tokens, responses, b, entropy) if head == "lm" else tokens * 8
+    return ActivationBytes(layers + _model_level(d, tokens, b), logits, transient)
+
+
+def forward_activations(d: ArchDims, tokens: int, *, b: int, attention: Attention, head: str = "lm",
+                        entropy: bool = False, responses: int | None = None) -> ActivationBytes:
+    """Peak activation memory of one no-grad forward (old log-probs, reference, critic values, reward scores).
+
+    Nothing is saved: the residual stream and one block's intermediates are alive at a time, the
+    larger of its attention (q, k, v, output and, with SDPA, the bool mask and its float copy) and
+    its MLP (gate, act, up and their product).
+    """
+    responses = tokens if responses is None else responses
+    h, q = d.hidden_size, d.num_heads * d.head_dim
+    residual = tokens * (2 * h * b + 4 * h)  # the block's input, its normalised copy, the float32 norm copy
+    attn = tokens * b * (2 * q + 2 * _kv_width(d, attention))
+    if attention == "sdpa":
+        attn += tokens * tokens * (b + 1)
+    block = max(attn, tokens * 4 * d.intermediate_size * b)
+    logits = _logits_no_grad(d, tokens, responses, b, entropy) if head == "lm" else tokens * 8
+    return ActivationBytes(residual + tokens * 2 * d.head_dim * b, logits, block)

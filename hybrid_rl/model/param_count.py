@@ -1,0 +1,144 @@
+"""Every parameter's name and shape, from a model's `config.json` alone (no weights, no allocation).
+
+The memory planner needs shapes, not just a count: FSDP2 pads dim 0 of each parameter to a multiple
+of the world size before sharding it, so per-rank bytes depend on every shape. For the dense
+decoders the trainer supports (Llama, Mistral, Qwen2, Qwen3) the shapes are written out from the
+Hugging Face modelling code: embeddings, q/k/v/o with GQA and the biases the architecture has
+(Qwen2: q/k/v; Llama/Qwen3: all four when `attention_bias`), the MLP (`mlp_bias` for Llama), the
+norms, Qwen3's per-head q/k norms and an untied `lm_head` (a tied one is the embedding, counted
+once, as `named_parameters()` does). Any other architecture is instantiated on the meta device and
+its parameters listed. `tests/unit/plan/` compares both paths with the real modules.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+Head = Literal["lm", "value", "score"]  # causal LM, critic (token classification), reward model (sequence cls.)
+
+_BLOCK = re.compile(r"\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class ParamShape:
+    name: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def block(self) -> int | None:
+        """The transformer block this parameter belongs to (FSDP unit); None for the root (embeddings, head)."""
+        m = _BLOCK.search(self.name)
+        return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class ArchDims:
+    """The config numbers that activation sizes depend on."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tie_word_embeddings: bool
+    qk_norm: bool  # Qwen3: RMSNorm over each head of q and k
+
+    @classmethod
+    def from_hf_config(cls, config) -> ArchDims:
+        archs = getattr(config, "architectures", None) or [type(config).__name__]
+        heads = config.num_attention_heads
+        return cls(
+            architecture=archs[0],
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qk_norm=getattr(config, "model_type", "") == "qwen3",
+        )
+
+
+# Which biases each supported architecture's modelling code creates: (q/k/v, o_proj, MLP).
+_BIASES = {
+    "Qwen2ForCausalLM": lambda c: (True, False, False),
+    "Qwen3ForCausalLM": lambda c: (c.attention_bias, c.attention_bias, False),
+    "LlamaForCausalLM": lambda c: (c.attention_bias, c.attention_bias, c.mlp_bias),
+    "MistralForCausalLM": lambda c: (False, False, False),
+}
+KNOWN_ARCHITECTURES = tuple(_BIASES)
+
+
+def model_params(config, head: Head = "lm") -> list[ParamShape]:
+    """Names and shapes of `AutoModelFor{CausalLM,TokenClassification,SequenceClassification}` (num_labels=1)."""
+    dims = ArchDims.from_hf_config(config)
+    if dims.architecture not in _BIASES:
+        return meta_params(config, head)
+    qkv_bias, o_bias, mlp_bias = _BIASES[dims.architecture](config)
+    h, i, d = dims.hidden_size, dims.intermediate_size, dims.head_dim
+    q, kv = dims.num_heads * d, dims.num_kv_heads * d
+    out = [ParamShape("model.embed_tokens.weight", (dims.vocab_size, h))]
+    for n in range(dims.num_layers):
+        p = f"model.layers.{n}."
+        out += _linear(p + "self_attn.q_proj", h, q, qkv_bias)
+        out += _linear(p + "self_attn.k_proj", h, kv, qkv_bias)
+        out += _linear(p + "self_attn.v_proj", h, kv, qkv_bias)
+        out += _linear(p + "self_attn.o_proj", q, h, o_bias)
+        if dims.qk_norm:
+            out += [ParamShape(p + "self_attn.q_norm.weight", (d,)), ParamShape(p + "self_attn.k_norm.weight", (d,))]
+        out += _linear(p + "mlp.gate_proj", h, i, mlp_bias)
+        out += _linear(p + "mlp.up_proj", h, i, mlp_bias)
+        out += _linear(p + "mlp.down_proj", i, h, mlp_bias)
+        out += [ParamShape(p + "input_layernorm.weight", (h,)), ParamShape(p + "post_attention_layernorm.weight", (h,))]
+    out.append(ParamShape("model.norm.weight", (h,)))
+    return out + _head(config, head, dims)
+
+
+def _linear(name: str, fan_in: int, fan_out: int, bias: bool) -> list[ParamShape]:
+    w = [ParamShape(name + ".weight", (fan_out, fan_in))]
+    return w + [ParamShape(name + ".bias", (fan_out,))] if bias else w
+
+
+def _head(config, head: Head, dims: ArchDims) -> list[ParamShape]:
+    if head == "lm":
+        return [] if dims.tie_word_embeddings else [ParamShape("lm_head.weight", (dims.vocab_size, dims.hidden_size))]
+    w = [ParamShape("score.weight", (1, dims.hidden_size))]
+    # transformers' GenericForTokenClassification gives its score layer a bias unless the config says otherwise.
+    if head == "value" and getattr(config, "token_classification_bias", True):
+        w.append(ParamShape("score.bias", (1,)))
+    return w
+
+
+def meta_params(config, head: Head = "lm") -> list[ParamShape]:
+    """Instantiate the model on the meta device (no memory) and list its parameters."""
+    import copy
+
+    import torch
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+    )
+
+    auto = {"lm": AutoModelForCausalLM, "value": AutoModelForTokenClassification,
+            "score": AutoModelForSequenceClassification}[head]
+    config = copy.deepcopy(config)
+    if head != "lm":
+        config.num_labels = 1
+    with torch.device("meta"):
+        model = auto.from_config(config)
+    return [ParamShape(n, tuple(p.shape)) for n, p in model.named_parameters()]
