@@ -55,8 +55,12 @@ def load_config(path: str):
 
 def load_critic(path: str, *, device: torch.device | str = "cpu"):
     """A value model: the policy's backbone with a 1-output token head (`...ForTokenClassification`)."""
+    import warnings
+
     from transformers import AutoModelForTokenClassification
 
+    # The head's output is a view; FSDP2 warns that in-place ops on it would skip a hook. We never do any.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     check_model_dir(path)
     model = AutoModelForTokenClassification.from_pretrained(
         path, num_labels=1, dtype=torch.float32, attn_implementation=attn_implementation())

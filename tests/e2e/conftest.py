@@ -9,6 +9,21 @@ from hybrid_rl.demo.task import write_task
 
 
 @pytest.fixture(scope="session")
+def reward_model(tiny_models, tmp_path_factory) -> str:
+    """A sequence-classification reward model on the tiny Qwen2 backbone (random score head)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("rm")
+    torch.manual_seed(0)
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny_models["qwen2"], num_labels=1, dtype=torch.float32)
+    rm.config.pad_token_id = AutoTokenizer.from_pretrained(tiny_models["qwen2"]).pad_token_id
+    rm.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_models["qwen2"]).save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
 def task_files(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("task")
     train, val = write_task(root, n_train=64, n_val=8)

@@ -14,3 +14,14 @@ def constant(response: str, sample) -> float:
 def not_a_number(response: str, sample) -> float:
     """A broken reward: NaN must count as an error of this reward, never reach the advantages."""
     return float("nan")
+
+
+SLOW_REWARD_S = 0.25
+
+
+def slow(response: str, sample) -> float:
+    """Takes a known time per sample, to measure how scoring overlaps the model passes."""
+    import time
+
+    time.sleep(SLOW_REWARD_S)
+    return float(len(response) % 2 == 0)

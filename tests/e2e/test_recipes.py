@@ -33,11 +33,12 @@ EXPECTED = {
     "rloo": ROLLOUT_KEYS | REWARD_KEYS | PPO_ACTOR | {"actor/kl"},
     "reinforce_pp": ROLLOUT_KEYS | REWARD_KEYS | PPO_ACTOR | {"actor/kl", "actor/kl_coef"},
     "online_dpo": ROLLOUT_KEYS | REWARD_KEYS | DPO_ACTOR,
+    "grpo_rm": ROLLOUT_KEYS | REWARD_KEYS | PPO_ACTOR | {"timing/reward_model_s"},
     "dpo": DPO_ACTOR,
 }
 
 
-def test_every_recipe_runs_two_steps_and_logs_its_metrics(tiny_models, task_files, tmp_path):
+def test_every_recipe_runs_two_steps_and_logs_its_metrics(tiny_models, task_files, reward_model, tmp_path):
     runs = []
     for recipe in ("grpo", "ppo", "dr_grpo", "rloo", "reinforce_pp", "online_dpo"):
         runs.append({"name": recipe, "recipe": recipe,
@@ -47,11 +48,20 @@ def test_every_recipe_runs_two_steps_and_logs_its_metrics(tiny_models, task_file
     runs.append({"name": "dapo", "recipe": "dapo", "overrides": tiny_overrides(
         tiny_models["qwen2"], task_files, tmp_path / "dapo",
         **{"reward.fn": "tests.e2e.rewards:length_parity", "algorithm.overlong_buffer": 4})})
+    # GRPO with a neural reward model added to the rule reward, and with a slow rule reward (overlap).
+    runs.append({"name": "grpo_rm", "recipe": "grpo", "overrides": tiny_overrides(
+        tiny_models["qwen2"], task_files, tmp_path / "grpo_rm", **{"reward.model_path": reward_model})})
+    runs.append({"name": "grpo_slow_reward", "recipe": "grpo", "overrides": tiny_overrides(
+        tiny_models["qwen2"], task_files, tmp_path / "grpo_slow_reward",
+        **{"reward.fn": "tests.e2e.rewards:slow", "trainer.total_steps": 1, "data.val_files": "[]"})})
     dpo = tiny_overrides(tiny_models["qwen2"], dict(task_files, train=task_files["prefs"]), tmp_path / "dpo")
     runs.append({"name": "dpo", "recipe": "dpo", "overrides": [o for o in dpo if not o.startswith("data.val")]})
     result = run_torchrun(WORKER, json.dumps(runs), tmp_path=tmp_path, timeout=1200)
+    _check_overlap(tmp_path / "grpo_slow_reward")
     for run in runs:
         name = run["name"]
+        if name == "grpo_slow_reward":
+            continue
         assert result[name]["ok"], f"{name}: {result[name].get('error')}"
         out = tmp_path / name
         lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -62,3 +72,17 @@ def test_every_recipe_runs_two_steps_and_logs_its_metrics(tiny_models, task_file
         assert (out / "checkpoints" / "step_2" / "COMPLETE").exists(), f"{name}: no final checkpoint"
         assert (out / "export" / "config.json").exists(), f"{name}: no export"
         assert any((out / "tensorboard").iterdir()), f"{name}: no TensorBoard events"
+
+
+def _check_overlap(out: Path) -> None:
+    """Scoring (T) runs in reward workers while the ranks run their model passes (M): the step waits ~max(T, M)."""
+    from tests.e2e.rewards import SLOW_REWARD_S
+
+    m = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    t = m["timing/reward_score_s"]
+    passes = m["timing/old_logp_s"] + m["timing/reference_s"]
+    assert t >= 8 * SLOW_REWARD_S * 0.95  # 16 samples over 2 ranks x 1 worker: 8 sleeps each
+    waited = passes + m["timing/reward_wait_s"]
+    saved = m["timing/reward_overlap_saved_s"]  # T minus the time the step actually waited for scores
+    assert saved > 0.7 * min(t, passes), (t, passes, saved)  # most of the possible overlap happened
+    assert waited < t + passes - 0.7 * min(t, passes), (t, passes, waited)  # ~max(T, M), not T + M
