@@ -31,6 +31,7 @@ from hybrid_rl.model.loading import (
     load_reward_model,
     load_tokenizer,
 )
+from hybrid_rl.model.lora import LoraWeights, apply_lora, is_lora
 from hybrid_rl.rewards import RewardPool, Rubric, RubricItem, resolve_reward
 from hybrid_rl.rollout.sampler import Sampler, SamplingSettings
 from hybrid_rl.utils.schedule import lr_multiplier
@@ -82,7 +83,9 @@ def build(cfg: Config) -> Components:
                                 cfg.rollout.top_k)
     sampler = Sampler(engine, tokenizer, dims, settings, seed=cfg.trainer.seed)
     a = cfg.algorithm
-    reference = _frozen(load_causal_lm(cfg.model.path), cfg, dims) if a.use_reference else None
+    # With LoRA the reference is the actor's own frozen base (adapter disabled): no second copy.
+    reference = _frozen(load_causal_lm(cfg.model.path), cfg, dims) if a.use_reference and not cfg.model.lora.rank \
+        else None
     critic = _critic(cfg, dims) if a.use_critic else None
     rm = _frozen(load_reward_model(cfg.reward.model_path), cfg, dims) if cfg.reward.model_path else None
     return Components(cfg, dims, tokenizer, actor, engine, sampler, loader, val_records, rewards, reference,
@@ -146,9 +149,14 @@ def _actor(cfg: Config, dims: ParallelDims) -> Model:
     if cfg.model.activation_checkpointing:
         module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     module.config.use_cache = False
+    lora = cfg.model.lora
+    if lora.rank:
+        module = apply_lora(module, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                            target_modules=lora.target_modules)
     _shard(module, cfg, dims)
     o = cfg.optim
-    opt = torch.optim.AdamW(module.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
     return Model(module, opt, _scheduler(opt, cfg, o.warmup_steps))
 
 
@@ -181,5 +189,7 @@ def _engine(cfg: Config, dims: ParallelDims, actor: Model, offload: OffloadManag
                             release=release, offload_params=o.actor_params, offload_grads=o.actor_grads,
                             offload_optim=o.actor_optim)
     layout = Layout(ModelDims.from_hf_config(actor.module.config), r.tp)
+    weights = LoraWeights(actor.module) if is_lora(actor.module) else None
     return HybridEngine(actor.module, optimizer=actor.optimizer, dims=dims, vllm=VLLMEngine(spec), layout=layout,
-                        offload=offload, options=options, device=device(), sync_dtype=DTYPES[r.dtype])
+                        offload=offload, options=options, device=device(), sync_dtype=DTYPES[r.dtype],
+                        weights=weights)

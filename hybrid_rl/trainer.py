@@ -29,6 +29,7 @@ from hybrid_rl.data import balance_across_ranks
 from hybrid_rl.dist.mesh import all_reduce_max, all_reduce_sum
 from hybrid_rl.metrics import MetricsLogger
 from hybrid_rl.model.forward import micro_batches, sequence_scores
+from hybrid_rl.model.lora import is_lora, merge_full_state_dict, save_adapter
 from hybrid_rl.types import Sample, TrainBatch
 from hybrid_rl.updates import (
     UpdateSettings,
@@ -95,7 +96,7 @@ class Trainer:
         if self.c.val_records:
             self._validate(step)
         if t.export:
-            export_hf(self.c.actor.module, self.c.tokenizer, self.out / "export", rank=self.dims.rank)
+            self._export()
 
     def step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -188,6 +189,9 @@ class Trainer:
         if c.reference is not None:
             with self.timer.phase("reference"), self._resident("reference", c.reference.module):
                 ref = logprobs_pass(c.reference.module, local, temperature=temp, budget=budget)
+        elif a.use_reference and is_lora(c.actor.module):
+            with self.timer.phase("reference"), c.actor.module.disable_adapter():
+                ref = logprobs_pass(c.actor.module, local, temperature=temp, budget=budget)
         if c.critic is not None:
             with self.timer.phase("critic"), self._resident("critic", c.critic.module):
                 values = values_pass(c.critic.module, local, budget=budget)
@@ -244,6 +248,15 @@ class Trainer:
                            None if g_ref is None else g_ref[sel], None if g_values is None else g_values[sel],
                            None if returns is None else returns[sel], _local_pairs(pairs, mine))
         return batch, metrics
+
+    def _export(self) -> None:
+        """The policy as a Hugging Face folder; with LoRA, merged, plus the adapter alone in export/adapter."""
+        model, out = self.c.actor.module, self.out / "export"
+        if not is_lora(model):
+            export_hf(model, self.c.tokenizer, out, rank=self.dims.rank)
+            return
+        export_hf(model, self.c.tokenizer, out, rank=self.dims.rank, transform=lambda full: merge_full_state_dict(
+            model, full), after=lambda full, tmp: save_adapter(model, full, _mkdir(tmp / "adapter")))
 
     def _rm_scores(self, local: list[Sample]) -> torch.Tensor:
         out = torch.zeros(len(local))
@@ -374,6 +387,11 @@ class _Resident:
     def __exit__(self, *exc):
         self.offload.offload(self.name, [p.to_local() if hasattr(p, "to_local") else p
                                          for p in self.module.parameters()], self.target)
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def _my_share(samples: list[Sample], dims, *, paired: bool) -> list[int]:

@@ -8,8 +8,10 @@ a crash never leaves a half-written model folder that looks loadable.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +29,15 @@ WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_
 
 
 def export_hf(model: nn.Module, tokenizer: Any, out_dir: str | Path, *, rank: int, dtype: torch.dtype | None = None,
-              max_shard_bytes: int = 5 * 1024**3) -> Path:
+              max_shard_bytes: int = 5 * 1024**3,
+              transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+              after: Callable[[dict[str, torch.Tensor], Path], None] | None = None) -> Path:
     """Collective: write `model` (+ `tokenizer`, if not None) as an HF folder at `out_dir`; returns it.
 
     `dtype` casts the weights (and the config's dtype), e.g. bfloat16 for serving; None keeps them as
     trained. Weights over `max_shard_bytes` are split into indexed shards, as `save_pretrained` does.
+    `transform` maps the gathered state dict to the one written (e.g. merging a LoRA adapter), and
+    `after(full, tmp_dir)` may add files to the folder before it is published (rank 0 only).
     """
     out = Path(out_dir)
     hf_model = _hf_model(model)  # a ValueError here is raised by every rank alike
@@ -41,7 +47,9 @@ def export_hf(model: nn.Module, tokenizer: Any, out_dir: str | Path, *, rank: in
     error = None
     if rank == 0:
         try:
-            _write_folder(hf_model, tokenizer, full, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
+            hook = functools.partial(after, full) if after else None
+            _write_folder(hf_model, tokenizer, transform(full) if transform else full, out, dtype=dtype,
+                          max_shard_bytes=max_shard_bytes, after=hook)
         except CAUGHT as e:
             error = e
             shutil.rmtree(out.with_name(out.name + ".tmp"), ignore_errors=True)
@@ -51,7 +59,7 @@ def export_hf(model: nn.Module, tokenizer: Any, out_dir: str | Path, *, rank: in
 
 
 def _write_folder(hf_model: nn.Module, tokenizer: Any, full: dict[str, torch.Tensor], out: Path, *,
-                  dtype: torch.dtype | None, max_shard_bytes: int) -> None:
+                  dtype: torch.dtype | None, max_shard_bytes: int, after: Callable[[Path], None] | None = None) -> None:
     config = copy.deepcopy(hf_model.config)  # never mutate the live model's config
     tensors = hf_tensors(full, tied=_tied_names(hf_model), dtype=dtype)
     if dtype is not None:
@@ -70,6 +78,8 @@ def _write_folder(hf_model: nn.Module, tokenizer: Any, full: dict[str, torch.Ten
     generation.save_pretrained(tmp)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
+    if after is not None:
+        after(tmp)
     fsync_tree(tmp)
     replace_dir(tmp, out)
 

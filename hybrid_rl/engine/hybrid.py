@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Protocol
 
 import torch
 
@@ -88,13 +89,36 @@ def hf_name(name: str) -> str:
     return name
 
 
+class WeightSource(Protocol):
+    """What the policy offers to sync: (HF name, this rank's dim-0 shard, full shape) per weight."""
+
+    def weights(self) -> Iterable[tuple[str, torch.Tensor, tuple[int, ...]]]: ...
+
+    def changed_names(self) -> set[str] | None:
+        """Weights that can change between syncs (None: all). The rest is sent once."""
+
+
+class ModuleWeights:
+    """Every parameter of an FSDP (or plain) module, as trained."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor, tuple[int, ...]]]:
+        for name, p in self.module.named_parameters():
+            yield hf_name(name), local_tensor(p).detach(), tuple(p.shape)
+
+    def changed_names(self) -> None:
+        return None
+
+
 class HybridEngine:
     """Owns the switch between FSDP training and vLLM rollout on this rank."""
 
     def __init__(
         self, policy: torch.nn.Module, *, optimizer: torch.optim.Optimizer | None, dims: ParallelDims,
         vllm: VLLMEngine, layout: Layout, offload: OffloadManager, options: SwitchOptions, device: torch.device,
-        sync_dtype: torch.dtype,
+        sync_dtype: torch.dtype, weights: WeightSource | None = None,
     ):
         self.policy, self.optimizer, self.dims = policy, optimizer, dims
         self.vllm, self.layout, self.offload, self.options = vllm, layout, offload, options
@@ -102,8 +126,10 @@ class HybridEngine:
         self.mode = Mode.TRAIN
         self.report = SwitchReport()
         self.sync_index = 0
-        self._plan: ReshardPlan | None = None
+        self.weights = weights or ModuleWeights(policy)
+        self._plans: dict[tuple[str, ...], ReshardPlan] = {}
         self._path: str | None = None
+        self._vllm_current = False  # vLLM holds the weights of the last sync (so only changes need sending)
         self.corrupt_hook = None  # tests: callable(bucket_index, recv_buffer) applied on the next sync
         self._verbose = True  # log the first round trip's checklist at INFO
 
@@ -137,6 +163,7 @@ class HybridEngine:
         with self._step(rep, "vllm_weights_in"):
             if not self.vllm.started:
                 self.vllm.start()
+                self._vllm_current = False
             elif o.release == "sleep":
                 self.vllm.wake_up(["weights"])
         with self._step(rep, "sync_weights"):
@@ -153,7 +180,10 @@ class HybridEngine:
         rep = self.report
         with self._step(rep, "release_vllm"):
             if self.options.release == "sleep":
-                self.vllm.sleep()
+                # Level 1 keeps the weights (in host memory) when only some will change: LoRA sends just those.
+                keep = self.weights.changed_names() is not None
+                self.vllm.sleep(level=1 if keep else 2)
+                self._vllm_current = keep
             elif self.options.release == "restart":
                 self.vllm.stop()
         with self._step(rep, "reload_train_state"):
@@ -191,36 +221,44 @@ class HybridEngine:
     # -- weight sync -----------------------------------------------------------------------------
 
     def _sources(self) -> list[SourceParam]:
+        """The weights to send: all of them, or only the vLLM modules that can have changed since last time."""
+        changed = self.weights.changed_names() if self._vllm_current else None
+        modules = None if changed is None else {self.layout.rule_for(n)[1].rsplit(".", 1)[0] for n in changed}
         out = []
-        for name, p in self.policy.named_parameters():
-            n = hf_name(name)
-            if self.layout.skip(n):
+        for name, local, shape in self.weights.weights():
+            if self.layout.skip(name):
                 continue
-            out.append(SourceParam(n, local_tensor(p).detach(), tuple(p.shape)))
+            # Whole fused modules go together: vLLM processes qkv / gate_up only when all parts arrive.
+            if modules is None or self.layout.rule_for(name)[1].rsplit(".", 1)[0] in modules:
+                out.append(SourceParam(name, local, shape))
         return out
 
     def _sync(self, rep: SwitchReport) -> None:
         sources = self._sources()
-        if self._plan is None:
+        key = tuple(s.name for s in sources)
+        plan = self._plans.get(key)
+        if plan is None:
             sharded = any(is_sharded(p) for p in self.policy.parameters())
-            self._plan = build_plan(
+            plan = build_plan(
                 sources, self.layout, rank=self.dims.rank, world=self.dims.world, tp_rank_of=self.dims.tp_rank_of,
                 bucket_bytes=self.options.bucket_bytes, dtype=self.sync_dtype, sharded=sharded,
             )
-            self._path = self.vllm.weight_sync_path(self._plan.slices)
+            self._plans[key] = plan
+            self._path = self._path or self.vllm.weight_sync_path(plan.slices)
             if self.dims.is_main:
-                log.info("weight sync: %s path, %d buckets, %.2f MiB per rank", self._path,
-                         len(self._plan.buckets), self._plan.bytes_per_sync / 2**20)
+                log.info("weight sync: %s path, %d weights in %d buckets, %.2f MiB per rank", self._path,
+                         len(plan.slices), len(plan.buckets), plan.bytes_per_sync / 2**20)
         stats = SyncStats()
         stream = stream_slices(
-            self._plan, sources, device=self.device, probe_cols=self.options.probe_cols,
+            plan, sources, device=self.device, probe_cols=self.options.probe_cols,
             sync_index=self.sync_index, stats=stats, corrupt=self.corrupt_hook,
         )
         self.vllm.load_weights(stream, self._path)
         self.corrupt_hook = None
         if self.options.verify:
-            self._verify(self._plan)
+            self._verify(plan)
         self.sync_index += 1
+        self._vllm_current = self.options.release in ("keep", "sleep")
         rep.sync_path, rep.bytes_received = self._path, stats.bytes_received
         rep.buckets, rep.peak_buffer_bytes = stats.buckets, stats.peak_buffer_bytes
 

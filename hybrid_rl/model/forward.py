@@ -67,11 +67,19 @@ def token_values(model, mb: MicroBatch) -> torch.Tensor:
 
 
 def sequence_scores(model, mb: MicroBatch) -> torch.Tensor:
-    """Reward-model scores `[b]`: the score head at each sequence's last token."""
+    """Reward-model scores `[b]`: the score head at each sequence's last token.
+
+    The model is called as a whole (FSDP's root hooks gather its weights); its own pooling picks one
+    token of the packed row, so the head's per-token output is captured with a hook instead.
+    """
+    captured = {}
+    handle = model.score.register_forward_hook(lambda _m, _i, out: captured.__setitem__("scores", out))
+    try:
+        model(input_ids=mb.packed.input_ids, position_ids=mb.packed.position_ids, use_cache=False)
+    finally:
+        handle.remove()
     last = mb.packed.cu_seqlens[1:].long() - 1
-    hidden = model.base_model(input_ids=mb.packed.input_ids, position_ids=mb.packed.position_ids,
-                              use_cache=False).last_hidden_state[0]
-    return model.score(hidden[last]).float()[:, 0]
+    return captured["scores"][0, last, 0].float()
 
 
 @torch.no_grad()

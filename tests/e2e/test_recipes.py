@@ -34,6 +34,8 @@ EXPECTED = {
     "reinforce_pp": ROLLOUT_KEYS | REWARD_KEYS | PPO_ACTOR | {"actor/kl", "actor/kl_coef"},
     "online_dpo": ROLLOUT_KEYS | REWARD_KEYS | DPO_ACTOR,
     "grpo_rm": ROLLOUT_KEYS | REWARD_KEYS | PPO_ACTOR | {"timing/reward_model_s"},
+    "grpo_lora": ROLLOUT_KEYS | PPO_ACTOR | {"actor/kl", "timing/reference_s", "reward/length_parity/mean"},
+    "ppo_lora": ROLLOUT_KEYS | PPO_ACTOR | {"actor/kl", "critic/value_loss", "reward/length_parity/mean"},
     "dpo": DPO_ACTOR,
 }
 
@@ -48,6 +50,11 @@ def test_every_recipe_runs_two_steps_and_logs_its_metrics(tiny_models, task_file
     runs.append({"name": "dapo", "recipe": "dapo", "overrides": tiny_overrides(
         tiny_models["qwen2"], task_files, tmp_path / "dapo",
         **{"reward.fn": "tests.e2e.rewards:length_parity", "algorithm.overlong_buffer": 4})})
+    # LoRA: the actor trains an adapter; the reference is its own frozen base.
+    for recipe in ("grpo", "ppo"):
+        runs.append({"name": f"{recipe}_lora", "recipe": recipe, "overrides": tiny_overrides(
+            tiny_models["qwen2"], task_files, tmp_path / f"{recipe}_lora",
+            **{"model.lora.rank": 8, "optim.lr": "1e-3", "reward.fn": "tests.e2e.rewards:length_parity"})})
     # GRPO with a neural reward model added to the rule reward, and with a slow rule reward (overlap).
     runs.append({"name": "grpo_rm", "recipe": "grpo", "overrides": tiny_overrides(
         tiny_models["qwen2"], task_files, tmp_path / "grpo_rm", **{"reward.model_path": reward_model})})
@@ -57,7 +64,10 @@ def test_every_recipe_runs_two_steps_and_logs_its_metrics(tiny_models, task_file
     dpo = tiny_overrides(tiny_models["qwen2"], dict(task_files, train=task_files["prefs"]), tmp_path / "dpo")
     runs.append({"name": "dpo", "recipe": "dpo", "overrides": [o for o in dpo if not o.startswith("data.val")]})
     result = run_torchrun(WORKER, json.dumps(runs), tmp_path=tmp_path, timeout=1200)
+    failed = {name: r["error"] for name, r in result.items() if not r["ok"]}
+    assert not failed, failed
     _check_overlap(tmp_path / "grpo_slow_reward")
+    _check_exports(tmp_path)
     for run in runs:
         name = run["name"]
         if name == "grpo_slow_reward":
@@ -86,3 +96,31 @@ def _check_overlap(out: Path) -> None:
     saved = m["timing/reward_overlap_saved_s"]  # T minus the time the step actually waited for scores
     assert saved > 0.7 * min(t, passes), (t, passes, saved)  # most of the possible overlap happened
     assert waited < t + passes - 0.7 * min(t, passes), (t, passes, waited)  # ~max(T, M), not T + M
+
+
+def _greedy(kind: str, *paths: Path) -> list[list[int]]:
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    r = subprocess.run([sys.executable, str(Path(__file__).parent / "workers" / "greedy.py"), kind, *map(str, paths)],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _check_exports(root: Path) -> None:
+    """Exports load in transformers and in vLLM and give the same greedy text; LoRA: merged == adapter on base."""
+    full = root / "grpo" / "export"
+    assert _greedy("hf", full) == _greedy("vllm", full)
+    lora = root / "grpo_lora" / "export"
+    base = json.loads((lora / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    merged = _greedy("hf", lora)
+    assert merged == _greedy("peft", Path(base), lora / "adapter")
+    assert merged == _greedy("vllm", lora)
+    lines = [json.loads(x) for x in (root / "grpo_lora" / "metrics.jsonl").read_text().splitlines()]
+    sent = [d["sync/bytes_per_rank"] for d in lines if "sync/bytes_per_rank" in d]
+    full_sent = [d["sync/bytes_per_rank"] for d in map(json.loads, (root / "grpo" / "metrics.jsonl").read_text()
+                                                            .splitlines()) if "sync/bytes_per_rank" in d]
+    assert sent[-1] < 0.8 * full_sent[-1], (sent, full_sent)  # only the LoRA-touched layers are sent again

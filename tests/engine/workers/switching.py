@@ -81,7 +81,8 @@ result["offload_bytes"], result["offload_rss_drop"], result["state_bytes"] = fre
 release_freed_memory()
 memory.reset_peak_rss()
 rss_before = memory.rss_bytes()
-for _ in stream_slices(resident._plan, resident._sources(), device=resident.device, probe_cols=64):
+for _ in stream_slices(next(iter(resident._plans.values())), resident._sources(), device=resident.device,
+                       probe_cols=64):
     pass
 result["sync_stream_peak_extra"] = memory.peak_rss_bytes() - rss_before
 release_freed_memory()

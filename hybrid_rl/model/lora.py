@@ -1,0 +1,101 @@
+"""LoRA on the FSDP actor (peft): the adapter trains, the base weights stay frozen and double as the reference.
+
+Weight sync sends vLLM merged weights, `W + scaling * B @ A`, computed on each rank for the rows it
+holds: FSDP shards `W` and `B` by the same output rows, and `A` (rank x in) is small enough to gather
+whole. After the first sync only the layers LoRA touches change, so only those are sent again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from hybrid_rl.dist.fsdp import local_tensor
+
+ADAPTER = "default"
+
+
+def apply_lora(model: nn.Module, *, rank: int, alpha: float, dropout: float, target_modules: list[str]) -> nn.Module:
+    """Wrap a transformers causal LM with a LoRA adapter (before FSDP sharding); only the adapter trains."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
+                        task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def is_lora(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def hf_name(name: str) -> str:
+    """The base model's weight name for a peft parameter name."""
+    return name.replace("base_model.model.", "", 1).replace(".base_layer.", ".")
+
+
+def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """peft LoRA linear layers by their HF module name."""
+    return {hf_name(n + "."): m for n, m in model.named_modules() if hasattr(m, "lora_A") and ADAPTER in m.lora_A}
+
+
+class LoraWeights:
+    """What the engine syncs from a LoRA actor: merged local shards under HF names."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def changed_names(self) -> set[str]:
+        """HF names of the weights LoRA changes (every other weight is the frozen base)."""
+        return {f"{prefix}weight" for prefix in _lora_layers(self.model)}
+
+    @torch.no_grad()
+    def weights(self) -> Iterator[tuple[str, torch.Tensor, tuple[int, ...]]]:
+        """(HF name, this rank's dim-0 shard, full shape) for every base weight, LoRA layers merged.
+
+        Collective (gathers each `A`): every rank must iterate to the end, in the same order.
+        """
+        layers = _lora_layers(self.model)
+        for name, p in self.model.named_parameters():
+            if ".lora_A." in name or ".lora_B." in name:
+                continue
+            hf = hf_name(name)
+            prefix = hf[: -len("weight")] if hf.endswith(".weight") else None
+            layer = layers.get(prefix)
+            if layer is None:
+                yield hf, local_tensor(p).detach(), tuple(p.shape)
+                continue
+            a = layer.lora_A[ADAPTER].weight
+            a = a.full_tensor() if hasattr(a, "full_tensor") else a
+            b = local_tensor(layer.lora_B[ADAPTER].weight)
+            merged = local_tensor(p).float() + layer.scaling[ADAPTER] * (b.float() @ a.float())
+            yield hf, merged.to(p.dtype), tuple(p.shape)
+
+
+def merge_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A gathered peft state dict -> the merged base model's state dict (HF names), for export."""
+    scaling = {prefix: layer.scaling[ADAPTER] for prefix, layer in _lora_layers(model).items()}
+    out = {}
+    for name, t in full.items():
+        if ".lora_A." in name or ".lora_B." in name:
+            continue
+        hf = hf_name(name)
+        prefix = hf[: -len("weight")] if hf.endswith(".weight") else None
+        if prefix in scaling:
+            a = full[name.replace(".base_layer.weight", f".lora_A.{ADAPTER}.weight")]
+            b = full[name.replace(".base_layer.weight", f".lora_B.{ADAPTER}.weight")]
+            t = (t.float() + scaling[prefix] * (b.float() @ a.float())).to(t.dtype)
+        out[hf] = t
+    return out
+
+
+def save_adapter(model: nn.Module, full: dict[str, torch.Tensor], out_dir) -> None:
+    """The adapter alone, as peft writes it (adapter_config.json + adapter_model.safetensors)."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    model.peft_config[ADAPTER].save_pretrained(str(out_dir))
+    adapter = get_peft_model_state_dict(model, state_dict=full, adapter_name=ADAPTER)
+    save_file({k: v.contiguous() for k, v in adapter.items()}, f"{out_dir}/adapter_model.safetensors",
+              metadata={"format": "pt"})

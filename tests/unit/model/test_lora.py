@@ -1,0 +1,45 @@
+"""LoRA: the disabled adapter is exactly the base model; merging reproduces the adapted model."""
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from hybrid_rl.model.lora import LoraWeights, apply_lora, merge_full_state_dict
+
+
+def _trained_lora(path):
+    torch.manual_seed(0)
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), rank=4, alpha=8.0,
+                       dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(5, 400, (2, 12))
+    for _ in range(3):  # move the adapter away from its zero init
+        model(input_ids=ids).logits.logsumexp(-1).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, ids
+
+
+def test_disabled_adapter_gives_the_base_models_logprobs_exactly(tiny_models):
+    base = AutoModelForCausalLM.from_pretrained(tiny_models["qwen2"], dtype=torch.float32)
+    model, ids = _trained_lora(tiny_models["qwen2"])
+    with torch.no_grad():
+        adapted = model(input_ids=ids).logits
+        with model.disable_adapter():
+            disabled = model(input_ids=ids).logits
+        want = base(input_ids=ids).logits
+    assert not torch.allclose(adapted, want)  # the adapter does change the model ...
+    assert torch.equal(disabled.log_softmax(-1), want.log_softmax(-1))  # ... and disabling it is exact
+
+
+def test_merged_weights_reproduce_the_adapted_model(tiny_models):
+    model, ids = _trained_lora(tiny_models["qwen2"])
+    merged = AutoModelForCausalLM.from_pretrained(tiny_models["qwen2"], dtype=torch.float32)
+    merged.load_state_dict(merge_full_state_dict(model, model.state_dict()))
+    synced = {n: t for n, t, _ in LoraWeights(model).weights()}  # what the engine sends vLLM
+    for name, t in merged.state_dict().items():
+        if name in synced:
+            torch.testing.assert_close(synced[name], t, rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    assert LoraWeights(model).changed_names() == {f"model.layers.{i}.{m}.weight" for i in range(2)
+                                                  for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")}
