@@ -18,10 +18,13 @@ def _metrics(path: Path) -> dict[int, dict]:
     return {d["step"]: d for d in map(json.loads, (path / "metrics.jsonl").read_text().splitlines())}
 
 
-def test_resumed_run_matches_uninterrupted_run_bitwise(tiny_models, task_files, tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_resumed_run_matches_uninterrupted_run_bitwise(tiny_models, task_files, tmp_path, lora):
     # A reward whose scores vary even for a random model, so every step really updates the weights.
     common = {"trainer.seed": 3, "trainer.save_every": 2, "data.val_files": "[]",
               "reward.fn": "tests.e2e.rewards:length_parity"}
+    if lora:  # the checkpoint must save and restore the adapter (and its optimizer state)
+        common.update({"model.lora.rank": 8, "optim.lr": "1e-3"})
     runs = [
         {"name": "straight", "recipe": "grpo",
          "overrides": tiny_overrides(tiny_models["qwen2"], task_files, tmp_path / "straight",
