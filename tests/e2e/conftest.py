@@ -24,6 +24,24 @@ def reward_model(tiny_models, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def model_without_pad_token(tiny_models, tmp_path_factory) -> str:
+    """The tiny model with a tokenizer that has no pad token (like many base-model tokenizers)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("nopad")
+    for f in Path(tiny_models["qwen2"]).iterdir():
+        if f.suffix in (".json", ".safetensors", ".jinja") and not f.name.startswith("tokenizer"):
+            shutil.copy(f, out / f.name)
+    tok = AutoTokenizer.from_pretrained(tiny_models["qwen2"])
+    tok.pad_token = None
+    tok.save_pretrained(out)
+    assert AutoTokenizer.from_pretrained(out).pad_token_id is None
+    return str(out)
+
+
+@pytest.fixture(scope="session")
 def task_files(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("task")
     train, val = write_task(root, n_train=64, n_val=8)

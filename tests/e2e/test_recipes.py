@@ -40,7 +40,8 @@ EXPECTED = {
 }
 
 
-def test_every_recipe_runs_two_steps_and_logs_its_metrics(tiny_models, task_files, reward_model, tmp_path):
+def test_every_recipe_runs_two_steps_and_logs_its_metrics(tiny_models, task_files, reward_model, tmp_path,
+                                                          model_without_pad_token):
     runs = []
     for recipe in ("grpo", "ppo", "dr_grpo", "rloo", "reinforce_pp", "online_dpo"):
         runs.append({"name": recipe, "recipe": recipe,
@@ -56,8 +57,10 @@ def test_every_recipe_runs_two_steps_and_logs_its_metrics(tiny_models, task_file
             tiny_models["qwen2"], task_files, tmp_path / f"{recipe}_lora",
             **{"model.lora.rank": 8, "optim.lr": "1e-3", "reward.fn": "tests.e2e.rewards:length_parity"})})
     # GRPO with a neural reward model added to the rule reward, and with a slow rule reward (overlap).
+    # (with activation checkpointing on, and a tokenizer without a pad token: packing needs none)
     runs.append({"name": "grpo_rm", "recipe": "grpo", "overrides": tiny_overrides(
-        tiny_models["qwen2"], task_files, tmp_path / "grpo_rm", **{"reward.model_path": reward_model})})
+        model_without_pad_token, task_files, tmp_path / "grpo_rm",
+        **{"reward.model_path": reward_model, "model.activation_checkpointing": "true"})})
     runs.append({"name": "grpo_slow_reward", "recipe": "grpo", "overrides": tiny_overrides(
         tiny_models["qwen2"], task_files, tmp_path / "grpo_slow_reward",
         **{"reward.fn": "tests.e2e.rewards:slow", "trainer.total_steps": 1, "data.val_files": "[]"})})
