@@ -25,6 +25,7 @@ from hybrid_rl.engine.vllm_engine import EngineSpec, VLLMEngine
 from hybrid_rl.model.handle import Model
 from hybrid_rl.model.loading import (
     DTYPES,
+    enable_activation_checkpointing,
     load_causal_lm,
     load_config,
     load_critic,
@@ -147,7 +148,7 @@ def _shard(module: torch.nn.Module, cfg: Config, dims: ParallelDims) -> torch.nn
 def _actor(cfg: Config, dims: ParallelDims) -> Model:
     module = load_causal_lm(cfg.model.path)
     if cfg.model.activation_checkpointing:
-        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(module)
     module.config.use_cache = False
     lora = cfg.model.lora
     if lora.rank:

@@ -20,7 +20,7 @@ def check_model_dir(path: str) -> Path:
 
 
 def attn_implementation() -> str:
-    """flash-attn on CUDA where installed (packed sequences run as varlen), else PyTorch SDPA."""
+    """flash-attn on CUDA where installed (packed sequences run as varlen), else SDPA per packed sequence."""
     if torch.cuda.is_available():
         try:
             import flash_attn  # noqa: F401
@@ -28,7 +28,9 @@ def attn_implementation() -> str:
             return "flash_attention_2"
         except ImportError:
             pass
-    return "sdpa"
+    from hybrid_rl.model.attention import register
+
+    return register()
 
 
 def load_causal_lm(path: str, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
@@ -75,3 +77,18 @@ def load_reward_model(path: str, *, device: torch.device | str = "cpu"):
     model = AutoModelForSequenceClassification.from_pretrained(
         path, num_labels=1, dtype=torch.float32, attn_implementation=attn_implementation())
     return model.to(device).eval()
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder block in backward instead of keeping its activations.
+
+    transformers checkpoints a block only when the block's `training` flag is set, and
+    `from_pretrained` returns the model in eval mode. Setting the flag on the blocks alone (not
+    `model.train()`) keeps every dropout off, so log-probs stay deterministic across passes.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for m in model.modules():
+        if isinstance(m, GradientCheckpointingLayer):
+            m.training = True

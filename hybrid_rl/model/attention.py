@@ -1,0 +1,53 @@
+"""Packed attention without flash-attn: PyTorch SDPA run once per sequence of a packed row.
+
+transformers' own SDPA path handles packed input (one row, `position_ids` restarting at 0) with a
+block-diagonal `T x T` mask, which disables SDPA's fused causal kernels, repeats the KV heads for
+GQA and costs attention over the whole packed length: quadratic in the micro-batch, not in each
+sequence. On CPU that made a packed micro-batch slower than padding it. Here each sequence runs
+SDPA with `is_causal=True` and `enable_gqa`, so the cost is the sum of the squares of the
+sequence lengths, as with flash-attn varlen on CUDA, and no per-layer mask is kept for backward.
+
+Anything else (padded batches with a mask, decoding with a KV cache) goes to transformers' SDPA
+unchanged. Registered under `PACKED_SDPA` (the mask builder is SDPA's, which padded batches need).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+PACKED_SDPA = "hybrid_rl_packed_sdpa"
+
+
+def _sequence_bounds(position_ids: torch.Tensor) -> list[int]:
+    """Start offsets of the sequences of one packed row, plus its length."""
+    starts = (position_ids[0] == 0).nonzero().flatten().tolist()
+    return starts + [position_ids.shape[1]]
+
+
+def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """`query` [1, heads, T, d], `key`/`value` [1, kv_heads, T, d] -> ([1, T, heads, d], None)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    position_ids = kwargs.get("position_ids")
+    packed = (position_ids is not None and query.shape[0] == 1 and query.shape[2] == key.shape[2] > 1
+              and int(position_ids[0, 0]) == 0)
+    if not packed:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    bounds = _sequence_bounds(position_ids)
+    gqa = query.shape[1] != key.shape[1]
+    out = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout,
+                                          is_causal=True, scale=scaling, enable_gqa=gqa)
+           for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    return torch.cat(out, dim=2).transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    """Make `PACKED_SDPA` a valid `attn_implementation` (idempotent); returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(PACKED_SDPA, packed_sdpa_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_SDPA, sdpa_mask)
+    return PACKED_SDPA
