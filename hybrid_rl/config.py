@@ -67,7 +67,7 @@ class RolloutConfig:
     release: str = "auto"  # vLLM memory in train mode: auto | keep | sleep | restart
     bucket_mb: float = 256.0  # weights moved per all-to-all during the sync
     verify: bool = True  # checksum every synced weight against what landed in vLLM
-    verify_probe_cols: int = 256
+    verify_probe_cols: int = 32  # columns checked per 2-D weight (every row); they rotate with each sync
     val_greedy: bool = True
 
 
@@ -355,3 +355,22 @@ def to_dict(cfg: Any) -> Any:
     if isinstance(cfg, list):
         return [to_dict(x) for x in cfg]
     return cfg
+
+
+def split_command_line(argv: list[str], default: str = "grpo") -> tuple[str, list[str]]:
+    """Hydra-style arguments: `--config-name NAME` or `--config-name=NAME` (or `-cn NAME`), then `key=value`
+    overrides, as `hybrid_rl.train` and `hybrid_rl.plan` take them."""
+    name, overrides, i = default, [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--config-name="):
+            name = arg.split("=", 1)[1]
+        elif arg in ("--config-name", "-cn"):
+            if i + 1 >= len(argv):
+                raise ConfigError(f"{arg} needs a recipe name, e.g. {arg} grpo")
+            i += 1
+            name = argv[i]
+        else:
+            overrides.append(arg)
+        i += 1
+    return name, overrides

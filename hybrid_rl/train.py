@@ -18,22 +18,12 @@ EXIT_BAD_INPUT = 2
 
 
 def parse_args(argv: list[str]) -> tuple[str, list[str]]:
-    """Hydra-style arguments: `--config-name NAME` or `--config-name=NAME`, then `key=value` overrides."""
-    name, overrides, i = "grpo", [], 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg.startswith("--config-name="):
-            name = arg.split("=", 1)[1]
-        elif arg in ("--config-name", "-cn"):
-            i += 1
-            name = argv[i]
-        elif arg in ("-h", "--help"):
-            print(__doc__)
-            raise SystemExit(0)
-        else:
-            overrides.append(arg)
-        i += 1
-    return name, overrides
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        raise SystemExit(0)
+    from hybrid_rl.config import split_command_line
+
+    return split_command_line(argv)
 
 
 def setup_logging() -> None:
@@ -49,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     from hybrid_rl.config import ConfigError, load_config
 
     setup_logging()
-    name, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        name, overrides = parse_args(sys.argv[1:] if argv is None else argv)
         cfg = load_config(name, overrides)
         check_inputs(cfg, int(os.environ.get("WORLD_SIZE", 1)))
         components = build(cfg)

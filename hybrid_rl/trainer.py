@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -30,6 +33,8 @@ from hybrid_rl.dist.mesh import all_reduce_max, all_reduce_sum
 from hybrid_rl.metrics import MetricsLogger
 from hybrid_rl.model.forward import micro_batches, sequence_scores
 from hybrid_rl.model.lora import is_lora, merge_full_state_dict, save_adapter
+from hybrid_rl.model.phase_peaks import PhasePeaks
+from hybrid_rl.planner import detect_device, plan_for
 from hybrid_rl.types import Sample, TrainBatch
 from hybrid_rl.updates import (
     UpdateSettings,
@@ -40,7 +45,6 @@ from hybrid_rl.updates import (
     values_pass,
     width_of,
 )
-from hybrid_rl.utils import memory
 from hybrid_rl.utils.timer import PhaseTimer
 
 log = logging.getLogger(__name__)
@@ -55,7 +59,9 @@ class Trainer:
         self.c, self.cfg, self.dims = c, c.cfg, c.dims
         a, t = c.cfg.algorithm, c.cfg.trainer
         self.out = Path(t.output_dir)
-        self.timer = PhaseTimer()
+        self.timer, self.peaks = PhaseTimer(), PhasePeaks()
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", c.dims.world))
+        self.plan = plan_for(c.cfg, c.dims.world, device=detect_device(local_ranks=local_ranks))
         self.kl_ctl = AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon) if a.kl_target > 0 \
             else FixedKLController(a.kl_coef)
         self.checkpointer = Checkpointer(self.out / "checkpoints", keep_last=t.keep_last, rank=c.dims.rank,
@@ -79,11 +85,15 @@ class Trainer:
                                      start_step=start + 1 if start else 0, show_progress=t.show_progress)
         signal.signal(signal.SIGTERM, self._request_stop)
         signal.signal(signal.SIGINT, self._request_stop)
+        self._say(self.plan.table())
         if start == 0 and self.c.val_records:
             self._validate(0)
         step = start
         for step in range(start + 1, t.total_steps + 1):
-            self.metrics.log(step, self.step(step))
+            metrics = self.step(step)
+            self.metrics.log(step, metrics)
+            if step == start + 1:  # the first step's measured peaks, beside the prediction
+                self._say(self.plan.table(measured=_measured(metrics)))
             stopping = bool(all_reduce_max([float(self._stop)])[0])
             if stopping or step == t.total_steps or (t.save_every and step % t.save_every == 0):
                 self.save(step)
@@ -104,11 +114,13 @@ class Trainer:
         samples, scores, gen_metrics = self._generate(records, step)
         batch, pass_metrics = self._prepare(samples, scores, step)
         with self.timer.phase("update"):
-            stats, finite = update_actor(self.c.actor, batch, self.cfg.algorithm.objective, self.objective,
-                                         self.updates)
+            with self.peaks.phase("update"):
+                stats, finite = update_actor(self.c.actor, batch, self.cfg.algorithm.objective, self.objective,
+                                             self.updates)
             if self.c.critic is not None:
-                cstats, cfinite = update_critic(self.c.critic, batch, value_clip=self.cfg.algorithm.value_clip,
-                                                loss_agg=self.cfg.algorithm.loss_agg, u=self.updates)
+                with self.peaks.phase("critic_update"):
+                    cstats, cfinite = update_critic(self.c.critic, batch, value_clip=self.cfg.algorithm.value_clip,
+                                                    loss_agg=self.cfg.algorithm.loss_agg, u=self.updates)
                 stats.update(cstats)
                 finite &= cfinite
         self._schedulers_step(stats)
@@ -124,7 +136,7 @@ class Trainer:
         a, n = self.cfg.algorithm, self.cfg.rollout.n
         if a.objective == "dpo" and self.cfg.algorithm.name != "online_dpo":
             return _preference_samples(records), None, {}
-        with self.timer.phase("rollout"), self.c.engine.rollout_mode():
+        with self._phase("rollout"), self.c.engine.rollout_mode():
             samples = self.c.sampler.generate(records, n=n, step=step, group_base=0)
             self._switch_metrics = self._engine_metrics()
             if not a.dynamic_sampling:
@@ -183,20 +195,20 @@ class Trainer:
         if scores is None and c.rewards is not None:
             handle, share = self._submit_scores(samples)
         budget, temp = self.cfg.trainer.micro_batch_tokens, self.cfg.rollout.temperature
-        with self.timer.phase("old_logp"):
+        with self._phase("old_logp"):
             old = logprobs_pass(c.actor.module, local, temperature=temp, budget=budget)
         ref = values = rm = None
         if c.reference is not None:
-            with self.timer.phase("reference"), self._resident("reference", c.reference.module):
+            with self._phase("reference"), self._resident("reference", c.reference.module):
                 ref = logprobs_pass(c.reference.module, local, temperature=temp, budget=budget)
         elif a.use_reference and is_lora(c.actor.module):
-            with self.timer.phase("reference"), c.actor.module.disable_adapter():
+            with self._phase("reference"), c.actor.module.disable_adapter():
                 ref = logprobs_pass(c.actor.module, local, temperature=temp, budget=budget)
         if c.critic is not None:
-            with self.timer.phase("critic"), self._resident("critic", c.critic.module):
+            with self._phase("critic"), self._resident("critic", c.critic.module):
                 values = values_pass(c.critic.module, local, budget=budget)
         if c.reward_model is not None:
-            with self.timer.phase("reward_model"), self._resident("reward_model", c.reward_model.module):
+            with self._phase("reward_model"), self._resident("reward_model", c.reward_model.module):
                 rm = self._rm_scores(local)
         metrics = {}
         if handle is not None:
@@ -308,8 +320,19 @@ class Trainer:
         out["timing/step_s"] = step_s
         out["throughput/tokens_per_s"] = all_tokens / step_s
         out["throughput/generated_tokens_per_s"] = gen_tokens / max(times.get("rollout", 0.0), 1e-9)
-        peak = memory.device_bytes()[1] if torch.cuda.is_available() else memory.peak_rss_bytes()
-        out["memory/peak_gib"] = all_reduce_max([peak / 2**30])[0]
+        out.update(self._memory_metrics())
+        return out
+
+    def _memory_metrics(self) -> dict[str, float]:
+        """Each planned phase's measured peak (max over ranks) beside its prediction, and the step's peak."""
+        measured, step_peak = self.peaks.pop()
+        names = [p.name for p in self.plan.phases]
+        peaks = all_reduce_max([measured.get(n, -1.0) for n in names] + [step_peak])
+        out = {"memory/peak_gib": peaks[-1]}
+        for phase, peak in zip(self.plan.phases, peaks, strict=False):
+            if peak >= 0:  # phases this step ran (the rollout's includes the weight sync)
+                out[f"memory/{phase.name}/peak_gib"] = peak
+                out[f"memory/{phase.name}/plan_gib"] = phase.total / 2**30
         return out
 
     def _validate(self, step: int) -> float:
@@ -359,6 +382,12 @@ class Trainer:
     def _request_stop(self, signum, frame) -> None:
         self._stop = True
 
+    @contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        """Time a phase of the step and record its memory peak."""
+        with self.timer.phase(name), self.peaks.phase(name):
+            yield
+
     def _say(self, msg: str) -> None:
         if self.dims.is_main:
             print(msg, flush=True)
@@ -392,6 +421,12 @@ class _Resident:
 def _mkdir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def _measured(metrics: dict[str, float]) -> dict[str, float]:
+    """Phase -> measured peak GiB, from a step's `memory/<phase>/peak_gib` metrics."""
+    return {k.split("/")[1]: v for k, v in metrics.items() if k.startswith("memory/") and k.endswith("/peak_gib")
+            and k.count("/") == 2}
 
 
 def _my_share(samples: list[Sample], dims, *, paired: bool) -> list[int]:

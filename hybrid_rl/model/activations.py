@@ -6,10 +6,10 @@ bytes (FSDP mixed precision computes in `model.dtype`):
 
 * each RMSNorm keeps a float32 copy of its input, a float32 rsqrt per row and the normalised input
   in `b` (its output is kept by the next linear layer);
-* attention keeps q, k, v and the output (plus a float32 log-sum-exp per head). With SDPA on packed
-  input transformers passes a block-diagonal mask, which turns GQA off (k and v are repeated to every
-  head) and costs T x T x b per layer; flash-attn (varlen) keeps k and v at their own head count and
-  needs no mask;
+* attention keeps q, k, v and the output (plus a float32 log-sum-exp per head), k and v at their
+  own head count: flash-attn varlen on CUDA, and `model/attention.py`'s per-sequence SDPA ("sdpa"
+  here) elsewhere, which also has transformers build one T x T bool mask per forward (unused, never
+  saved);
 * the SwiGLU MLP keeps gate, act(gate), up and their product: 4 x intermediate x b.
 
 Log-probs (`model/logprobs.py`) are computed chunk by chunk in float32, but under autograd every
@@ -63,19 +63,19 @@ def layer_saved_per_token(d: ArchDims, tokens: int, b: int, attention: Attention
     attn = b * (2 * q + 2 * kv) + 4 * d.num_heads  # q, k, v, output (the o_proj input) and log-sum-exp
     if d.qk_norm:
         attn += _norm(q, d.num_heads, b) + _norm(d.num_kv_heads * d.head_dim, d.num_kv_heads, b)
-    mask = b * tokens if attention == "sdpa" else 0
     norms_and_inputs = 2 * (_norm(h, 1, b) + b * h)  # two norms + their outputs kept by the next linear
-    return norms_and_inputs + attn + 4 * d.intermediate_size * b + mask
+    return norms_and_inputs + attn + 4 * d.intermediate_size * b
 
 
 def _kv_width(d: ArchDims, attention: Attention) -> int:
-    """k/v width as attention sees it: SDPA with a mask repeats KV heads to every query head."""
-    return (d.num_heads if attention == "sdpa" else d.num_kv_heads) * d.head_dim
+    """k/v width as attention sees it: both kernels take GQA's KV heads as they are."""
+    return d.num_kv_heads * d.head_dim
 
 
-def _model_level(d: ArchDims, tokens: int, b: int) -> int:
-    """Input ids, rotary cos/sin, the final norm and the head's input."""
-    return tokens * (8 + 2 * d.head_dim * b + _norm(d.hidden_size, 1, b) + b * d.hidden_size)
+def _model_level(d: ArchDims, tokens: int, b: int, attention: Attention) -> int:
+    """Input ids, rotary cos/sin, the final norm, the head's input and (SDPA) the bool mask."""
+    mask = tokens * tokens if attention == "sdpa" else 0
+    return tokens * (8 + 2 * d.head_dim * b + _norm(d.hidden_size, 1, b) + b * d.hidden_size) + mask
 
 
 def _block_backward(d: ArchDims, tokens: int, b: int) -> int:
@@ -89,17 +89,18 @@ def _logits_grad(d: ArchDims, tokens: int, responses: int, b: int, entropy: bool
     * end of forward: the lm_head output and its gathered response rows (`b`), every chunk's saved
       float32 logits (for float32 compute they are views of the gathered rows) and softmax;
     * first chunk of backward: the saved chunks, the zero-padded full-size gradient of one chunk's
-      slice, and four chunk-sized float32 gradients;
+      slice, and two chunk-sized float32 gradients;
     * from the third chunk on, autograd sums slice gradients out of place: three full-size buffers.
     """
     v, chunk = d.vocab_size, min(responses, LOGITS_CHUNK)
     upcast = 1 if b < 4 else 0  # `.float()` of float32 logits is the same tensor, not a copy
     saved = responses * v * 4 * (upcast + (1 if entropy else 0))
     end_of_forward = (tokens + responses) * v * b + saved + (chunk * v * 4 if entropy else 0)
-    first_chunk = saved + responses * v * b + 4 * chunk * v * 4
+    gathered = (1 - upcast) * responses * v * b  # float32: the gathered rows live on as the saved chunks
+    first_chunk = saved + gathered + responses * v * b + 2 * chunk * v * 4
     summing = 0
     if -(-responses // chunk) >= 3:
-        summing = 3 * responses * v * b + (1 - upcast) * responses * v * b + (2 * chunk * v * 4 if entropy else 0)
+        summing = 3 * responses * v * b + gathered + (2 * chunk * v * 4 if entropy else 0)
     return max(end_of_forward, first_chunk, summing)
 
 
@@ -124,7 +125,7 @@ def train_activations(d: ArchDims, tokens: int, *, b: int, attention: Attention,
     else:
         layers = d.num_layers * per_layer
     logits = _logits_grad(d, tokens, responses, b, entropy) if head == "lm" else tokens * 8
-    return ActivationBytes(layers + _model_level(d, tokens, b), logits, transient)
+    return ActivationBytes(layers + _model_level(d, tokens, b, attention), logits, transient)
 
 
 def forward_activations(d: ArchDims, tokens: int, *, b: int, attention: Attention, head: str = "lm",
@@ -132,15 +133,14 @@ def forward_activations(d: ArchDims, tokens: int, *, b: int, attention: Attentio
     """Peak activation memory of one no-grad forward (old log-probs, reference, critic values, reward scores).
 
     Nothing is saved: the residual stream and one block's intermediates are alive at a time, the
-    larger of its attention (q, k, v, output and, with SDPA, the bool mask and its float copy) and
-    its MLP (gate, act, up and their product).
+    larger of its attention (q, k, v, output) and its MLP (gate, act, up and their product), plus
+    (SDPA) the bool mask transformers builds once per forward.
     """
     responses = tokens if responses is None else responses
     h, q = d.hidden_size, d.num_heads * d.head_dim
     residual = tokens * (2 * h * b + 4 * h)  # the block's input, its normalised copy, the float32 norm copy
     attn = tokens * b * (2 * q + 2 * _kv_width(d, attention))
-    if attention == "sdpa":
-        attn += tokens * tokens * (b + 1)
     block = max(attn, tokens * 4 * d.intermediate_size * b)
     logits = _logits_no_grad(d, tokens, responses, b, entropy) if head == "lm" else tokens * 8
-    return ActivationBytes(residual + tokens * 2 * d.head_dim * b, logits, block)
+    mask = tokens * tokens if attention == "sdpa" else 0
+    return ActivationBytes(residual + tokens * 2 * d.head_dim * b + mask, logits, block)

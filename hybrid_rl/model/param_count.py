@@ -18,13 +18,14 @@ from typing import Literal
 
 Head = Literal["lm", "value", "score"]  # causal LM, critic (token classification), reward model (sequence cls.)
 
-_BLOCK = re.compile(r"\.layers\.(\d+)\.")
+_BLOCK = re.compile(r"\.(?:layers|h|blocks)\.(\d+)\.")  # Llama-style, GPT-2-style, others
 
 
 @dataclass(frozen=True)
 class ParamShape:
     name: str
     shape: tuple[int, ...]
+    trainable: bool = True  # False: frozen (a LoRA base weight); no gradient, no optimizer state
 
     @property
     def numel(self) -> int:
@@ -57,17 +58,17 @@ class ArchDims:
 
     @classmethod
     def from_hf_config(cls, config) -> ArchDims:
-        archs = getattr(config, "architectures", None) or [type(config).__name__]
-        heads = config.num_attention_heads
+        heads, hidden = config.num_attention_heads, config.hidden_size
         return cls(
-            architecture=archs[0],
+            architecture=architecture_of(config),
             vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
+            hidden_size=hidden,
+            # Other families name it differently (GPT-2: n_inner, None = 4 x hidden); activations only.
+            intermediate_size=getattr(config, "intermediate_size", None) or 4 * hidden,
             num_layers=config.num_hidden_layers,
             num_heads=heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            head_dim=getattr(config, "head_dim", None) or hidden // heads,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qk_norm=getattr(config, "model_type", "") == "qwen3",
         )
@@ -83,11 +84,15 @@ _BIASES = {
 KNOWN_ARCHITECTURES = tuple(_BIASES)
 
 
+def architecture_of(config) -> str:
+    return (getattr(config, "architectures", None) or [type(config).__name__])[0]
+
+
 def model_params(config, head: Head = "lm") -> list[ParamShape]:
     """Names and shapes of `AutoModelFor{CausalLM,TokenClassification,SequenceClassification}` (num_labels=1)."""
-    dims = ArchDims.from_hf_config(config)
-    if dims.architecture not in _BIASES:
+    if architecture_of(config) not in _BIASES:
         return meta_params(config, head)
+    dims = ArchDims.from_hf_config(config)
     qkv_bias, o_bias, mlp_bias = _BIASES[dims.architecture](config)
     h, i, d = dims.hidden_size, dims.intermediate_size, dims.head_dim
     q, kv = dims.num_heads * d, dims.num_kv_heads * d
@@ -121,6 +126,24 @@ def _head(config, head: Head, dims: ArchDims) -> list[ParamShape]:
     if head == "value" and getattr(config, "token_classification_bias", True):
         w.append(ParamShape("score.bias", (1,)))
     return w
+
+
+def lora_params(params: list[ParamShape], *, rank: int, target_modules: list[str]) -> list[ParamShape]:
+    """The parameters of `peft.get_peft_model(model, LoraConfig(r=rank, target_modules=...))`, in peft's
+    names and order: every base weight frozen, and after each targeted linear's own weight (and bias)
+    a trainable `lora_A` [rank, in] and `lora_B` [out, rank]."""
+    modules = {p.name.rpartition(".")[0]: p for p in params}  # module -> its last parameter
+    out = []
+    for p in params:
+        module, _, leaf = p.name.rpartition(".")
+        targeted = module.rsplit(".", 1)[-1] in target_modules
+        name = f"{module}.base_layer.{leaf}" if targeted else p.name
+        out.append(ParamShape("base_model.model." + name, p.shape, trainable=False))
+        if targeted and modules[module] is p:
+            fan_out, fan_in = next(q.shape for q in params if q.name == module + ".weight")
+            out += [ParamShape(f"base_model.model.{module}.lora_A.default.weight", (rank, fan_in)),
+                    ParamShape(f"base_model.model.{module}.lora_B.default.weight", (fan_out, rank))]
+    return out
 
 
 def meta_params(config, head: Head = "lm") -> list[ParamShape]:

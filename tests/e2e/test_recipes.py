@@ -13,12 +13,13 @@ pytestmark = pytest.mark.slow
 
 COMMON_KEYS = {
     "actor/grad_norm", "actor/lr", "timing/step_s", "timing/update_s", "throughput/tokens_per_s",
-    "memory/peak_gib", "train/skipped_steps",
+    "memory/peak_gib", "train/skipped_steps", "memory/update/peak_gib", "memory/update/plan_gib",
+    "memory/old_logp/peak_gib",
 }
 ROLLOUT_KEYS = {
     "response/length_mean", "response/length_max", "response/clip_ratio", "rollout/logprob_diff_mean",
     "rollout/logprob_diff_max", "timing/rollout_s", "timing/sync_s", "timing/switch_s", "timing/old_logp_s",
-    "sync/bytes_per_rank", "throughput/generated_tokens_per_s",
+    "sync/bytes_per_rank", "throughput/generated_tokens_per_s", "memory/rollout/peak_gib", "memory/rollout/plan_gib",
 }
 REWARD_KEYS = {"reward/mean", "reward/std", "reward/min", "reward/max", "reward/math/mean", "reward/timeouts",
                "reward/errors", "timing/reward_overlap_saved_s"}
@@ -27,7 +28,8 @@ DPO_ACTOR = {"actor/dpo_loss", "actor/reward_accuracy", "actor/reward_margin"}
 EXPECTED = {
     "grpo": ROLLOUT_KEYS | REWARD_KEYS | PPO_ACTOR | {"actor/kl", "timing/reference_s"},
     "ppo": ROLLOUT_KEYS | REWARD_KEYS | PPO_ACTOR | {"actor/kl", "critic/value_loss", "critic/explained_variance",
-                                                    "critic/clip_frac", "timing/critic_s", "actor/kl_coef"},
+                                                    "critic/clip_frac", "timing/critic_s", "actor/kl_coef",
+                                                    "memory/critic_update/peak_gib"},
     "dr_grpo": ROLLOUT_KEYS | REWARD_KEYS | PPO_ACTOR,
     "dapo": ROLLOUT_KEYS | PPO_ACTOR | {"rollout/sampling_rounds", "reward/mean"},
     "rloo": ROLLOUT_KEYS | REWARD_KEYS | PPO_ACTOR | {"actor/kl"},

@@ -1,0 +1,348 @@
+"""Expected memory per rank in each phase of an RL step: numbers in, a `MemoryPlan` out. Pure arithmetic.
+
+Who holds what, as `build.py`, `engine/hybrid.py` and `trainer.py` arrange it:
+
+* Every model is FSDP2-sharded with float32 master weights (frozen ones too); FSDP2 pads dim 0 of
+  each parameter to a multiple of the world size, so a rank holds `ceil(dim0 / W)` rows of each
+  (storage), while AdamW's moments are `zeros_like` of the *unpadded* local shard (rank 0 holds the
+  most). Gradients exist only between the first backward and `zero_grad(set_to_none=True)`.
+* A pass all-gathers one block at a time in `model.dtype` (plus the prefetched next one); the root
+  (embeddings, final norm, head) stays unsharded from forward to the end of backward, and backward
+  holds one block's unsharded grads plus their float32 reduce-scatter input.
+* Rollout: the optimizer state (and, after the weight sync, the actor's params) go to
+  `offload.actor_optim` / `offload.actor_params`; vLLM holds its weights (rollout dtype, 1/TP, vocab
+  padded to 64) and the KV cache. In train mode vLLM is released (`sleep`, `restart`) or stays
+  (`keep`, the CPU default).
+* Reference, critic and reward model go to `offload.<name>` after their pass and come back for it.
+  The critic's optimizer state is never offloaded. On a CPU-only device `cpu` offload frees nothing.
+
+Phases (the trainer's timer names, plus `sync` and `critic_update`): sync, rollout, old_logp,
+reference, critic, reward_model, update, critic_update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from hybrid_rl.model.activations import Attention, forward_activations, train_activations
+from hybrid_rl.model.param_count import ArchDims, Head, ParamShape
+
+GIB = 2**30
+VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this before splitting it over TP ranks
+OFFLOADABLE = ("reference", "critic", "reward_model")  # offloaded after their pass (`offload.<name>`)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model as the planner sees it: every parameter shape, the activation dims and the head."""
+
+    params: tuple[ParamShape, ...]
+    dims: ArchDims
+    head: Head = "lm"
+    lora_rank: int = 0  # > 0: a peft LoRA model (only the adapters train)
+    lora_targets: int = 0  # adapted linear layers per block
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    def block_numel(self, *, trainable: bool = False) -> int:
+        """The largest transformer block (one FSDP unit); `trainable`: only what gets gradients."""
+        sizes: dict[int, int] = {}
+        for p in self.params:
+            if p.block is not None and (p.trainable or not trainable):
+                sizes[p.block] = sizes.get(p.block, 0) + p.numel
+        return max(sizes.values(), default=0)
+
+    def root_numel(self, *, trainable: bool = False) -> int:
+        """Parameters outside the blocks: embeddings, final norm, head (the root FSDP unit)."""
+        return sum(p.numel for p in self.params if p.block is None and (p.trainable or not trainable))
+
+
+@dataclass(frozen=True)
+class ShardBytes:
+    """Bytes one rank holds for one model under FSDP2 (world 1 = the plain model)."""
+
+    params: int  # float32 master shards, dim 0 padded to a multiple of the world size
+    grads: int  # float32, padded like the params (views into FSDP's reduce-scatter output); trainable only
+    optim: int  # AdamW exp_avg + exp_avg_sq of the unpadded local shard + a float32 `step` per trainable tensor
+
+
+def shard_rows(dim0: int, world: int, rank: int) -> tuple[int, int]:
+    """(padded rows, real rows) of FSDP2's Shard(0) for `rank`: chunks of ceil(dim0 / world)."""
+    chunk = -(-dim0 // world)
+    return chunk, max(0, min(chunk, dim0 - rank * chunk))
+
+
+def shard_bytes(params: tuple[ParamShape, ...] | list[ParamShape], world: int, rank: int = 0) -> ShardBytes:
+    padded = trained_padded = trained_local = 0
+    for p in params:
+        dim0 = p.shape[0] if p.shape else 1
+        rest = p.numel // dim0 if dim0 else 0
+        pad_rows, real_rows = shard_rows(dim0, world, rank)
+        padded += pad_rows * rest
+        if p.trainable:
+            trained_padded += pad_rows * rest
+            trained_local += real_rows * rest
+    steps = sum(p.trainable for p in params)
+    return ShardBytes(params=4 * padded, grads=4 * trained_padded, optim=8 * trained_local + 4 * steps)
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    kind: str  # cuda | cpu
+    total_bytes: int  # per rank: a GPU's memory, or host RAM / local ranks
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    enabled: bool  # False: offline DPO without validation never starts vLLM
+    tp: int = 1
+    dtype_bytes: int = 2
+    kv_cache_bytes: int | None = None  # None: gpu_memory_utilization x device - weights (CUDA)
+    gpu_memory_utilization: float = 0.5
+    release: str = "sleep"  # keep | sleep | restart (resolved, never "auto")
+    bucket_bytes: int = 256 * 2**20
+    max_model_len: int = 0  # the longest sequence vLLM must hold (0 = not checked)
+
+
+@dataclass(frozen=True)
+class OffloadSpec:
+    actor_params: str = "none"
+    actor_grads: str = "none"
+    actor_optim: str = "none"
+    reference: str = "none"
+    critic: str = "none"
+    reward_model: str = "none"
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    actor: ModelSpec
+    world: int
+    device: DeviceSpec
+    compute_bytes: int  # model.dtype: FSDP's compute copies and activations
+    pass_tokens: int  # tokens of one no-grad micro-batch (old log-probs, reference, critic, reward model)
+    update_tokens: int  # tokens of one training micro-batch
+    micro_batch_tokens: int  # trainer.micro_batch_tokens (the budget the two above come from)
+    max_sequence_tokens: int  # the longest sample: a micro-batch never holds less than one
+    rollout: RolloutSpec
+    offload: OffloadSpec = OffloadSpec()
+    reference: ModelSpec | None = None
+    critic: ModelSpec | None = None
+    reward_model: ModelSpec | None = None
+    reference_from_actor: bool = False  # LoRA: the reference pass is the actor with its adapter disabled
+    activation_checkpointing: bool = False
+    attention: Attention = "sdpa"
+    entropy: bool = True  # the PPO-clip objective computes token entropies in the update
+
+
+@dataclass(frozen=True)
+class Item:
+    component: str  # actor | reference | critic | reward_model | vllm
+    what: str
+    bytes: int
+    offloaded: str = ""  # the offload target when the item is off the device in this phase
+
+    @property
+    def on_device(self) -> int:
+        return 0 if self.offloaded else self.bytes
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    items: tuple[Item, ...]
+
+    @property
+    def total(self) -> int:
+        return sum(i.on_device for i in self.items)
+
+
+@dataclass(frozen=True)
+class Fix:
+    phase: str
+    setting: str  # what to change, as a command-line override where there is one
+    saves: int
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    inputs: PlanInputs
+    phases: tuple[Phase, ...]
+    notes: tuple[str, ...] = ()
+    fixes: tuple[Fix, ...] = ()  # for each phase that does not fit, largest saving first
+
+    @property
+    def device_bytes(self) -> int:
+        return self.inputs.device.total_bytes
+
+    @property
+    def peak(self) -> Phase:
+        return max(self.phases, key=lambda p: p.total)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak.total <= self.device_bytes
+
+    def phase(self, name: str) -> Phase:
+        return next(p for p in self.phases if p.name == name)
+
+    def memory(self, component: str, rank: int = 0) -> ShardBytes:
+        """Exact per-rank params / grads / optimizer bytes of one model."""
+        spec = getattr(self.inputs, component)
+        return shard_bytes(spec.params, self.inputs.world, rank)
+
+    def table(self, measured: dict[str, float] | None = None) -> str:
+        """The plan as text; `measured` (phase -> peak GiB) adds a row beside the prediction."""
+        from hybrid_rl.model.memory_table import render
+
+        return render(self, measured)
+
+    def verdict(self) -> str:
+        from hybrid_rl.model.memory_table import verdict
+
+        return verdict(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# Estimation
+
+
+def frees_device(target: str, device: DeviceSpec) -> bool:
+    """Does offloading to `target` free device memory? `cpu` on a CPU-only device is a no-op."""
+    return target == "disk" or (target == "cpu" and device.kind == "cuda")
+
+
+def vllm_weight_bytes(spec: ModelSpec, tp: int, dtype_bytes: int) -> int:
+    """vLLM's weights on one TP rank: linear layers split over TP, KV heads replicated when
+    fewer than TP, the vocabulary padded to a multiple of 64 and split, norms replicated."""
+    d, numel = spec.dims, 0
+    kv_rows = max(d.num_kv_heads // tp, 1) * d.head_dim
+    for p in spec.params:
+        if "lora_" in p.name:  # vLLM gets the merged weights, not the adapter
+            continue
+        if "embed_tokens" in p.name or "lm_head" in p.name:
+            padded = -(-p.shape[0] // VOCAB_PADDING) * VOCAB_PADDING
+            numel += -(-padded // tp) * (p.numel // p.shape[0])
+        elif "k_proj" in p.name or "v_proj" in p.name:
+            numel += kv_rows * (p.numel // p.shape[0])
+        elif "norm" in p.name:
+            numel += p.numel
+        else:
+            numel += -(-p.numel // tp)
+    return numel * dtype_bytes
+
+
+def _copies(spec: ModelSpec, b: int, *, train: bool) -> int:
+    """FSDP's unsharded compute copies: the root, the running block and the prefetched one; in
+    backward also one block's unsharded grads, their float32 reduce-scatter input, and the root's grads."""
+    fwd = (spec.root_numel() + 2 * spec.block_numel()) * b
+    if not train:
+        return fwd
+    return fwd + spec.block_numel(trainable=True) * (b + 4) + spec.root_numel(trainable=True) * b
+
+
+def _model_items(name: str, spec: ModelSpec, x: PlanInputs, *, active: str, phase: str) -> list[Item]:
+    """The items of model `name` in `phase`; `active` = "" (idle), "pass" or "train"."""
+    s, b = shard_bytes(spec.params, x.world), x.compute_bytes
+    out = []
+    target = getattr(x.offload, name) if name in OFFLOADABLE else "none"
+    idle_off = target if not active and frees_device(target, x.device) else ""
+    out.append(Item(name, "params (fp32 shard)", s.params, idle_off))
+    if name in ("actor", "critic"):
+        trains = active == "train"
+        optim_off = ""
+        if name == "actor" and phase in ("sync", "rollout") and frees_device(x.offload.actor_optim, x.device):
+            optim_off = x.offload.actor_optim
+        out.append(Item(name, "AdamW states (2 x fp32)", s.optim, optim_off))
+        if trains:
+            out.append(Item(name, "grads (fp32 shard)", s.grads))
+    if active:
+        out.append(Item(name, f"compute copies ({_dtype(b)})", _copies(spec, b, train=active == "train")))
+        out.append(_activations(name, spec, x, train=active == "train"))
+    return out
+
+
+def _activations(name: str, spec: ModelSpec, x: PlanInputs, *, train: bool) -> Item:
+    b, d = x.compute_bytes, spec.dims
+    if train:
+        ckpt = x.activation_checkpointing and name == "actor"  # build.py checkpoints the actor only
+        a = train_activations(d, x.update_tokens, b=b, attention=x.attention, checkpointing=ckpt, head=spec.head,
+                              entropy=x.entropy)
+        # LoRA: each adapted linear also keeps its [T, rank] down-projection for lora_B's backward.
+        extra = 0 if ckpt else d.num_layers * spec.lora_targets * x.update_tokens * spec.lora_rank * b
+        what = f"activations, {x.update_tokens} tok{' (ckpt)' if ckpt else ''}"
+        return Item(name, what, a.total + extra)
+    else:
+        a = forward_activations(d, x.pass_tokens, b=b, attention=x.attention, head=spec.head)
+        what = f"activations, {x.pass_tokens} tok (no grad)"
+    return Item(name, what, a.total)
+
+
+def _dtype(b: int) -> str:
+    return {2: "16-bit", 4: "fp32"}[b]
+
+
+def kv_cache_bytes(x: PlanInputs) -> int:
+    r = x.rollout
+    if r.kv_cache_bytes is not None:
+        return r.kv_cache_bytes
+    return max(0, int(r.gpu_memory_utilization * x.device.total_bytes) - vllm_weight_bytes(x.actor, r.tp,
+                                                                                            r.dtype_bytes))
+
+
+def _vllm_items(x: PlanInputs, phase: str) -> list[Item]:
+    r = x.rollout
+    if not r.enabled:
+        return []
+    released = "" if phase in ("sync", "rollout") or r.release == "keep" else f"released ({r.release})"
+    kv_off = released or ("asleep" if phase == "sync" and r.release == "sleep" else "")
+    weights = vllm_weight_bytes(x.actor, r.tp, r.dtype_bytes)
+    items = [Item("vllm", f"weights ({_dtype(r.dtype_bytes)}, 1/{r.tp} TP)", weights, released),
+             Item("vllm", "KV cache", kv_cache_bytes(x), kv_off)]
+    if phase == "sync":
+        # One bucket out, one in; a bucket never holds more than the weights this rank receives.
+        items.append(Item("vllm", "weight sync buckets (send + receive)", 2 * min(r.bucket_bytes, weights)))
+    return items
+
+
+def _phase(x: PlanInputs, name: str, *, first_step: bool = False) -> Phase:
+    active = {"old_logp": ("actor", "pass"), "update": ("actor", "train"), "critic_update": ("critic", "train"),
+              "reference": ("actor" if x.reference_from_actor else "reference", "pass"), "critic": ("critic", "pass"),
+              "reward_model": ("reward_model", "pass")}.get(name, ("", ""))
+    items: list[Item] = []
+    for comp in ("actor", *OFFLOADABLE):
+        spec = getattr(x, comp)
+        if spec is None:
+            continue
+        mode = active[1] if active[0] == comp else ""
+        got = _model_items(comp, spec, x, active=mode, phase=name)
+        if comp == "actor" and name == "rollout" and frees_device(x.offload.actor_params, x.device):
+            got[0] = dataclasses.replace(got[0], offloaded=x.offload.actor_params)
+        if first_step:  # before its first pass a model has never been offloaded
+            got = [dataclasses.replace(i, offloaded="") if i.component in OFFLOADABLE else i for i in got]
+        items += got
+    return Phase(name, tuple(items + _vllm_items(x, name)))
+
+
+def _phase_names(x: PlanInputs) -> list[str]:
+    names = ["sync", "rollout"] if x.rollout.enabled else []
+    names.append("old_logp")
+    names += [n for n in OFFLOADABLE if getattr(x, n) is not None or (n == "reference" and x.reference_from_actor)]
+    names.append("update")
+    return names + (["critic_update"] if x.critic is not None else [])
+
+
+def estimate(x: PlanInputs, *, with_fixes: bool = True) -> MemoryPlan:
+    """The per-rank memory of every phase, with notes and (when something does not fit) the fixes."""
+    from hybrid_rl.model.memory_advice import fixes_for, notes_for
+
+    phases = tuple(_phase(x, n) for n in _phase_names(x))
+    plan = MemoryPlan(x, phases)
+    first = _phase(x, "rollout", first_step=True) if x.rollout.enabled else None
+    notes = tuple(notes_for(plan, first))
+    fixes = tuple(fixes_for(plan)) if with_fixes else ()
+    return MemoryPlan(x, phases, notes, fixes)

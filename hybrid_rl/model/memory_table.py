@@ -1,0 +1,80 @@
+"""A `MemoryPlan` as text: one row per item, one column per phase, totals, the measured peaks and a verdict.
+
+A cell is the item's size in that phase; the offload target (`cpu`, `disk`), `released` (vLLM in
+train mode) or `asleep` (KV cache during the sync, sleep mode) when the item is held off the
+device there; blank when the item does not exist in that phase.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hybrid_rl.model.memory_advice import fmt, unlisted
+from hybrid_rl.model.memory_plan import GIB
+
+if TYPE_CHECKING:
+    from hybrid_rl.model.memory_plan import MemoryPlan
+
+LABEL = 46
+MIN_CELL = 10
+
+
+def render(plan: MemoryPlan, measured: dict[str, float] | None = None) -> str:
+    """The table; `measured` maps phase names to measured peaks in GiB (phases it lacks stay blank)."""
+    x = plan.inputs
+    unit, scale = ("GiB", GIB) if max(plan.peak.total, plan.device_bytes) >= GIB else ("MiB", 2**20)
+    names = [p.name for p in plan.phases]
+    cell_width = max(MIN_CELL, *(len(n) + 1 for n in names))
+    lines = [_title(plan), "", f"{'per rank, ' + unit:<{LABEL}}" + "".join(f"{n:>{cell_width}}" for n in names)]
+    rows: dict[tuple[str, str], dict[str, str]] = {}
+    for phase in plan.phases:
+        for item in phase.items:
+            cell = item.offloaded[:cell_width - 1] if item.offloaded else f"{item.bytes / scale:.2f}"
+            rows.setdefault((item.component, item.what), {})[phase.name] = cell
+    for (component, what), cells in sorted(rows.items(), key=lambda kv: _order(*kv[0])):
+        lines.append(f"{component + '  ' + what:<{LABEL}.{LABEL}}" + "".join(f"{cells.get(n, ''):>{cell_width}}"
+                                                                           for n in names))
+    lines.append("-" * (LABEL + cell_width * len(names)))
+    lines.append(f"{'total (predicted)':<{LABEL}}" + "".join(f"{p.total / scale:>{cell_width}.2f}" for p in plan.phases))
+    if measured:
+        lines.append(f"{'measured peak':<{LABEL}}" + "".join(
+            f"{measured[n] * GIB / scale:>{cell_width}.2f}" if n in measured else f"{'':>{cell_width}}" for n in names))
+    lines.append(f"{'device memory per rank':<{LABEL}}" + f"{plan.device_bytes / scale:>{cell_width}.2f}")
+    lines += ["", verdict(plan)]
+    lines += [f"  note: {n}" for n in plan.notes]
+    lines.append(f"  {unlisted(x.device.kind)}")
+    return "\n".join(lines)
+
+
+COMPONENTS = ("actor", "reference", "critic", "reward_model", "vllm")
+ITEMS = ("params", "grads", "AdamW", "compute", "activations", "weights", "KV", "weight sync")
+
+
+def _order(component: str, what: str) -> tuple[int, int]:
+    return COMPONENTS.index(component), next((i for i, w in enumerate(ITEMS) if what.startswith(w)), len(ITEMS))
+
+
+def _title(plan: MemoryPlan) -> str:
+    x = plan.inputs
+    r = x.rollout
+    rollout = f", rollout tp={r.tp} release={r.release}" if r.enabled else ", no rollout"
+    return (f"Memory plan per rank: {x.actor.dims.architecture} ({x.actor.numel / 1e6:.1f}M params), world "
+            f"{x.world}, {x.device.name or x.device.kind} with {fmt(plan.device_bytes)}"
+            f", compute {({2: '16-bit', 4: 'fp32'})[x.compute_bytes]}, {x.attention} attention{rollout}")
+
+
+def verdict(plan: MemoryPlan) -> str:
+    peak, device = plan.peak, plan.device_bytes
+    if plan.fits:
+        return (f"FITS: peak {fmt(peak.total)} in {peak.name} of {fmt(device)} per rank "
+                f"({fmt(device - peak.total)} to spare)")
+    lines = []
+    for p in plan.phases:
+        if p.total <= device:
+            continue
+        fixes = [f for f in plan.fixes if f.phase == p.name]
+        what = "; ".join(f"{f.setting} saves {fmt(f.saves)}" for f in fixes) or "no single setting helps"
+        largest = max((i for i in p.items if i.on_device), key=lambda i: i.bytes)
+        lines.append(f"  {p.name} needs {fmt(p.total)} ({fmt(p.total - device)} over; largest item "
+                     f"{largest.component} {largest.what} {fmt(largest.bytes)}): {what}")
+    return f"DOES NOT FIT in {fmt(device)} per rank:\n" + "\n".join(lines)

@@ -1,0 +1,143 @@
+"""The memory plan of a run's configuration: reads the models' config.json only (no weights, no data).
+
+`plan_for(cfg, world)` turns a validated `Config` into `model.memory_plan.PlanInputs` as `build.py`
+would set the run up (LoRA, reference, critic, reward model, offload, rollout release) and returns
+the `MemoryPlan`. Used by `python -m hybrid_rl.plan` and by the trainer, which prints the plan at
+start and logs each phase's measured peak beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from hybrid_rl.config import Config, ConfigError
+from hybrid_rl.model.memory_plan import (
+    GIB,
+    DeviceSpec,
+    MemoryPlan,
+    ModelSpec,
+    OffloadSpec,
+    PlanInputs,
+    RolloutSpec,
+    estimate,
+)
+from hybrid_rl.model.param_count import ArchDims, Head, lora_params, model_params
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+CPU_DEFAULT_KV_GB = 0.5  # build.py's KV cache per rank on CPU when rollout.kv_cache_gb is 0
+LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}  # of one decoder block
+
+
+def plan_for(cfg: Config, world: int, *, device: DeviceSpec | None = None, attention: str = "auto") -> MemoryPlan:
+    """The memory plan of `cfg` on `world` ranks (per rank). Reads the models' config.json only."""
+    device = device or detect_device()
+    actor, lora = _spec(cfg.model.path, "lm"), cfg.model.lora
+    if lora.rank:  # build.py wraps the actor with peft: the base freezes, the adapters train
+        actor = ModelSpec(tuple(lora_params(list(actor.params), rank=lora.rank, target_modules=lora.target_modules)),
+                          actor.dims, "lm", lora.rank, len(set(lora.target_modules) & LINEARS))
+    a = cfg.algorithm
+    inputs = PlanInputs(
+        actor=actor, world=world, device=device, compute_bytes=DTYPE_BYTES[cfg.model.dtype],
+        **_tokens(cfg, world), rollout=_rollout(cfg, device), offload=OffloadSpec(**_offload(cfg)),
+        reference=_spec(cfg.model.path, "lm") if a.use_reference and not lora.rank else None,
+        reference_from_actor=a.use_reference and bool(lora.rank),
+        critic=_spec(cfg.critic.path or cfg.model.path, "value") if a.use_critic else None,
+        reward_model=_spec(cfg.reward.model_path, "score") if cfg.reward.model_path else None,
+        activation_checkpointing=cfg.model.activation_checkpointing,
+        attention=_attention(attention, device), entropy=a.objective == "ppo_clip",
+    )
+    plan = estimate(inputs)
+    return dataclasses.replace(plan, notes=plan.notes + tuple(_config_notes(cfg, actor, device)))
+
+
+def detect_device(kind: str = "auto", *, gib: float | None = None, local_ranks: int = 1) -> DeviceSpec:
+    """This machine's memory per rank (CUDA device 0, or host RAM / local ranks), or `gib` if given."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    kind = ("cuda" if cuda else "cpu") if kind == "auto" else kind
+    if gib is not None:
+        return DeviceSpec(kind, int(gib * GIB), f"{kind} device of {gib:g} GiB (--device-gib)")
+    if kind == "cuda":
+        if not cuda:
+            raise ConfigError("--device cuda on a machine without CUDA: also give its size, e.g. --device-gib 80")
+        props = torch.cuda.get_device_properties(0)
+        return DeviceSpec("cuda", props.total_memory, props.name)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return DeviceSpec("cpu", ram // local_ranks, f"host RAM / {local_ranks} local rank(s)")
+
+
+def _spec(path: str, head: Head) -> ModelSpec:
+    from hybrid_rl.model.loading import load_config
+
+    hf = load_config(path)
+    return ModelSpec(tuple(model_params(hf, head)), ArchDims.from_hf_config(hf), head)
+
+
+def _needs_rollout(cfg: Config) -> bool:
+    offline = cfg.algorithm.objective == "dpo" and cfg.algorithm.name != "online_dpo"
+    return not offline or bool(cfg.data.val_files)  # validation generates with vLLM too
+
+
+def _max_sequence(cfg: Config) -> int:
+    d, r = cfg.data, cfg.rollout
+    if cfg.algorithm.objective == "dpo" and cfg.algorithm.name != "online_dpo":
+        return d.max_prompt_tokens + d.max_response_tokens
+    longest = d.max_prompt_tokens + r.max_new_tokens
+    return min(longest, r.max_model_len) if r.max_model_len else longest
+
+
+def _tokens(cfg: Config, world: int) -> dict[str, int]:
+    """Tokens of one micro-batch: the budget, unless this rank's share is smaller; never under one sample."""
+    seq, budget, a = _max_sequence(cfg), cfg.trainer.micro_batch_tokens, cfg.algorithm
+    per_prompt = 2 if a.objective == "dpo" and a.name != "online_dpo" else cfg.rollout.n
+    share = -(-cfg.data.prompts_per_step * per_prompt // world)
+    mini = -(-share // a.mini_batches)
+    return dict(pass_tokens=max(seq, min(budget, share * seq)), update_tokens=max(seq, min(budget, mini * seq)),
+                micro_batch_tokens=budget, max_sequence_tokens=seq)
+
+
+def _rollout(cfg: Config, device: DeviceSpec) -> RolloutSpec:
+    r, cuda = cfg.rollout, device.kind == "cuda"
+    release = r.release if r.release != "auto" else ("sleep" if cuda else "keep")  # as build.py resolves it
+    kv_gb = r.kv_cache_gb or (None if cuda else CPU_DEFAULT_KV_GB)
+    return RolloutSpec(
+        enabled=_needs_rollout(cfg), tp=r.tp, dtype_bytes=DTYPE_BYTES[r.dtype],
+        kv_cache_bytes=None if kv_gb is None else int(kv_gb * GIB), gpu_memory_utilization=r.gpu_memory_utilization,
+        release=release, bucket_bytes=int(r.bucket_mb * 2**20),
+        max_model_len=r.max_model_len or cfg.data.max_prompt_tokens + r.max_new_tokens,
+    )
+
+
+def _offload(cfg: Config) -> dict[str, str]:
+    return {f.name: getattr(cfg.offload, f.name) for f in dataclasses.fields(OffloadSpec)}
+
+
+def _attention(choice: str, device: DeviceSpec) -> str:
+    if choice != "auto":
+        return choice
+    import torch
+
+    if device.kind == "cuda" and not torch.cuda.is_available():
+        return "flash"  # planning a GPU run from elsewhere: the CUDA install includes flash-attn
+    from hybrid_rl.model.loading import attn_implementation
+
+    return "flash" if attn_implementation() == "flash_attention_2" else "sdpa"
+
+
+def _config_notes(cfg: Config, actor: ModelSpec, device: DeviceSpec) -> list[str]:
+    from hybrid_rl.engine.layout import ARCHITECTURES
+
+    notes = []
+    if cfg.model.lora.rank:
+        adapters = sum(p.numel for p in actor.params if p.trainable)
+        notes.append(f"LoRA rank {cfg.model.lora.rank}: {adapters} adapter parameters train; the reference pass is "
+                     "the actor with the adapter disabled")
+    if actor.dims.architecture not in ARCHITECTURES:
+        notes.append(f"{actor.dims.architecture} has no vLLM weight layout (engine/layout.py): hybrid_rl.train "
+                     "refuses it; sizes come from a meta-device instance")
+    if device.kind == "cpu" and cfg.rollout.release in ("auto", "keep"):
+        notes.append("rollout.release=keep (the CPU default): vLLM's weights and KV cache stay in memory in every "
+                     "phase")
+    return notes

@@ -1,0 +1,40 @@
+"""`python -m hybrid_rl.plan`: the table, the verdict and the exit code, from a recipe and overrides."""
+
+import pytest
+
+from hybrid_rl.plan import EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT, EXIT_FITS, main
+
+
+def _args(path: str, *extra: str) -> list[str]:
+    # The planner reads config.json only: the data file need not exist.
+    return ["--config-name=ppo", f"model.path={path}", "data.train_files=[/nowhere/train.jsonl]", "--world", "2",
+            *extra]
+
+
+def test_a_plan_that_fits_prints_every_phase_and_exits_0(tiny_models, capsys):
+    assert main(_args(tiny_models["qwen2"], "--device-gib", "64")) == EXIT_FITS
+    out = capsys.readouterr().out
+    for phase in ("sync", "rollout", "old_logp", "reference", "critic", "update", "critic_update"):
+        assert phase in out.splitlines()[2].split()
+    assert "FITS: peak" in out and "AdamW states" in out and "KV cache" in out
+
+
+def test_a_plan_that_does_not_fit_names_the_largest_item_and_a_fix(tiny_models, capsys):
+    args = _args(tiny_models["mid"], "--device", "cuda", "--device-gib", "0.3", "trainer.micro_batch_tokens=16384")
+    assert main(args) == EXIT_DOES_NOT_FIT
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "largest item actor activations" in out
+    assert "model.activation_checkpointing=true saves" in out
+
+
+def test_lora_plan_has_no_reference_copy(tiny_models, capsys):
+    assert main(_args(tiny_models["qwen2"], "--device-gib", "64", "model.lora.rank=8")) == EXIT_FITS
+    out = capsys.readouterr().out
+    assert "reference  params" not in out and "adapter parameters train" in out
+
+
+@pytest.mark.parametrize("bad", [["--world", "0"], ["--device-gib", "lots"], ["--device", "tpu"],
+                                 ["trainer.no_such_key=1"]])
+def test_bad_flags_and_keys_exit_2_with_a_message(tiny_models, capsys, bad):
+    assert main(_args(tiny_models["qwen2"], *bad)) == EXIT_BAD_INPUT
+    assert "error:" in capsys.readouterr().err
