@@ -221,7 +221,7 @@ class SyncStats:
 
 def stream_slices(
     plan: ReshardPlan, params: list[SourceParam], *, device: torch.device, group=None,
-    probe_cols: int = 256, sync_index: int = 0, stats: SyncStats | None = None,
+    probe_cols: int = 32, sync_index: int = 0, stats: SyncStats | None = None,
     corrupt: Callable[[int, torch.Tensor], None] | None = None,
 ) -> Iterator[tuple[TPSlice, torch.Tensor]]:
     """Yield (slice, tensor) for every weight this rank's vLLM needs, bucket by bucket.
