@@ -1,0 +1,237 @@
+"""Shared helpers of the benchmark scripts: machine facts, result files, tiny models, torchrun, A/B timing.
+
+Every figure a benchmark reports is a ratio against a baseline measured in the same run on the same
+machine, the two sides alternated (A B A B ...) and summarised by their medians, so that load from
+other jobs on the machine falls on both sides alike. The load average at the start and the end of
+each run goes into its JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+RESULTS = HERE / "results"
+CACHE = HERE / ".cache"  # built models and run outputs (git-ignored: `.cache/`)
+_START = {"load_avg": os.getloadavg(), "time": time.time()}
+
+# Named model sizes: (hidden, layers, heads, kv_heads, intermediate). Params include embeddings.
+SIZES = {
+    "4M": (256, 4, 4, 2, 1024),  # ~4.2M
+    "12M": (256, 12, 4, 2, 1024),  # ~12M
+    "25M": (512, 6, 8, 4, 2048),  # ~24.6M
+}
+
+
+# -- machine and result files ---------------------------------------------------------------------
+
+
+def machine_facts() -> dict:
+    """What a reader needs to compare this result with another: CPU, threads, versions, load."""
+    flags, model = set(), platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model in ("", platform.processor()):
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    facts = {
+        "cpu": model,
+        "cpus": os.cpu_count(),
+        "avx512_bf16": "avx512_bf16" in flags,
+        "amx_bf16": "amx_bf16" in flags,
+        "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "python": platform.python_version(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+    }
+    for mod in ("torch", "vllm", "transformers"):
+        try:
+            facts[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - a missing package is a fact too
+            facts[mod] = None
+    try:
+        import torch
+
+        facts["cuda"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001
+        facts["cuda"] = None
+    return facts
+
+
+def write_result(name: str, payload: dict, *, quick: bool) -> Path:
+    """`benchmarks/results/<name>.json`: the figures plus machine facts, command, date and load."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "benchmark": name,
+        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+        "quick": quick,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "wall_s": round(time.time() - _START["time"], 1),
+        "load_avg_start": [round(x, 2) for x in _START["load_avg"]],
+        "load_avg_end": [round(x, 2) for x in os.getloadavg()],
+        "machine": machine_facts(),
+    }
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"meta": meta, **payload}, indent=2, default=_jsonable) + "\n")
+    print(f"wrote {path.relative_to(REPO)}  (load average {meta['load_avg_start'][0]} -> "
+          f"{meta['load_avg_end'][0]} on {meta['machine']['cpus']} CPUs)")
+    return path
+
+
+def _jsonable(x):
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    return str(x)
+
+
+# -- verdicts and tables --------------------------------------------------------------------------
+
+
+def verdict(value: float, target: float, *, higher_is_better: bool) -> str:
+    ok = value >= target if higher_is_better else value <= target
+    return "met" if ok else "MISSED"
+
+
+def check(label: str, value: float, target: float, *, higher_is_better: bool, unit: str = "x") -> dict:
+    """Print one target line (MISSED is never hidden) and return it for the JSON."""
+    v = verdict(value, target, higher_is_better=higher_is_better)
+    op = ">=" if higher_is_better else "<="
+    print(f"  target {label}: {value:.3g}{unit} (target {op} {target:g}{unit}) -> {v}")
+    return {"what": label, "value": round(value, 4), "target": f"{op} {target:g}", "verdict": v}
+
+
+def table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) -> str:
+    """Rows as an aligned text table; columns are (key, header, format spec)."""
+    cells = [[h for _, h, _ in columns]]
+    for r in rows:
+        cells.append([("-" if r.get(k) is None else format(r[k], f)) for k, _, f in columns])
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    lines = ["  ".join(c[i].rjust(widths[i]) if i else c[i].ljust(widths[i]) for i in range(len(c))) for c in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+# -- timing ---------------------------------------------------------------------------------------
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def alternate(sides: dict[str, Callable[[], float | None]], repeats: int) -> dict[str, list[float]]:
+    """Run the sides in turn, A B A B ..., `repeats` rounds. Each call returns its own measurement (seconds,
+    or a rate) or None, and is then timed here (seconds). Returns each side's measurements, in order."""
+    out: dict[str, list[float]] = {k: [] for k in sides}
+    for _ in range(repeats):
+        for name, fn in sides.items():
+            t0 = time.perf_counter()
+            got = fn()
+            out[name].append(got if got is not None else time.perf_counter() - t0)
+    return out
+
+
+# -- models ---------------------------------------------------------------------------------------
+
+
+def tiny_model(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, *,
+               arch: str = "qwen2") -> Path:
+    """A random-weight model folder built offline once and cached under benchmarks/.cache/models."""
+    from hybrid_rl.model.tiny import TinySpec, build_tiny_model
+
+    spec = TinySpec(arch=arch, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                    intermediate=intermediate)
+    path = CACHE / "models" / f"{arch}_h{hidden}_l{layers}_a{heads}_kv{kv_heads}_i{intermediate}"
+    if not (path / "config.json").exists():
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        build_tiny_model(tmp, spec)
+        tmp.rename(path)
+    return path
+
+
+def sized_model(size: str) -> Path:
+    return tiny_model(*SIZES[size])
+
+
+def param_counts(model_dir: str | Path) -> dict[str, int]:
+    """Parameter counts from config.json: total, embedding, and N = non-embedding + lm_head (the FLOPs count)."""
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    h, L, inter, v = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
+    heads, kv = c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"]
+    hd = c.get("head_dim") or h // heads
+    attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h
+    if c.get("model_type") == "qwen2":
+        attn += heads * hd + 2 * kv * hd  # q/k/v biases
+    layer = attn + 3 * h * inter + 2 * h
+    embed = v * h
+    lm_head = v * h
+    tied = bool(c.get("tie_word_embeddings"))
+    total = embed + L * layer + h + (0 if tied else lm_head)
+    return {"total": total, "embedding": embed, "flops_n": L * layer + h + lm_head}
+
+
+# -- launching ------------------------------------------------------------------------------------
+
+
+def torchrun(script: str | Path, args: Sequence[str], *, nproc: int, timeout: int, tag: str,
+             env: dict | None = None) -> dict:
+    """Run `script args` under torchrun; the worker's rank 0 writes JSON to $HR_BENCH_OUT, returned here.
+
+    On failure the tail of the output is printed and RuntimeError raised.
+    """
+    CACHE.mkdir(parents=True, exist_ok=True)
+    out = CACHE / f"result_{tag}_{os.getpid()}.json"
+    out.unlink(missing_ok=True)
+    full_env = dict(os.environ, HR_BENCH_OUT=str(out), PYTHONUNBUFFERED="1", **(env or {}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+           str(script), *args]
+    proc = subprocess.run(cmd, env=full_env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    log = CACHE / "logs" / f"{tag}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0 or not out.exists():
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
+        print(tail, file=sys.stderr)
+        raise RuntimeError(f"torchrun {Path(script).name} {tag} failed (exit {proc.returncode}); full output: {log}")
+    result = json.loads(out.read_text())
+    out.unlink()
+    return result
+
+
+def worker_write(result: dict) -> None:
+    """Called by a torchrun worker's rank 0."""
+    Path(os.environ["HR_BENCH_OUT"]).write_text(json.dumps(result, default=_jsonable))
+
+
+def matmul_rate(dtype, *, n: int = 1024, seconds: float = 1.0, device=None) -> float:
+    """FLOP/s of a square `torch.matmul` in `dtype` on `device` (default: this rank's device) with the
+    current thread count; the best of repeated calls over `seconds`."""
+    import torch
+
+    from hybrid_rl.dist.mesh import device as default_device
+
+    dev = device or default_device()
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    a = torch.randn(n, n, device=dev).to(dtype)
+    b = torch.randn(n, n, device=dev).to(dtype)
+    torch.matmul(a, b)
+    sync()
+    best, t_end = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        torch.matmul(a, b)
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
