@@ -75,7 +75,7 @@ def build(cfg: Config) -> Components:
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"the tokenizer in model.path={cfg.model.path!r} has no EOS token: generation cannot stop")
     loader, val_records = _datasets(cfg, tokenizer)
-    rewards = _rewards(cfg) if cfg.algorithm.objective != "dpo" or _online(cfg) else None
+    rewards = None if cfg.algorithm.offline_pairs else _rewards(cfg)
 
     actor = _actor(cfg, dims)
     offload = OffloadManager(cfg.offload.dir or Path(cfg.trainer.output_dir) / "offload", rank=dims.rank)
@@ -93,11 +93,6 @@ def build(cfg: Config) -> Components:
                       critic, rm, offload)
 
 
-def _online(cfg: Config) -> bool:
-    """Online DPO: preference pairs come from the policy's own rollouts, ranked by reward."""
-    return cfg.algorithm.objective == "dpo" and cfg.algorithm.name == "online_dpo"
-
-
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -105,7 +100,7 @@ def _seed_everything(seed: int) -> None:
 
 def _datasets(cfg: Config, tokenizer):
     d = cfg.data
-    if cfg.algorithm.objective == "dpo" and not _online(cfg):
+    if cfg.algorithm.offline_pairs:
         train = load_preference_dataset(d.train_files, tokenizer, max_prompt_tokens=d.max_prompt_tokens,
                                         max_response_tokens=d.max_response_tokens, prompt_key=d.prompt_key,
                                         apply_chat_template=d.apply_chat_template)

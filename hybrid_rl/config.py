@@ -102,6 +102,12 @@ class AlgorithmConfig:
     dpo_kind: str = "sigmoid"
     dpo_label_smoothing: float = 0.0
 
+    @property
+    def offline_pairs(self) -> bool:
+        """Offline DPO: preference pairs come from the dataset, so nothing is generated or scored.
+        (`online_dpo` builds its pairs from the policy's own rollouts, ranked by reward.)"""
+        return self.objective == "dpo" and self.name != "online_dpo"
+
 
 @dataclass
 class OptimConfig:

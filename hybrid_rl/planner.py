@@ -76,13 +76,12 @@ def _spec(path: str, head: Head) -> ModelSpec:
 
 
 def _needs_rollout(cfg: Config) -> bool:
-    offline = cfg.algorithm.objective == "dpo" and cfg.algorithm.name != "online_dpo"
-    return not offline or bool(cfg.data.val_files)  # validation generates with vLLM too
+    return not cfg.algorithm.offline_pairs or bool(cfg.data.val_files)  # validation generates with vLLM too
 
 
 def _max_sequence(cfg: Config) -> int:
     d, r = cfg.data, cfg.rollout
-    if cfg.algorithm.objective == "dpo" and cfg.algorithm.name != "online_dpo":
+    if cfg.algorithm.offline_pairs:
         return d.max_prompt_tokens + d.max_response_tokens
     longest = d.max_prompt_tokens + r.max_new_tokens
     return min(longest, r.max_model_len) if r.max_model_len else longest
@@ -91,7 +90,7 @@ def _max_sequence(cfg: Config) -> int:
 def _tokens(cfg: Config, world: int) -> dict[str, int]:
     """Tokens of one micro-batch: the budget, unless this rank's share is smaller; never under one sample."""
     seq, budget, a = _max_sequence(cfg), cfg.trainer.micro_batch_tokens, cfg.algorithm
-    per_prompt = 2 if a.objective == "dpo" and a.name != "online_dpo" else cfg.rollout.n
+    per_prompt = 2 if a.offline_pairs else cfg.rollout.n
     share = -(-cfg.data.prompts_per_step * per_prompt // world)
     mini = -(-share // a.mini_batches)
     return dict(pass_tokens=max(seq, min(budget, share * seq)), update_tokens=max(seq, min(budget, mini * seq)),

@@ -134,7 +134,7 @@ class Trainer:
     def _generate(self, records, step: int) -> tuple[list[Sample], torch.Tensor | None, dict[str, float]]:
         """Samples for this step. Dynamic sampling (DAPO) scores here and keeps only groups with signal."""
         a, n = self.cfg.algorithm, self.cfg.rollout.n
-        if a.objective == "dpo" and self.cfg.algorithm.name != "online_dpo":
+        if a.offline_pairs:
             return _preference_samples(records), None, {}
         with self._phase("rollout"), self.c.engine.rollout_mode():
             samples = self.c.sampler.generate(records, n=n, step=step, group_base=0)
@@ -189,7 +189,7 @@ class Trainer:
     def _prepare(self, samples: list[Sample], scores: torch.Tensor | None, step: int):
         """Reward, reference/critic/old-log-prob passes (overlapped with scoring) and advantages."""
         c, a = self.c, self.cfg.algorithm
-        mine = _my_share(samples, self.dims, paired=a.objective == "dpo" and a.name != "online_dpo")
+        mine = _my_share(samples, self.dims, paired=a.offline_pairs)
         local = [samples[i] for i in mine]
         handle = share = None
         if scores is None and c.rewards is not None:
