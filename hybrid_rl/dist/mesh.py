@@ -63,7 +63,7 @@ def init_distributed(tp: int, *, timeout_s: int = 1800) -> ParallelDims:
     dims = ParallelDims(world, int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), tp)
     if not dist.is_initialized():
         if "MASTER_ADDR" not in os.environ:  # plain `python ...`: a world of one
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                               LOCAL_RANK="0")
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
@@ -72,7 +72,8 @@ def init_distributed(tp: int, *, timeout_s: int = 1800) -> ParallelDims:
     return dims
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (for a single-process or spawned-workers rendezvous)."""
     import socket
 
     with socket.socket() as s:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
 import threading
 import traceback
 from collections.abc import Callable
@@ -21,6 +20,7 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 from hybrid_rl.dist.fsdp import local_tensor, shard_model
+from hybrid_rl.dist.mesh import free_port
 
 Snapshot = dict[str, torch.Tensor]
 
@@ -36,7 +36,7 @@ def spawn(scenario: Callable[..., None], *args: Any, world: int = 2) -> dict:
     _stop_tqdm_monitor()
     start_method = "fork" if threading.active_count() == 1 else "spawn"
     results = mp.Manager().dict()
-    mp.start_processes(_run, args=(scenario, world, _port(), results, args), nprocs=world, join=True,
+    mp.start_processes(_run, args=(scenario, world, free_port(), results, args), nprocs=world, join=True,
                        start_method=start_method)
     return {r: results[r] for r in range(world)}
 
@@ -66,12 +66,6 @@ def _run(rank: int, scenario: Callable[..., None], world: int, port: int, result
     finally:
         results[rank] = record
     dist.destroy_process_group()
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sharded_model(model_dir: str, world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -2,13 +2,13 @@
 and the in-place sink writes into existing parameter storage without moving it."""
 
 import os
-import socket
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hybrid_rl.dist.mesh import free_port
 from hybrid_rl.engine.layout import Layout, ModelDims
 from hybrid_rl.engine.reshard import (
     SourceParam,
@@ -66,16 +66,10 @@ def _worker(rank: int, world: int, tp: int, port: int, results) -> None:
     dist.destroy_process_group()
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_every_rank_receives_exactly_its_tp_slice_from_fsdp_shards():
     world, tp = 4, 2
     results = mp.Manager().dict()
-    mp.spawn(_worker, args=(world, tp, _port(), results), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, tp, free_port(), results), nprocs=world, join=True)
     full_bytes = sum(w.numel() for w in full_weights().values()) * 2  # bf16
     for r in range(world):
         assert results[r]["exact"], f"rank {r} assembled a wrong slice"

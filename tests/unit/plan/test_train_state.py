@@ -6,12 +6,12 @@ padding visible (hidden 128, 64-wide k/v and 32-wide q/k norms do not divide by 
 """
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hybrid_rl.dist.mesh import free_port
 from hybrid_rl.model.memory_plan import shard_bytes
 from hybrid_rl.model.param_count import lora_params, model_params
 
@@ -84,15 +84,9 @@ def _worker(rank: int, world: int, port: int, paths: dict[str, str], results) ->
     dist.destroy_process_group()
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_fsdp2_padded_shards_are_exact_on_every_rank(arch_paths):
     results = mp.Manager().dict()
-    mp.spawn(_worker, args=(WORLD, _port(), dict(arch_paths), results), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(WORLD, free_port(), dict(arch_paths), results), nprocs=WORLD, join=True)
     for rank in range(WORLD):
         for key, (measured, predicted) in results[rank].items():
             assert measured == predicted, (rank, key)
