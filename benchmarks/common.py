@@ -167,19 +167,14 @@ def sized_model(size: str) -> Path:
 
 def param_counts(model_dir: str | Path) -> dict[str, int]:
     """Parameter counts from config.json: total, embedding, and N = non-embedding + lm_head (the FLOPs count)."""
-    c = json.loads((Path(model_dir) / "config.json").read_text())
-    h, L, inter, v = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
-    heads, kv = c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"]
-    hd = c.get("head_dim") or h // heads
-    attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h
-    if c.get("model_type") == "qwen2":
-        attn += heads * hd + 2 * kv * hd  # q/k/v biases
-    layer = attn + 3 * h * inter + 2 * h
-    embed = v * h
-    lm_head = v * h
-    tied = bool(c.get("tie_word_embeddings"))
-    total = embed + L * layer + h + (0 if tied else lm_head)
-    return {"total": total, "embedding": embed, "flops_n": L * layer + h + lm_head}
+    from hybrid_rl.model.loading import load_config
+    from hybrid_rl.model.param_count import model_params
+
+    params = model_params(load_config(str(model_dir)))
+    total = sum(p.numel for p in params)
+    embed = sum(p.numel for p in params if p.name.endswith("embed_tokens.weight"))
+    tied = not any(p.name == "lm_head.weight" for p in params)
+    return {"total": total, "embedding": embed, "flops_n": total if tied else total - embed}  # a tied head = embed
 
 
 # -- launching ------------------------------------------------------------------------------------

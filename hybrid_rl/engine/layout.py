@@ -12,6 +12,7 @@ loader applied to the same full weights.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Literal
@@ -128,10 +129,7 @@ class TPSlice:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 def _even(n: int, tp: int, name: str) -> int:

@@ -12,6 +12,7 @@ its parameters listed. `tests/unit/plan/` compares both paths with the real modu
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Literal
@@ -29,10 +30,7 @@ class ParamShape:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def block(self) -> int | None:
