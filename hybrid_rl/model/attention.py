@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 PACKED_SDPA = "hybrid_rl_packed_sdpa"
 
@@ -27,8 +30,6 @@ def _sequence_bounds(position_ids: torch.Tensor) -> list[int]:
 
 def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """`query` [1, heads, T, d], `key`/`value` [1, kv_heads, T, d] -> ([1, T, heads, d], None)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     position_ids = kwargs.get("position_ids")
     packed = (position_ids is not None and query.shape[0] == 1 and query.shape[2] == key.shape[2] > 1
               and int(position_ids[0, 0]) == 0)
@@ -45,9 +46,6 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: floa
 
 def register() -> str:
     """Make `PACKED_SDPA` a valid `attn_implementation` (idempotent); returns its name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
     AttentionInterface.register(PACKED_SDPA, packed_sdpa_forward)
     ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_SDPA, sdpa_mask)
     return PACKED_SDPA
