@@ -9,8 +9,11 @@ chunks (a few per worker and batch), so the inter-process cost is paid per chunk
 Bounds: each reward call is limited to ``timeout_s`` inside the worker (it then scores 0 and
 counts as a timeout). A sample a worker is still on after ``hard_timeout_s`` (stuck in C code, say)
 counts as a timeout, the pool's processes are killed and replaced, and the other unfinished
-samples are scored again. A worker that dies is replaced the same way; a sample whose worker dies
-three times counts as an error. ``num_workers=0`` scores inline in ``submit`` (for debugging).
+samples are scored again. A worker that dies is replaced the same way. A death takes down every chunk
+in flight, so it does not say which sample was to blame: the unfinished samples become suspects and
+are scored again one at a time, with nothing else in flight. A sample whose worker dies twice while
+it is scored alone counts as an error; the others score normally. ``num_workers=0`` scores inline in
+``submit`` (for debugging).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from hybrid_rl.rewards.rubric import RewardFailure, Rubric, SampleScore, ScoreRe
 
 __all__ = ["RewardPool", "ScoringHandle"]
 
-_MAX_ATTEMPTS = 3  # a sample whose worker died this often is scored 0 as an error
+_MAX_ALONE_DEATHS = 2  # a sample whose worker died this often while it ran alone is scored 0 as an error
 _POLL_S = 0.05
 _CHUNKS_PER_WORKER = 4  # per batch: few enough to amortise the IPC, enough to balance the load
 _MAX_CHUNK = 64
@@ -63,7 +66,11 @@ def _kill_workers(executor: ProcessPoolExecutor) -> list[Any]:
 
 @dataclass
 class _Batch:
-    """State of one batch in the dispatcher: chunks to send, chunks in flight, samples scored."""
+    """State of one batch in the dispatcher: chunks to send, chunks in flight, samples scored.
+
+    ``suspects`` were in flight when a worker died; each runs alone (``alone`` is its chunk in flight)
+    until it scores or has killed its worker ``_MAX_ALONE_DEATHS`` times.
+    """
 
     responses: list[str]
     samples: list[Mapping[str, Any]]
@@ -71,14 +78,18 @@ class _Batch:
     pending: collections.deque[tuple[int, ...]] = field(default_factory=collections.deque)
     inflight: dict[Future[list[SampleScore]], tuple[tuple[int, ...], ProcessPoolExecutor]] = field(default_factory=dict)
     scored: dict[int, SampleScore] = field(default_factory=dict)
-    attempts: collections.Counter[int] = field(default_factory=collections.Counter)
+    suspects: collections.deque[int] = field(default_factory=collections.deque)
+    alone: Future[list[SampleScore]] | None = None
+    deaths: collections.Counter[int] = field(default_factory=collections.Counter)
+    killed: set[ProcessPoolExecutor] = field(default_factory=set)  # killed by the pool itself (a stuck worker)
 
     def __post_init__(self) -> None:
         n, size = len(self.responses), self.chunk_size
         self.pending.extend(tuple(range(i, min(i + size, n))) for i in range(0, n, size))
 
     def fail_unfinished(self, failed: Any, message: str) -> None:
-        unfinished = [i for indices in [*self.pending, *(c for c, _ in self.inflight.values())] for i in indices]
+        chunks = [*self.pending, *(c for c, _ in self.inflight.values()), tuple(self.suspects)]
+        unfinished = [i for indices in chunks for i in indices]
         self.scored.update((i, failed(i, "error", message)) for i in unfinished if i not in self.scored)
 
 
@@ -187,7 +198,7 @@ class RewardPool:
     def _score(self, responses: list[str], samples: list[Mapping[str, Any]]) -> ScoreResult:
         start = time.monotonic()
         batch = _Batch(responses, samples, self._chunk_size(len(responses)))
-        while batch.pending or batch.inflight:
+        while batch.pending or batch.inflight or batch.suspects:
             self._fill(batch)
             if self._closing:
                 batch.fail_unfinished(self._failed, "reward pool closed")
@@ -202,38 +213,58 @@ class RewardPool:
         return max(1, min(_MAX_CHUNK, -(-n // (self.num_workers * _CHUNKS_PER_WORKER))))
 
     def _fill(self, batch: _Batch) -> None:
-        """Keep two chunks per worker in flight."""
+        """Keep two chunks per worker in flight; while there are suspects, run one of them alone."""
+        if batch.suspects:
+            if not batch.inflight and not self._closing:
+                self._send(batch, (batch.suspects.popleft(),), alone=True)
+            return
         while batch.pending and len(batch.inflight) < 2 * self.num_workers and not self._closing:
-            indices = batch.pending.popleft()
-            executor = self._current_executor()
-            chunk = [(i, batch.responses[i], batch.samples[i]) for i in indices if i not in batch.scored]
-            if not chunk:
-                continue
-            try:
-                future = executor.submit(_pool_worker.score_chunk, chunk)
-            except BrokenProcessPool:  # a worker died between batches
+            self._send(batch, batch.pending.popleft())
+
+    def _send(self, batch: _Batch, indices: tuple[int, ...], *, alone: bool = False) -> None:
+        executor = self._current_executor()
+        chunk = [(i, batch.responses[i], batch.samples[i]) for i in indices if i not in batch.scored]
+        if not chunk:
+            return
+        try:
+            future = executor.submit(_pool_worker.score_chunk, chunk)
+        except BrokenProcessPool:  # a worker died between batches: nobody in this batch is to blame
+            if alone:
+                batch.suspects.appendleft(indices[0])
+            else:
                 batch.pending.appendleft(indices)
-                self._replace_if_current(executor)
-                continue
-            batch.inflight[future] = (indices, executor)
+            self._replace_if_current(executor)
+            return
+        batch.inflight[future] = (indices, executor)
+        if alone:
+            batch.alone = future
 
     def _collect(self, batch: _Batch, future: Future[list[SampleScore]]) -> None:
         indices, executor = batch.inflight.pop(future)
+        alone = future is batch.alone
+        if alone:
+            batch.alone = None
         try:
             batch.scored.update((s.index, s) for s in future.result())
-        except BrokenProcessPool:  # a worker died (or we killed a stuck one): score the rest again, alone
-            for index in indices:
-                if index in batch.scored:
-                    continue
-                batch.attempts[index] += 1
-                if batch.attempts[index] >= _MAX_ATTEMPTS:
-                    batch.scored[index] = self._failed(index, "error", "worker process died while scoring")
-                else:
-                    batch.pending.appendleft((index,))
+        except BrokenProcessPool:  # a worker died, or we killed a stuck one: every chunk in flight broke
+            unfinished = tuple(i for i in indices if i not in batch.scored)
+            if executor in batch.killed:  # our own kill: these samples are innocent
+                batch.pending.appendleft(unfinished)
+            elif alone and unfinished:  # it ran with nothing beside it: the death is its own
+                self._blame(batch, unfinished[0])
+            else:
+                batch.suspects.extend(unfinished)
             self._replace_if_current(executor)
         except Exception as err:  # e.g. a sample that cannot be pickled
             message = f"{type(err).__name__}: {err}"[:300]
             batch.scored.update((i, self._failed(i, "error", message)) for i in indices)
+
+    def _blame(self, batch: _Batch, index: int) -> None:
+        batch.deaths[index] += 1
+        if batch.deaths[index] >= _MAX_ALONE_DEATHS:
+            batch.scored[index] = self._failed(index, "error", "worker process died while scoring")
+        else:
+            batch.suspects.appendleft(index)
 
     def _reap_stuck(self, batch: _Batch) -> None:
         stuck = [i for i in _pool_worker.stuck_samples(self._board, self._hard_limit_s) if i not in batch.scored]
@@ -241,6 +272,7 @@ class RewardPool:
             return
         for index in stuck:
             batch.scored[index] = self._failed(index, "timeout", f"worker stuck for over {self._hard_limit_s:g}s")
+        batch.killed.add(self._current_executor())
         self._replace_if_current(self._current_executor())  # the chunks in flight come back broken
 
     def _current_executor(self) -> ProcessPoolExecutor:

@@ -36,6 +36,7 @@ def stuck_in_c(response, sample):
 
 
 def crash(response, sample):
+    time.sleep(float(sample.get("sleep", 0.0)))
     if response == "crash":
         os._exit(3)
     return 1.0

@@ -98,6 +98,17 @@ def test_crashed_worker_is_an_error_for_its_sample_only(user_rewards_module):
     assert again.totals == [1.0]
 
 
+def test_samples_in_flight_beside_a_crash_are_not_blamed_for_it(user_rewards_module):
+    # The crash comes while the other worker is inside an "ok" sample, so every round of the old
+    # retry-together scheme broke the bystander as well and it ended as an error too.
+    rubric = Rubric(_user(user_rewards_module, "crash"))
+    samples = [{"sleep": 0.6}, {"sleep": 0.1}, {"sleep": 0.6}, {"sleep": 0.6}]
+    with RewardPool(rubric, num_workers=2) as pool:
+        result = pool.submit(["ok", "crash", "ok", "ok"], samples).result(timeout=120)
+    assert result.totals == [1.0, 0.0, 1.0, 1.0]
+    assert [(f.index, f.kind) for f in result.failures] == [(1, "error")]
+
+
 def test_zero_workers_scores_inline(user_rewards_module):
     rubric = Rubric(_user(user_rewards_module, "length"))
     with RewardPool(rubric, num_workers=0) as pool:
