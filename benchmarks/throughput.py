@@ -179,9 +179,12 @@ def _phases(r: dict) -> dict[str, float]:
 
 def _flops(cfg: dict, n: int, tokens: float, gen_tokens: float) -> dict[str, tuple[float, str]]:
     """FLOPs of one step by pass, each with the dtype it runs in."""
+    from hybrid_rl.config import AlgorithmConfig
+
     a, train, roll = cfg["algorithm"], cfg["model"]["dtype"], cfg["rollout"]["dtype"]
-    out = {"generate": (2 * n * gen_tokens, roll), "old_logp": (2 * n * tokens, train),
-           "update": (6 * n * tokens * a["ppo_epochs"], train)}
+    out = {"generate": (2 * n * gen_tokens, roll), "update": (6 * n * tokens * a["ppo_epochs"], train)}
+    if not AlgorithmConfig(**a).old_logp_from_update:
+        out["old_logp"] = (2 * n * tokens, train)
     if a["use_reference"]:
         out["reference"] = (2 * n * tokens, train)
     if a["use_critic"]:

@@ -86,6 +86,7 @@ class AlgorithmConfig:
     entropy_coef: float = 0.0
     ppo_epochs: int = 1
     mini_batches: int = 1  # optimizer steps per epoch
+    old_logp_pass: str = "auto"  # auto: skipped when the update's own forward gives the same numbers | always
     use_reference: bool = True
     kl_coef: float = 0.001
     kl_estimator: str = "low_var_kl"
@@ -107,6 +108,17 @@ class AlgorithmConfig:
         """Offline DPO: preference pairs come from the dataset, so nothing is generated or scored.
         (`online_dpo` builds its pairs from the policy's own rollouts, ranked by reward.)"""
         return self.objective == "dpo" and self.name != "online_dpo"
+
+    @property
+    def old_logp_from_update(self) -> bool:
+        """Take the old log-probs from the update's own forward pass instead of a separate pass.
+
+        Exact when the batch gets one optimizer step (one epoch, one mini-batch): every micro-batch's
+        forward then runs on the pre-update weights, which is what the separate pass would compute. Not
+        with the KL penalty in the reward, whose advantages need the log-probs before the update.
+        """
+        one_step = self.ppo_epochs == 1 and self.mini_batches == 1
+        return self.old_logp_pass == "auto" and one_step and not self.kl_in_reward
 
 
 @dataclass
@@ -297,6 +309,7 @@ CHOICES = {
     "algorithm.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
     "algorithm.kl_estimator": ("k1", "abs", "k2", "k3", "low_var_kl"),
     "algorithm.dpo_kind": ("sigmoid", "ipo", "hinge"),
+    "algorithm.old_logp_pass": ("auto", "always"),
     "optim.schedule": ("constant", "cosine", "linear"),
     "trainer.resume": ("auto", "never"),
     **{f"offload.{k}": ("none", "cpu", "disk")

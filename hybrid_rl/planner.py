@@ -46,6 +46,7 @@ def plan_for(cfg: Config, world: int, *, device: DeviceSpec | None = None, atten
         reward_model=_spec(cfg.reward.model_path, "score") if cfg.reward.model_path else None,
         activation_checkpointing=cfg.model.activation_checkpointing,
         attention=_attention(attention, device), entropy=a.objective == "ppo_clip",
+        old_logp_pass=not a.old_logp_from_update,
     )
     plan = estimate(inputs)
     return dataclasses.replace(plan, notes=plan.notes + tuple(_config_notes(cfg, actor, device)))

@@ -2,8 +2,8 @@
 
 Every rank runs the same code (SPMD). Rollout is data-parallel over vLLM TP groups and every rank
 ends up with every sample; each rank then scores one share in reward worker processes while it
-runs its model passes (old log-probs, reference, critic, reward model) on a token-balanced
-training share; advantages are computed on the whole batch, identically on every rank; the update
+runs its model passes (old log-probs unless the update gives them, reference, critic, reward model)
+on a token-balanced training share; advantages are computed on the whole batch, identically on every rank; the update
 trains each rank's share with FSDP. Weights reach vLLM at the start of the next rollout.
 """
 
@@ -113,6 +113,7 @@ class Trainer:
         records = next(self.c.train_loader)
         samples, scores, gen_metrics = self._generate(records, step)
         batch, pass_metrics = self._prepare(samples, scores, step)
+        from_update = batch.old_logp is None
         with self.timer.phase("update"):
             with self.peaks.phase("update"):
                 stats, finite = update_actor(self.c.actor, batch, self.cfg.algorithm.objective, self.objective,
@@ -123,6 +124,8 @@ class Trainer:
                                                     loss_agg=self.cfg.algorithm.loss_agg, u=self.updates)
                 stats.update(cstats)
                 finite &= cfinite
+        if from_update:  # the old log-probs came with the update: their metrics come now
+            pass_metrics.update(self._old_logp_metrics(batch, bool(samples[0].rollout_logprobs)))
         self._schedulers_step(stats)
         self._track_finite(finite, step)
         metrics = {**gen_metrics, **pass_metrics, **stats, **self._timings(time.perf_counter() - t0, samples)}
@@ -195,8 +198,10 @@ class Trainer:
         if scores is None and c.rewards is not None:
             handle, share = self._submit_scores(samples)
         budget, temp = self.cfg.trainer.micro_batch_tokens, self.cfg.rollout.temperature
-        with self._phase("old_logp"):
-            old = logprobs_pass(c.actor.module, local, temperature=temp, budget=budget)
+        old = None  # None: the update's own forward pass gives them (see AlgorithmConfig.old_logp_from_update)
+        if not a.old_logp_from_update:
+            with self._phase("old_logp"):
+                old = logprobs_pass(c.actor.module, local, temperature=temp, budget=budget)
         ref = values = rm = None
         if c.reference is not None:
             with self._phase("reference"), self._resident("reference", c.reference.module):
@@ -232,9 +237,9 @@ class Trainer:
             lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
             scores = scores + overlong_penalty(lengths, self.cfg.rollout.max_new_tokens, a.overlong_buffer,
                                                a.overlong_penalty)
-        g_old = _global(old, mine, n, width)
+        g_old = None if old is None else _global(old, mine, n, width)
         g_ref = None if ref is None else _global(ref, mine, n, width)
-        kl_tok = None if g_ref is None else kl(g_old, g_ref, a.kl_estimator, mask=mask)
+        kl_tok = None if g_ref is None or g_old is None else kl(g_old, g_ref, a.kl_estimator, mask=mask)
         returns = g_values = pairs = None
         groups = [s.group for s in samples]
         if a.objective == "dpo":
@@ -256,10 +261,19 @@ class Trainer:
             self._kl_now = float((kl_tok * mask).sum() / mask.sum().clamp(min=1))
         metrics.update(_rollout_metrics(samples, scores, mine, old, self.dims))
         sel = torch.tensor(mine, dtype=torch.long)
-        batch = TrainBatch([samples[i] for i in mine], mask[sel], scores[sel], g_old[sel], adv[sel],
-                           None if g_ref is None else g_ref[sel], None if g_values is None else g_values[sel],
-                           None if returns is None else returns[sel], _local_pairs(pairs, mine))
+        rows = lambda x: None if x is None else x[sel]  # noqa: E731
+        batch = TrainBatch([samples[i] for i in mine], mask[sel], scores[sel], rows(g_old), adv[sel], rows(g_ref),
+                           rows(g_values), rows(returns), _local_pairs(pairs, mine))
         return batch, metrics
+
+    def _old_logp_metrics(self, batch: TrainBatch, sampled: bool) -> dict[str, float]:
+        """Log-prob difference to the rollout and KL to the reference, from this rank's share, reduced."""
+        out = _logprob_diff_metrics(batch.samples, batch.old_logp) if sampled else {}
+        if batch.ref_logp is not None:
+            k = kl(batch.old_logp, batch.ref_logp, self.cfg.algorithm.kl_estimator, mask=batch.mask)
+            total, count = all_reduce_sum([float((k * batch.mask).sum()), float(batch.mask.sum())])
+            self._kl_now = total / max(count, 1.0)
+        return out
 
     def _export(self) -> None:
         """The policy as a Hugging Face folder; with LoRA, merged, plus the adapter alone in export/adapter."""
@@ -494,16 +508,23 @@ def _reward_metrics(scored: _ScoreSet) -> dict[str, float]:
     return out
 
 
-def _rollout_metrics(samples: list[Sample], scores: torch.Tensor, mine: list[int], old: torch.Tensor, dims):
+def _logprob_diff_metrics(local: list[Sample], old: torch.Tensor) -> dict[str, float]:
+    """How far the training model's log-probs (this rank's share, rows in order) are from vLLM's.
+
+    A collective: every rank calls it (with its share, perhaps empty) or none does."""
+    diffs = [abs(o - r) for i, s in enumerate(local) for o, r in zip(old[i].tolist(), s.rollout_logprobs,
+                                                                      strict=False)]
+    total, count = all_reduce_sum([sum(diffs), len(diffs)])
+    return {"rollout/logprob_diff_mean": total / max(count, 1),
+            "rollout/logprob_diff_max": all_reduce_max([max(diffs, default=0.0)])[0]}
+
+
+def _rollout_metrics(samples: list[Sample], scores: torch.Tensor, mine: list[int], old: torch.Tensor | None, dims):
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
     out = {"response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
            "response/clip_ratio": sum(s.truncated for s in samples) / len(samples)}
     if "reward/mean" not in out:
         out.setdefault("reward/mean", float(scores.mean()))
-    diffs = [abs(o - r) for i, j in enumerate(mine) for o, r in zip(old[i].tolist(), samples[j].rollout_logprobs,
-                                                                     strict=False)]
-    if samples[0].rollout_logprobs:
-        total, count = all_reduce_sum([sum(diffs), len(diffs)])
-        out["rollout/logprob_diff_mean"] = total / max(count, 1)
-        out["rollout/logprob_diff_max"] = all_reduce_max([max(diffs, default=0.0)])[0]
+    if old is not None and samples[0].rollout_logprobs:
+        out.update(_logprob_diff_metrics([samples[j] for j in mine], old))
     return {k: v for k, v in out.items() if math.isfinite(v)}

@@ -48,7 +48,7 @@ class TrainBatch:
     samples: list[Sample]
     mask: torch.Tensor  # [B, T] bool, real response tokens
     scores: torch.Tensor  # [B] outcome reward
-    old_logp: torch.Tensor  # [B, T] training model's log-probs before the update
+    old_logp: torch.Tensor | None  # [B, T] training model's log-probs before the update (None: the update's own)
     advantages: torch.Tensor  # [B, T]
     ref_logp: torch.Tensor | None = None  # [B, T]
     values: torch.Tensor | None = None  # [B, T] critic values before the update
@@ -59,5 +59,5 @@ class TrainBatch:
         """The rows `idx` (a mini-batch), every tensor sliced alike."""
         t = torch.tensor(idx, dtype=torch.long)
         pick = lambda x: None if x is None else x[t]  # noqa: E731
-        return TrainBatch([self.samples[i] for i in idx], self.mask[t], self.scores[t], self.old_logp[t],
+        return TrainBatch([self.samples[i] for i in idx], self.mask[t], self.scores[t], pick(self.old_logp),
                           self.advantages[t], pick(self.ref_logp), pick(self.values), pick(self.returns), None)

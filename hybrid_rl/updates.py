@@ -104,7 +104,17 @@ class StepStats:
 
 def update_actor(actor: Model, batch: TrainBatch, objective: str, settings: ObjectiveSettings,
                  u: UpdateSettings) -> tuple[dict[str, float], bool]:
-    """PPO-style epochs over mini-batches; returns (stats, finite). A non-finite step is not applied."""
+    """PPO-style epochs over mini-batches; returns (stats, finite). A non-finite step is not applied.
+
+    ``batch.old_logp`` None: the batch gets one optimizer step, so each micro-batch's own log-probs,
+    detached, are the old ones (ratio 1, as a separate pass would give); they are kept in
+    ``batch.old_logp`` for the step's metrics.
+    """
+    reuse = batch.old_logp is None
+    if reuse and u.epochs * u.mini_batches != 1:
+        raise ValueError("old log-probs can come from the update only when it makes one optimizer step, "
+                         f"not {u.epochs} epochs x {u.mini_batches} mini-batches")
+    seen = torch.zeros(batch.mask.shape) if reuse else None
     loss_fn, stats, finite = get_objective(objective), StepStats(), True
     grad_norms = []
     for _ in range(u.epochs):
@@ -117,15 +127,19 @@ def update_actor(actor: Model, batch: TrainBatch, objective: str, settings: Obje
                 logp, ent = out if want_entropy else (out, None)
                 w = logp.shape[1]
                 dev = logp.device
-                x = MicroInputs(logp, ent, _rows(sub.mask, mb, w, dev), _rows(sub.old_logp, mb, w, dev),
-                                _rows(sub.advantages, mb, w, dev), _rows(sub.ref_logp, mb, w, dev),
-                                _local_pairs(sub, mb))
+                if seen is not None:  # one mini-batch of all rows: mb.indices index the batch
+                    seen[mb.indices, :w] = logp.detach().float().cpu()
+                old = logp.detach() if reuse else _rows(sub.old_logp, mb, w, dev)
+                x = MicroInputs(logp, ent, _rows(sub.mask, mb, w, dev), old, _rows(sub.advantages, mb, w, dev),
+                                _rows(sub.ref_logp, mb, w, dev), _local_pairs(sub, mb))
                 loss, s = loss_fn(x, settings, denoms)
                 (loss * u.world).backward()
                 stats.add(s, float(x.mask.sum()))
             norm, ok = _step(actor, u.grad_clip)
             grad_norms.append(norm)
             finite &= ok
+    if seen is not None:
+        batch.old_logp = seen
     out = stats.means("actor")
     out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
     out["actor/lr"] = actor.optimizer.param_groups[0]["lr"]

@@ -137,6 +137,7 @@ class PlanInputs:
     activation_checkpointing: bool = False
     attention: Attention = "sdpa"
     entropy: bool = True  # the PPO-clip objective computes token entropies in the update
+    old_logp_pass: bool = True  # False: the update's own forward gives the old log-probs
 
 
 @dataclass(frozen=True)
@@ -330,7 +331,8 @@ def _phase(x: PlanInputs, name: str, *, first_step: bool = False) -> Phase:
 
 def _phase_names(x: PlanInputs) -> list[str]:
     names = ["sync", "rollout"] if x.rollout.enabled else []
-    names.append("old_logp")
+    if x.old_logp_pass:
+        names.append("old_logp")
     names += [n for n in OFFLOADABLE if getattr(x, n) is not None or (n == "reference" and x.reference_from_actor)]
     names.append("update")
     return names + (["critic_update"] if x.critic is not None else [])

@@ -19,6 +19,15 @@ def test_a_plan_that_fits_prints_every_phase_and_exits_0(tiny_models, capsys):
     assert "FITS: peak" in out and "AdamW states" in out and "KV cache" in out
 
 
+def test_grpo_plan_has_no_old_logprob_pass_unless_asked_for(tiny_models, capsys):
+    # One optimizer step per batch: the update's own forward gives the old log-probs.
+    grpo = ["--config-name=grpo", f"model.path={tiny_models['qwen2']}", "data.train_files=[/x.jsonl]", "--world", "2"]
+    assert main(grpo) == EXIT_FITS
+    assert "old_logp" not in capsys.readouterr().out.splitlines()[2].split()
+    assert main([*grpo, "algorithm.old_logp_pass=always"]) == EXIT_FITS
+    assert "old_logp" in capsys.readouterr().out.splitlines()[2].split()
+
+
 def test_a_plan_that_does_not_fit_names_the_largest_item_and_a_fix(tiny_models, capsys):
     args = _args(tiny_models["mid"], "--device", "cuda", "--device-gib", "0.3", "trainer.micro_batch_tokens=16384")
     assert main(args) == EXIT_DOES_NOT_FIT

@@ -6,18 +6,9 @@ from transformers import AutoModelForCausalLM
 
 from hybrid_rl.algos.objectives import MicroInputs, ObjectiveSettings, ppo_clip
 from hybrid_rl.model.forward import micro_batches, policy_logprobs
-from hybrid_rl.types import Sample, TrainBatch
+from hybrid_rl.types import TrainBatch
 from hybrid_rl.updates import _denominators, _rows, response_mask
-
-
-def _samples(n: int) -> list[Sample]:
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for i in range(n):
-        p = torch.randint(5, 400, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
-        r = torch.randint(5, 400, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
-        out.append(Sample(tuple(p), tuple(r), (), False, i // 2, i, {}, ""))
-    return out
+from tests.unit.trainer.samples import random_samples
 
 
 def _grads(model, batch: TrainBatch, budget: int, agg: str) -> list[torch.Tensor]:
@@ -39,7 +30,7 @@ def _grads(model, batch: TrainBatch, budget: int, agg: str) -> list[torch.Tensor
 def test_micro_batch_of_one_and_of_four_give_equal_gradients(tiny_models, agg):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_models["qwen2"], dtype=torch.float32)
-    samples = _samples(8)
+    samples = random_samples(8)
     width = max(len(s.response_ids) for s in samples)
     mask = response_mask(samples, width)
     with torch.no_grad():
