@@ -3,8 +3,8 @@
 Every rank runs the same code (SPMD). Rollout is data-parallel over vLLM TP groups and every rank
 ends up with every sample; each rank then scores one share in reward worker processes while it
 runs its model passes (old log-probs unless the update gives them, reference, critic, reward model)
-on a token-balanced training share; advantages are computed on the whole batch, identically on every rank; the update
-trains each rank's share with FSDP. Weights reach vLLM at the start of the next rollout.
+on a token-balanced training share; advantages are computed on the whole batch, identically on every
+rank; the update trains each rank's share with FSDP. Weights reach vLLM at the start of the next rollout.
 """
 
 from __future__ import annotations
@@ -113,7 +113,6 @@ class Trainer:
         records = next(self.c.train_loader)
         samples, scores, gen_metrics = self._generate(records, step)
         batch, pass_metrics = self._prepare(samples, scores, step)
-        from_update = batch.old_logp is None
         with self.timer.phase("update"):
             with self.peaks.phase("update"):
                 stats, finite = update_actor(self.c.actor, batch, self.cfg.algorithm.objective, self.objective,
@@ -124,9 +123,10 @@ class Trainer:
                                                     loss_agg=self.cfg.algorithm.loss_agg, u=self.updates)
                 stats.update(cstats)
                 finite &= cfinite
-        if from_update:  # the old log-probs came with the update: their metrics come now
-            pass_metrics.update(self._old_logp_metrics(batch, bool(samples[0].rollout_logprobs)))
-        self._schedulers_step(stats)
+        # After the update: when it gave the old log-probs itself, they exist only now.
+        old_metrics, kl_mean = self._old_logp_metrics(batch, bool(samples[0].rollout_logprobs))
+        pass_metrics.update(old_metrics)
+        self._schedulers_step(stats, kl_mean)
         self._track_finite(finite, step)
         metrics = {**gen_metrics, **pass_metrics, **stats, **self._timings(time.perf_counter() - t0, samples)}
         metrics["train/skipped_steps"] = float(self.skipped_steps)
@@ -239,14 +239,14 @@ class Trainer:
                                                a.overlong_penalty)
         g_old = None if old is None else _global(old, mine, n, width)
         g_ref = None if ref is None else _global(ref, mine, n, width)
-        kl_tok = None if g_ref is None or g_old is None else kl(g_old, g_ref, a.kl_estimator, mask=mask)
+        kl_tok = kl(g_old, g_ref, a.kl_estimator, mask=mask) if a.kl_in_reward and g_ref is not None else None
         returns = g_values = pairs = None
         groups = [s.group for s in samples]
         if a.objective == "dpo":
             adv = torch.zeros(n, width)
             pairs = _pairs(samples, scores, groups, a.name == "online_dpo")
         elif a.advantage in ("gae", "reinforce_pp"):
-            coef = self.kl_ctl.value if (a.kl_in_reward and kl_tok is not None) else 0.0
+            coef = self.kl_ctl.value if kl_tok is not None else 0.0
             rewards = token_rewards(scores, mask, kl_tok, coef)
             if a.advantage == "gae":
                 g_values = _global(values, mine, n, width)
@@ -257,23 +257,22 @@ class Trainer:
             adv = ADVANTAGES["grpo"](scores, groups, mask, norm_by_std=a.norm_by_std)
         else:
             adv = ADVANTAGES[a.advantage](scores, groups, mask)
-        if kl_tok is not None:
-            self._kl_now = float((kl_tok * mask).sum() / mask.sum().clamp(min=1))
-        metrics.update(_rollout_metrics(samples, scores, mine, old, self.dims))
+        metrics.update(_rollout_metrics(samples, scores))
         sel = torch.tensor(mine, dtype=torch.long)
         rows = lambda x: None if x is None else x[sel]  # noqa: E731
         batch = TrainBatch([samples[i] for i in mine], mask[sel], scores[sel], rows(g_old), adv[sel], rows(g_ref),
                            rows(g_values), rows(returns), _local_pairs(pairs, mine))
         return batch, metrics
 
-    def _old_logp_metrics(self, batch: TrainBatch, sampled: bool) -> dict[str, float]:
-        """Log-prob difference to the rollout and KL to the reference, from this rank's share, reduced."""
+    def _old_logp_metrics(self, batch: TrainBatch, sampled: bool) -> tuple[dict[str, float], float | None]:
+        """Log-prob difference to the rollout (if `sampled`) and the mean KL to the reference (None without
+        one), from this rank's share of the old log-probs, reduced over ranks."""
         out = _logprob_diff_metrics(batch.samples, batch.old_logp) if sampled else {}
-        if batch.ref_logp is not None:
-            k = kl(batch.old_logp, batch.ref_logp, self.cfg.algorithm.kl_estimator, mask=batch.mask)
-            total, count = all_reduce_sum([float((k * batch.mask).sum()), float(batch.mask.sum())])
-            self._kl_now = total / max(count, 1.0)
-        return out
+        if batch.ref_logp is None:
+            return out, None
+        k = kl(batch.old_logp, batch.ref_logp, self.cfg.algorithm.kl_estimator, mask=batch.mask)
+        total, count = all_reduce_sum([float((k * batch.mask).sum()), float(batch.mask.sum())])
+        return out, total / max(count, 1.0)
 
     def _export(self) -> None:
         """The policy as a Hugging Face folder; with LoRA, merged, plus the adapter alone in export/adapter."""
@@ -297,14 +296,14 @@ class Trainer:
         """Bring an offloaded frozen model in for its pass and send it back out afterwards."""
         return _Resident(self.c.offload, name, module, getattr(self.cfg.offload, name))
 
-    def _schedulers_step(self, stats: dict[str, float]) -> None:
+    def _schedulers_step(self, stats: dict[str, float], kl_mean: float | None) -> None:
         for m in (self.c.actor, self.c.critic):
             if m is not None and m.scheduler is not None:
                 m.scheduler.step()
-        if hasattr(self, "_kl_now"):
+        if kl_mean is not None:
             stats["actor/kl_coef"] = self.kl_ctl.value
-            stats["actor/kl_mean"] = self._kl_now
-            self.kl_ctl.update(self._kl_now, self.cfg.data.prompts_per_step)
+            stats["actor/kl_mean"] = kl_mean
+            self.kl_ctl.update(kl_mean, self.cfg.data.prompts_per_step)
 
     def _track_finite(self, finite: bool, step: int) -> None:
         if finite:
@@ -515,16 +514,13 @@ def _logprob_diff_metrics(local: list[Sample], old: torch.Tensor) -> dict[str, f
     diffs = [abs(o - r) for i, s in enumerate(local) for o, r in zip(old[i].tolist(), s.rollout_logprobs,
                                                                       strict=False)]
     total, count = all_reduce_sum([sum(diffs), len(diffs)])
-    return {"rollout/logprob_diff_mean": total / max(count, 1),
-            "rollout/logprob_diff_max": all_reduce_max([max(diffs, default=0.0)])[0]}
+    out = {"rollout/logprob_diff_mean": total / max(count, 1),
+           "rollout/logprob_diff_max": all_reduce_max([max(diffs, default=0.0)])[0]}
+    return {k: v for k, v in out.items() if math.isfinite(v)}
 
 
-def _rollout_metrics(samples: list[Sample], scores: torch.Tensor, mine: list[int], old: torch.Tensor | None, dims):
+def _rollout_metrics(samples: list[Sample], scores: torch.Tensor) -> dict[str, float]:
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
     out = {"response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
-           "response/clip_ratio": sum(s.truncated for s in samples) / len(samples)}
-    if "reward/mean" not in out:
-        out.setdefault("reward/mean", float(scores.mean()))
-    if old is not None and samples[0].rollout_logprobs:
-        out.update(_logprob_diff_metrics([samples[j] for j in mine], old))
+           "response/clip_ratio": sum(s.truncated for s in samples) / len(samples), "reward/mean": float(scores.mean())}
     return {k: v for k, v in out.items() if math.isfinite(v)}

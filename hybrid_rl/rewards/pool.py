@@ -64,22 +64,30 @@ def _kill_workers(executor: ProcessPoolExecutor) -> list[Any]:
     return processes
 
 
+@dataclass(frozen=True)
+class _Sent:
+    """A chunk in flight: its samples, the executor it went to, and whether it was sent alone."""
+
+    indices: tuple[int, ...]
+    executor: ProcessPoolExecutor
+    alone: bool
+
+
 @dataclass
 class _Batch:
     """State of one batch in the dispatcher: chunks to send, chunks in flight, samples scored.
 
-    ``suspects`` were in flight when a worker died; each runs alone (``alone`` is its chunk in flight)
-    until it scores or has killed its worker ``_MAX_ALONE_DEATHS`` times.
+    ``suspects`` were in flight when a worker died; each runs alone (a chunk in flight records whether
+    it was sent alone) until it scores or has killed its worker ``_MAX_ALONE_DEATHS`` times.
     """
 
     responses: list[str]
     samples: list[Mapping[str, Any]]
     chunk_size: int
     pending: collections.deque[tuple[int, ...]] = field(default_factory=collections.deque)
-    inflight: dict[Future[list[SampleScore]], tuple[tuple[int, ...], ProcessPoolExecutor]] = field(default_factory=dict)
+    inflight: dict[Future[list[SampleScore]], _Sent] = field(default_factory=dict)
     scored: dict[int, SampleScore] = field(default_factory=dict)
     suspects: collections.deque[int] = field(default_factory=collections.deque)
-    alone: Future[list[SampleScore]] | None = None
     deaths: collections.Counter[int] = field(default_factory=collections.Counter)
     killed: set[ProcessPoolExecutor] = field(default_factory=set)  # killed by the pool itself (a stuck worker)
 
@@ -88,7 +96,7 @@ class _Batch:
         self.pending.extend(tuple(range(i, min(i + size, n))) for i in range(0, n, size))
 
     def fail_unfinished(self, failed: Any, message: str) -> None:
-        chunks = [*self.pending, *(c for c, _ in self.inflight.values()), tuple(self.suspects)]
+        chunks = [*self.pending, *(sent.indices for sent in self.inflight.values()), tuple(self.suspects)]
         unfinished = [i for indices in chunks for i in indices]
         self.scored.update((i, failed(i, "error", message)) for i in unfinished if i not in self.scored)
 
@@ -235,22 +243,18 @@ class RewardPool:
                 batch.pending.appendleft(indices)
             self._replace_if_current(executor)
             return
-        batch.inflight[future] = (indices, executor)
-        if alone:
-            batch.alone = future
+        batch.inflight[future] = _Sent(indices, executor, alone)
 
     def _collect(self, batch: _Batch, future: Future[list[SampleScore]]) -> None:
-        indices, executor = batch.inflight.pop(future)
-        alone = future is batch.alone
-        if alone:
-            batch.alone = None
+        sent = batch.inflight.pop(future)
+        indices, executor = sent.indices, sent.executor
         try:
             batch.scored.update((s.index, s) for s in future.result())
         except BrokenProcessPool:  # a worker died, or we killed a stuck one: every chunk in flight broke
             unfinished = tuple(i for i in indices if i not in batch.scored)
             if executor in batch.killed:  # our own kill: these samples are innocent
                 batch.pending.appendleft(unfinished)
-            elif alone and unfinished:  # it ran with nothing beside it: the death is its own
+            elif sent.alone and unfinished:  # it ran with nothing beside it: the death is its own
                 self._blame(batch, unfinished[0])
             else:
                 batch.suspects.extend(unfinished)
