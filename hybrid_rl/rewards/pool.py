@@ -56,12 +56,25 @@ def _main_module_hidden() -> Iterator[None]:
         sys.modules["__main__"] = main
 
 
-def _kill_workers(executor: ProcessPoolExecutor) -> list[Any]:
-    """SIGKILL the executor's worker processes (no public API before Python 3.14)."""
+def _stop_workers(executor: ProcessPoolExecutor, *, grace_s: float) -> None:
+    """Shut ``executor`` down: give its workers ``grace_s`` to exit, SIGKILL the rest, reap them all.
+
+    There is no public API for the worker processes before Python 3.14. The executor's manager thread
+    reaps them at the same time as we do, and a process still counts as alive until one of the two
+    has recorded its exit code, so wait for that thread too: afterwards no worker is left behind.
+    """
     processes = list((getattr(executor, "_processes", None) or {}).values())
+    manager = getattr(executor, "_executor_manager_thread", None)
+    executor.shutdown(wait=False, cancel_futures=True)
+    deadline = time.monotonic() + grace_s
     for process in processes:
-        process.kill()
-    return processes
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.exitcode is None:
+            process.kill()
+            process.join(5)
+    if manager is not None:
+        manager.join(5)
 
 
 @dataclass(frozen=True)
@@ -189,8 +202,7 @@ class RewardPool:
         done, pending = wait(probes, timeout=self._startup_timeout_s)
         failed = [f for f in done if f.exception() is not None]
         if pending or failed:
-            _kill_workers(executor)
-            executor.shutdown(wait=False, cancel_futures=True)
+            _stop_workers(executor, grace_s=0.0)
             reason = failed[0].exception() if failed else f"not ready after {self._startup_timeout_s}s"
             raise RuntimeError(f"reward workers failed to start (their traceback is above): {reason}")
         return executor
@@ -286,8 +298,7 @@ class RewardPool:
     def _replace_if_current(self, executor: ProcessPoolExecutor) -> None:
         if executor is not self._executor:
             return
-        _kill_workers(executor)
-        executor.shutdown(wait=False, cancel_futures=True)
+        _stop_workers(executor, grace_s=0.0)
         self._executor = self._start_executor()
 
     def _failed(self, index: int, kind: str, message: str) -> SampleScore:
@@ -304,15 +315,7 @@ class RewardPool:
             return
         self._jobs.put(None)
         self._thread.join(timeout=30)
-        executor = self._current_executor()
-        processes = list((getattr(executor, "_processes", None) or {}).values())
-        executor.shutdown(wait=False, cancel_futures=True)
-        deadline = time.monotonic() + 10
-        for process in processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-            if process.is_alive():
-                process.kill()
-                process.join(5)
+        _stop_workers(self._current_executor(), grace_s=10.0)
 
     def __enter__(self) -> RewardPool:
         return self

@@ -111,11 +111,12 @@ def test_samples_in_flight_beside_a_crash_are_not_blamed_for_it(user_rewards_mod
 
 def test_zero_workers_scores_inline(user_rewards_module):
     rubric = Rubric(_user(user_rewards_module, "length"))
+    before = set(multiprocessing.active_children())
     with RewardPool(rubric, num_workers=0) as pool:
         handle = pool.submit(["abc"], [{}])
         assert handle.done()
         assert handle.result().totals == pytest.approx([0.3])
-        assert multiprocessing.active_children() == []
+        assert set(multiprocessing.active_children()) <= before
 
 
 def test_close_leaves_no_worker_process(user_rewards_module):
@@ -125,6 +126,15 @@ def test_close_leaves_no_worker_process(user_rewards_module):
     pool.submit(["a"], [{}]).result(timeout=30)
     pool.close()
     assert _alive(pids) == []
+    assert multiprocessing.active_children() == []  # reaped too, not just dead
+
+
+def test_close_reaps_the_workers_of_replaced_pools_too(user_rewards_module):
+    rubric = Rubric(_user(user_rewards_module, "crash"))
+    for _ in range(3):  # reaping raced the executor's own thread: a few rounds made a leftover likely
+        with RewardPool(rubric, num_workers=2) as pool:
+            assert pool.submit(["crash", "ok"], [{}] * 2).result(timeout=120).totals == [0.0, 1.0]
+        assert multiprocessing.active_children() == []
     with pytest.raises(RuntimeError, match="closed"):
         pool.submit(["a"], [{}])
 
