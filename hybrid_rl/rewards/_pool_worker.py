@@ -72,6 +72,13 @@ def score_chunk(chunk: list[tuple[int, str, Mapping[str, Any]]]) -> list[SampleS
 def stuck_samples(board: Any, limit_s: float) -> list[int]:
     """Indices of samples some worker has been scoring for longer than ``limit_s`` (parent side)."""
     now = time.monotonic()
-    with board.get_lock():
+    lock = board.get_lock()
+    # A worker killed from outside (the OOM killer, say) inside ``_mark`` never releases the lock:
+    # do not hang on it. The death breaks the pool, which is then replaced with a fresh board.
+    if not lock.acquire(timeout=1.0):
+        return []
+    try:
         values = list(board)
+    finally:
+        lock.release()
     return [int(values[i]) for i in range(0, len(values), 2) if values[i + 1] > 0 and now - values[i + 1] > limit_s]

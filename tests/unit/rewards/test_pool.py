@@ -4,10 +4,12 @@ import multiprocessing
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
+from hybrid_rl.rewards import _pool_worker
 from hybrid_rl.rewards.base import resolve_reward
 from hybrid_rl.rewards.pool import RewardPool
 from hybrid_rl.rewards.rubric import Rubric, RubricItem
@@ -190,3 +192,14 @@ def test_workers_exit_when_their_parent_is_killed(tmp_path):
     while _alive(workers) and time.time() < deadline:
         time.sleep(0.2)
     assert not _alive(workers), f"orphaned reward workers still running: {_alive(workers)}"
+
+
+def test_progress_board_left_locked_by_a_dead_worker_does_not_hang_the_parent():
+    board = multiprocessing.get_context("spawn").Array("d", [3.0, time.monotonic() - 60.0])
+    assert _pool_worker.stuck_samples(board, limit_s=1.0) == [3]
+    holder = threading.Thread(target=board.get_lock().acquire)  # takes the lock and never gives it back
+    holder.start()
+    holder.join()
+    start = time.monotonic()
+    assert _pool_worker.stuck_samples(board, limit_s=1.0) == []
+    assert time.monotonic() - start < 10
