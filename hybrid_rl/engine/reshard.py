@@ -221,13 +221,14 @@ class SyncStats:
 
 def stream_slices(
     plan: ReshardPlan, params: list[SourceParam], *, device: torch.device, group=None,
-    probe_cols: int = 32, sync_index: int = 0, stats: SyncStats | None = None,
+    probe_cols: int, sync_index: int = 0, stats: SyncStats | None = None,
     corrupt: Callable[[int, torch.Tensor], None] | None = None,
 ) -> Iterator[tuple[TPSlice, torch.Tensor]]:
     """Yield (slice, tensor) for every weight this rank's vLLM needs, bucket by bucket.
 
     Must be driven to the end on every rank in lockstep (each bucket is a collective). After the
-    last item, `plan.expected` holds the senders' checksums of this rank's slices.
+    last item, `plan.expected` holds the senders' checksums of this rank's slices, taken over
+    `probe_cols` columns of each 2-D slice (`rollout.verify_probe_cols`) that rotate with `sync_index`.
     `corrupt(bucket_index, recv_buffer)` is a fault-injection hook for tests.
     """
     stats = stats or SyncStats()
