@@ -1,9 +1,10 @@
 """What runs inside a reward worker process, and the progress board the parent reads.
 
-Each worker owns one slot of a shared array: (index of the sample it is scoring, when it started;
--1 and 0.0 when idle). The parent reads the board to find a sample stuck past the hard limit, and
-so knows exactly which sample to count as a timeout. ``time.monotonic`` is system-wide on Linux,
-so the start times compare across processes.
+Each worker owns one slot of a shared array: (its pid, the index of the sample it is scoring, when it
+started; index -1 and time 0.0 when idle). The parent reads the board to find a sample stuck past the
+hard limit, and so knows exactly which sample to count as a timeout; and, when a worker dies, which
+sample it died on. ``time.monotonic`` is system-wide on Linux, so the start times compare across
+processes.
 """
 
 from __future__ import annotations
@@ -12,11 +13,25 @@ import os
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from hybrid_rl.rewards.rubric import Rubric, SampleScore
 
-__all__ = ["init_worker", "ready", "score_chunk", "stuck_samples"]
+__all__ = ["BoardRow", "board_rows", "init_worker", "new_board", "ready", "score_chunk", "stuck_samples"]
+
+_FIELDS = 3  # pid, sample index, start time
+
+
+@dataclass(frozen=True)
+class BoardRow:
+    pid: int
+    index: int  # -1: idle
+    started: float
+
+
+def new_board(ctx: Any, num_workers: int) -> Any:
+    return ctx.Array("d", [0.0, -1.0, 0.0] * num_workers)
 
 _rubric: Rubric | None = None
 _board: Any = None
@@ -30,6 +45,9 @@ def init_worker(rubric: Rubric, board: Any, next_slot: Any) -> None:
     with next_slot.get_lock():
         _slot = next_slot.value
         next_slot.value += 1
+    if 0 <= _slot < len(board) // _FIELDS:
+        with board.get_lock():
+            board[_FIELDS * _slot] = os.getpid()
     _exit_with_parent()
     rubric.warmup()
 
@@ -54,9 +72,9 @@ def ready() -> int:
 
 
 def _mark(index: int, started: float) -> None:
-    if 0 <= _slot < len(_board) // 2:
+    if 0 <= _slot < len(_board) // _FIELDS:
         with _board.get_lock():
-            _board[2 * _slot], _board[2 * _slot + 1] = index, started
+            _board[_FIELDS * _slot + 1], _board[_FIELDS * _slot + 2] = index, started
 
 
 def score_chunk(chunk: list[tuple[int, str, Mapping[str, Any]]]) -> list[SampleScore]:
@@ -69,16 +87,23 @@ def score_chunk(chunk: list[tuple[int, str, Mapping[str, Any]]]) -> list[SampleS
     return scores
 
 
-def stuck_samples(board: Any, limit_s: float) -> list[int]:
-    """Indices of samples some worker has been scoring for longer than ``limit_s`` (parent side)."""
-    now = time.monotonic()
+def board_rows(board: Any) -> list[BoardRow]:
+    """What each worker is doing (parent side); [] if the lock cannot be had within a second.
+
+    A worker killed from outside (the OOM killer, say) inside ``_mark`` never releases the lock: do not
+    hang on it. The death breaks the pool, which is then replaced with a fresh board.
+    """
     lock = board.get_lock()
-    # A worker killed from outside (the OOM killer, say) inside ``_mark`` never releases the lock:
-    # do not hang on it. The death breaks the pool, which is then replaced with a fresh board.
     if not lock.acquire(timeout=1.0):
         return []
     try:
         values = list(board)
     finally:
         lock.release()
-    return [int(values[i]) for i in range(0, len(values), 2) if values[i + 1] > 0 and now - values[i + 1] > limit_s]
+    return [BoardRow(int(values[i]), int(values[i + 1]), values[i + 2]) for i in range(0, len(values), _FIELDS)]
+
+
+def stuck_samples(board: Any, limit_s: float) -> list[int]:
+    """Indices of samples some worker has been scoring for longer than ``limit_s`` (parent side)."""
+    now = time.monotonic()
+    return [row.index for row in board_rows(board) if row.started > 0 and now - row.started > limit_s]

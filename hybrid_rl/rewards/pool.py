@@ -10,10 +10,11 @@ Bounds: each reward call is limited to ``timeout_s`` inside the worker (it then 
 counts as a timeout). A sample a worker is still on after ``hard_timeout_s`` (stuck in C code, say)
 counts as a timeout, the pool's processes are killed and replaced, and the other unfinished
 samples are scored again. A worker that dies is replaced the same way. A death takes down every chunk
-in flight, so it does not say which sample was to blame: the unfinished samples become suspects and
-are scored again one at a time, with nothing else in flight. A sample whose worker dies twice while
-it is scored alone counts as an error; the others score normally. ``num_workers=0`` scores inline in
-``submit`` (for debugging).
+in flight. The progress board names the sample the dead worker was on: it is scored again alone
+(nothing else in flight), the other unfinished samples go back to the queue. Where the board cannot
+tell (a worker that died between samples), every unfinished sample is a suspect and is scored again
+alone. A sample that has killed its worker twice (named by the board, or while running alone) counts
+as an error. ``num_workers=0`` scores inline in ``submit`` (for debugging).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import multiprocessing
+import multiprocessing.connection
 import pickle
 import queue
+import signal
 import sys
 import threading
 import time
@@ -38,7 +41,7 @@ from hybrid_rl.rewards.rubric import RewardFailure, Rubric, SampleScore, ScoreRe
 
 __all__ = ["RewardPool", "ScoringHandle"]
 
-_MAX_ALONE_DEATHS = 2  # a sample whose worker died this often while it ran alone is scored 0 as an error
+_MAX_DEATHS = 2  # a sample known to have killed its worker this often is scored 0 as an error
 _POLL_S = 0.05
 _CHUNKS_PER_WORKER = 4  # per batch: few enough to amortise the IPC, enough to balance the load
 _MAX_CHUNK = 64
@@ -77,6 +80,17 @@ def _stop_workers(executor: ProcessPoolExecutor, *, grace_s: float) -> None:
         manager.join(5)
 
 
+def _exit_code(process: Any, wait_s: float = 1.0) -> int | None:
+    """Exit code of a process that has exited, None while it runs. The executor's thread reaps its
+    workers too, and until it has stored the code the process reads as running: wait for that."""
+    if not multiprocessing.connection.wait([process.sentinel], timeout=0):
+        return None
+    deadline = time.monotonic() + wait_s
+    while (code := process.exitcode) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return code
+
+
 @dataclass(frozen=True)
 class _Sent:
     """A chunk in flight: its samples, the executor it went to, and whether it was sent alone."""
@@ -90,8 +104,9 @@ class _Sent:
 class _Batch:
     """State of one batch in the dispatcher: chunks to send, chunks in flight, samples scored.
 
-    ``suspects`` were in flight when a worker died; each runs alone (a chunk in flight records whether
-    it was sent alone) until it scores or has killed its worker ``_MAX_ALONE_DEATHS`` times.
+    ``suspects`` may have killed a worker; each runs alone (a chunk in flight records whether it was
+    sent alone) until it scores or has killed its worker ``_MAX_DEATHS`` times. ``dead_on`` keeps,
+    per broken executor, the samples its dead workers were scoring (read once, before it is replaced).
     """
 
     responses: list[str]
@@ -103,6 +118,7 @@ class _Batch:
     suspects: collections.deque[int] = field(default_factory=collections.deque)
     deaths: collections.Counter[int] = field(default_factory=collections.Counter)
     killed: set[ProcessPoolExecutor] = field(default_factory=set)  # killed by the pool itself (a stuck worker)
+    dead_on: dict[ProcessPoolExecutor, set[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n, size = len(self.responses), self.chunk_size
@@ -192,7 +208,7 @@ class RewardPool:
         return handle
 
     def _start_executor(self) -> ProcessPoolExecutor:
-        self._board = self._ctx.Array("d", [-1.0, 0.0] * self.num_workers)
+        self._board = _pool_worker.new_board(self._ctx, self.num_workers)
         initargs = (self.rubric, self._board, self._ctx.Value("i", 0))
         executor = ProcessPoolExecutor(
             self.num_workers, mp_context=self._ctx, initializer=_pool_worker.init_worker, initargs=initargs
@@ -233,9 +249,10 @@ class RewardPool:
         return max(1, min(_MAX_CHUNK, -(-n // (self.num_workers * _CHUNKS_PER_WORKER))))
 
     def _fill(self, batch: _Batch) -> None:
-        """Keep two chunks per worker in flight; while there are suspects, run one of them alone."""
-        if batch.suspects:
-            if not batch.inflight and not self._closing:
+        """Keep two chunks per worker in flight; while there are suspects, run one of them alone (and
+        send nothing beside the last one either: a death then is its own)."""
+        if batch.suspects or any(sent.alone for sent in batch.inflight.values()):
+            if batch.suspects and not batch.inflight and not self._closing:
                 self._send(batch, (batch.suspects.popleft(),), alone=True)
             return
         while batch.pending and len(batch.inflight) < 2 * self.num_workers and not self._closing:
@@ -269,15 +286,40 @@ class RewardPool:
             elif sent.alone and unfinished:  # it ran with nothing beside it: the death is its own
                 self._blame(batch, unfinished[0])
             else:
-                batch.suspects.extend(unfinished)
+                self._sort_out(batch, executor, unfinished)
             self._replace_if_current(executor)
         except Exception as err:  # e.g. a sample that cannot be pickled
             message = f"{type(err).__name__}: {err}"[:300]
             batch.scored.update((i, self._failed(i, "error", message)) for i in indices)
 
+    def _sort_out(self, batch: _Batch, executor: ProcessPoolExecutor, unfinished: tuple[int, ...]) -> None:
+        """After a death: blame the sample the board says a dead worker was on, queue the rest again.
+
+        Without a named sample (the board is read only while the executor is current, before its
+        replacement SIGKILLs the others), every unfinished sample becomes a suspect.
+        """
+        if executor not in batch.dead_on and executor is self._executor:
+            batch.dead_on[executor] = self._samples_of_dead_workers(executor)
+        dead_on = batch.dead_on.get(executor)
+        if not dead_on:
+            batch.suspects.extend(unfinished)
+            return
+        for index in unfinished:
+            if index in dead_on:
+                self._blame(batch, index)
+        if innocent := tuple(i for i in unfinished if i not in dead_on):
+            batch.pending.appendleft(innocent)
+
+    def _samples_of_dead_workers(self, executor: ProcessPoolExecutor) -> set[int]:
+        """Samples that workers which died on their own were scoring. The executor SIGTERMs the
+        survivors of a death, so that exit code says nothing."""
+        processes = (getattr(executor, "_processes", None) or {}).values()
+        died = {p.pid for p in processes if _exit_code(p) not in (None, -signal.SIGTERM)}
+        return {row.index for row in _pool_worker.board_rows(self._board) if row.pid in died and row.index >= 0}
+
     def _blame(self, batch: _Batch, index: int) -> None:
         batch.deaths[index] += 1
-        if batch.deaths[index] >= _MAX_ALONE_DEATHS:
+        if batch.deaths[index] >= _MAX_DEATHS:
             batch.scored[index] = self._failed(index, "error", "worker process died while scoring")
         else:
             batch.suspects.appendleft(index)

@@ -100,15 +100,41 @@ def test_crashed_worker_is_an_error_for_its_sample_only(user_rewards_module):
     assert again.totals == [1.0]
 
 
-def test_samples_in_flight_beside_a_crash_are_not_blamed_for_it(user_rewards_module):
+@pytest.mark.parametrize("board_names_it", [True, False], ids=["board-names-the-sample", "board-cannot-tell"])
+def test_samples_in_flight_beside_a_crash_are_not_blamed_for_it(user_rewards_module, monkeypatch, board_names_it):
     # The crash comes while the other worker is inside an "ok" sample, so every round of the old
-    # retry-together scheme broke the bystander as well and it ended as an error too.
+    # retry-together scheme broke the bystander as well and it ended as an error too. A worker that
+    # dies between samples leaves no name on the board: then every unfinished sample is retried alone.
+    if not board_names_it:
+        monkeypatch.setattr(RewardPool, "_samples_of_dead_workers", lambda self, executor: set())
     rubric = Rubric(_user(user_rewards_module, "crash"))
     samples = [{"sleep": 0.6}, {"sleep": 0.1}, {"sleep": 0.6}, {"sleep": 0.6}]
     with RewardPool(rubric, num_workers=2) as pool:
         result = pool.submit(["ok", "crash", "ok", "ok"], samples).result(timeout=120)
     assert result.totals == [1.0, 0.0, 1.0, 1.0]
     assert [(f.index, f.kind) for f in result.failures] == [(1, "error")]
+
+
+def test_only_the_sample_a_worker_died_on_is_scored_again_alone(user_rewards_module, monkeypatch):
+    # The progress board names the sample the dead worker was on; the other unfinished samples
+    # (here the other worker's, broken mid-sample) go back to the parallel queue.
+    sent_alone = []
+    send = RewardPool._send
+
+    def spy(self, batch, indices, *, alone=False):
+        if alone:
+            sent_alone.append(indices)
+        send(self, batch, indices, alone=alone)
+
+    monkeypatch.setattr(RewardPool, "_send", spy)
+    rubric = Rubric(_user(user_rewards_module, "crash"))
+    responses = ["ok", "crash"] + ["ok"] * 10
+    samples = [{"sleep": 0.6}, {"sleep": 0.2}] + [{"sleep": 0.2}] * 10
+    with RewardPool(rubric, num_workers=2) as pool:
+        result = pool.submit(responses, samples).result(timeout=120)
+    assert result.totals == [1.0, 0.0] + [1.0] * 10
+    assert [(f.index, f.kind) for f in result.failures] == [(1, "error")]
+    assert sent_alone == [(1,)]  # blamed once from the board, once more alone, then an error
 
 
 def test_zero_workers_scores_inline(user_rewards_module):
@@ -195,7 +221,7 @@ def test_workers_exit_when_their_parent_is_killed(tmp_path):
 
 
 def test_progress_board_left_locked_by_a_dead_worker_does_not_hang_the_parent():
-    board = multiprocessing.get_context("spawn").Array("d", [3.0, time.monotonic() - 60.0])
+    board = multiprocessing.get_context("spawn").Array("d", [1234.0, 3.0, time.monotonic() - 60.0])  # pid, index, start
     assert _pool_worker.stuck_samples(board, limit_s=1.0) == [3]
     holder = threading.Thread(target=board.get_lock().acquire)  # takes the lock and never gives it back
     holder.start()
