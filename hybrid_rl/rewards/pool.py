@@ -73,17 +73,23 @@ def _stop_workers(executor: ProcessPoolExecutor, *, grace_s: float) -> None:
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
     for process in processes:
-        if process.exitcode is None:
+        if _running(process):
             process.kill()
             process.join(5)
     if manager is not None:
         manager.join(5)
 
 
+def _running(process: Any) -> bool:
+    """Whether the process has not exited yet. Its sentinel says so at once; ``exitcode`` stays None
+    until whichever thread reaps the process has stored the code (see ``_exit_code``)."""
+    return not multiprocessing.connection.wait([process.sentinel], timeout=0)
+
+
 def _exit_code(process: Any, wait_s: float = 1.0) -> int | None:
     """Exit code of a process that has exited, None while it runs. The executor's thread reaps its
     workers too, and until it has stored the code the process reads as running: wait for that."""
-    if not multiprocessing.connection.wait([process.sentinel], timeout=0):
+    if _running(process):
         return None
     deadline = time.monotonic() + wait_s
     while (code := process.exitcode) is None and time.monotonic() < deadline:
