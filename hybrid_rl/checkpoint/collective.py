@@ -15,6 +15,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
+from hybrid_rl.dist import collectives
+
 # DCP reports failures as CheckpointException, which derives from BaseException, not Exception.
 CAUGHT = (Exception, CheckpointException)
 
@@ -43,9 +45,7 @@ def gather_errors(error: str | None, *, world: int) -> dict[int, str]:
     """Every rank's local error (None on success), seen identically on all ranks: {rank: error}."""
     if not is_distributed(world):
         return {0: error} if error else {}
-    errors: list[str | None] = [None] * world
-    dist.all_gather_object(errors, error)
-    return {r: e for r, e in enumerate(errors) if e is not None}
+    return {r: e for r, e in enumerate(collectives.all_gather_object(error)) if e is not None}
 
 
 def raise_if_any_failed(error: BaseException | None, *, rank: int, world: int, what: str, path: Path) -> None:
@@ -60,9 +60,7 @@ def broadcast_from_rank0(obj: Any, *, world: int) -> Any:
     """Rank 0's `obj` on every rank (a small picklable value: a path, a decision)."""
     if not is_distributed(world):
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return collectives.broadcast_object(obj, src=0)
 
 
 def decide_on_rank0(fn: Callable[[], Any], *, rank: int, world: int, what: str) -> Any:
@@ -82,4 +80,4 @@ def decide_on_rank0(fn: Callable[[], Any], *, rank: int, world: int, what: str) 
 
 def barrier(world: int) -> None:
     if is_distributed(world):
-        dist.barrier()
+        collectives.barrier()

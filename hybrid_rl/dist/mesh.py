@@ -57,18 +57,31 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def backend_for(*, cuda: bool) -> str:
+    """The world's backend string: gloo serves CPU tensors everywhere, nccl the CUDA ones on GPUs.
+
+    A CUDA world needs both: FSDP and the weight sync move CUDA tensors (nccl), while object
+    collectives, checkpoint agreement and vLLM's own CPU groups move CPU tensors (gloo). With
+    `nccl` alone the first CPU collective fails ("No backend type associated with device type cpu").
+    """
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+
+
 def init_distributed(tp: int, *, timeout_s: int = 1800) -> ParallelDims:
-    """Join the torchrun world (nccl on CUDA, gloo on CPU); a single process without torchrun is a world of 1."""
+    """Join the torchrun world (see `backend_for`); a single process without torchrun is a world of 1."""
     world = int(os.environ.get("WORLD_SIZE", 1))
     dims = ParallelDims(world, int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), tp)
     if not dist.is_initialized():
         if "MASTER_ADDR" not in os.environ:  # plain `python ...`: a world of one
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                               LOCAL_RANK="0")
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
+        cuda = torch.cuda.is_available()
+        kwargs = {}
+        if cuda:
             torch.cuda.set_device(dims.local_rank)
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+            # vLLM's external launcher splits its groups off this one, which needs it bound to a device.
+            kwargs["device_id"] = torch.device("cuda", dims.local_rank)
+        dist.init_process_group(backend_for(cuda=cuda), timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     return dims
 
 
@@ -86,23 +99,3 @@ def fsdp_mesh(dims: ParallelDims):
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(device().type, (dims.world,), mesh_dim_names=("fsdp",))
-
-
-def barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def all_reduce_sum(values: list[float]) -> list[float]:
-    """Sum a few floats over all ranks (one collective)."""
-    t = torch.tensor(values, dtype=torch.float64, device=device())
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t.tolist()
-
-
-def all_reduce_max(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device())
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
