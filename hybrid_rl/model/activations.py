@@ -12,10 +12,12 @@ bytes (FSDP mixed precision computes in `model.dtype`):
   saved);
 * the SwiGLU MLP keeps gate, act(gate), up and their product: 4 x intermediate x b.
 
-Log-probs (`model/logprobs.py`) are computed chunk by chunk in float32, but under autograd every
-chunk's float32 logits (and softmax, when the entropy is wanted) stay saved until backward, so the
-vocabulary term grows with every response token: 4 (+4) x V bytes per token. The estimate assumes
-every packed token is a response token (an upper bound).
+The LM head runs only at the positions that predict response tokens (`logits_to_keep`), and
+log-probs and entropies (`model/logprobs.py`) keep for backward only those logits, in the compute
+dtype, and two floats per token; float32 exists one chunk (`LOGITS_CHUNK` positions) at a time. So
+the vocabulary term is `responses x V x b` (twice in backward: the logits and their gradient) plus
+a few float32 chunks. Without `responses` the estimate assumes every packed token is a response
+token (an upper bound).
 
 With activation checkpointing each block keeps only its input; backward recomputes one block at a
 time. Sizes are upper bounds for the tensors that are alive together, not allocator-exact: the
@@ -84,31 +86,16 @@ def _block_backward(d: ArchDims, tokens: int, b: int) -> int:
 
 
 def _logits_grad(d: ArchDims, tokens: int, responses: int, b: int, entropy: bool) -> int:
-    """Peak of the head under autograd: the largest of three moments (measured, `tests/unit/plan`).
-
-    * end of forward: the lm_head output and its gathered response rows (`b`), every chunk's saved
-      float32 logits (for float32 compute they are views of the gathered rows) and softmax;
-    * first chunk of backward: the saved chunks, the zero-padded full-size gradient of one chunk's
-      slice, and two chunk-sized float32 gradients;
-    * from the third chunk on, autograd sums slice gradients out of place: three full-size buffers.
-    """
+    """Peak of the head under autograd: in backward, the saved response logits and their gradient (both
+    `b`) plus one chunk's float32 working set (scaled logits, log-probs, softmax, gradient)."""
     v, chunk = d.vocab_size, min(responses, LOGITS_CHUNK)
-    upcast = 1 if b < 4 else 0  # `.float()` of float32 logits is the same tensor, not a copy
-    saved = responses * v * 4 * (upcast + (1 if entropy else 0))
-    end_of_forward = (tokens + responses) * v * b + saved + (chunk * v * 4 if entropy else 0)
-    gathered = (1 - upcast) * responses * v * b  # float32: the gathered rows live on as the saved chunks
-    first_chunk = saved + gathered + responses * v * b + 2 * chunk * v * 4
-    summing = 0
-    if -(-responses // chunk) >= 3:
-        summing = 3 * responses * v * b + gathered + (2 * chunk * v * 4 if entropy else 0)
-    return max(end_of_forward, first_chunk, summing)
+    return 2 * responses * v * b + 4 * chunk * v * 4
 
 
 def _logits_no_grad(d: ArchDims, tokens: int, responses: int, b: int, entropy: bool) -> int:
-    """lm_head output + gathered response rows + one chunk's float32 copy, softmax and product."""
+    """The response logits (`b`) + one chunk's float32 copy, softmax and product."""
     v, chunk = d.vocab_size, min(responses, LOGITS_CHUNK)
-    upcast = 1 if b < 4 else 0  # `.float()` of float32 logits is the same tensor
-    return (tokens + responses) * v * b + chunk * v * 4 * (upcast + (2 if entropy else 1))
+    return responses * v * b + 3 * chunk * v * 4
 
 
 def train_activations(d: ArchDims, tokens: int, *, b: int, attention: Attention, checkpointing: bool,

@@ -1,39 +1,85 @@
-"""Per-token log-probabilities (and entropies) from a causal LM, on packed or padded input.
+"""Per-token log-probabilities (and entropies) from logits, without a float32 `[tokens, vocab]` copy.
 
-Packed input is one row of concatenated sequences with `position_ids` restarting at 0 for each
-sequence and no attention mask: transformers then keeps attention inside each sequence (flash-attn
-varlen on CUDA; a block-diagonal mask with SDPA on CPU). The log-prob of token t is read from the
-logits at position t-1, so callers pass `targets` already shifted (`targets[i]` = the token that
-follows position i).
+The logits of a micro-batch's response positions are `[R, V]` in the compute dtype (bf16 with the
+default mixed precision); with a 150k vocabulary that is already 0.3 MB per token. Upcasting them
+to float32 for `log_softmax`, as autograd would keep for backward, doubles that again and a second
+float32 copy appears for the entropy. `ChunkedLogProbs` instead works `chunk` positions at a time in
+float32 and keeps for backward only the logits themselves and two floats per position; backward
+recomputes each chunk's softmax and writes the gradient chunk by chunk into one tensor of the
+logits' dtype. Peak extra memory: one float32 chunk (`chunk x V`), whatever R is.
+
+Gradients (x = logits / T, p = softmax(x), lse = logsumexp(x), H = entropy):
+  d logp[target] / dx = onehot(target) - p
+  d H / dx           = -p * (log p + H)
+each times 1/T for the logits.
 """
 
 from __future__ import annotations
 
 import torch
 
+DEFAULT_CHUNK = 1024
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """A float32 copy of `logits / T` (always a copy: it is modified in place afterwards)."""
+    x = logits.to(torch.float32, copy=True)
+    return x.div_(temperature) if temperature != 1.0 else x
+
+
+class ChunkedLogProbs(torch.autograd.Function):
+    """(logp [R], entropy [R]) of `targets` under softmax(logits / T), chunked; differentiable in `logits`.
+
+    Each chunk works in two float32 buffers of `chunk x V`, updated in place.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, chunk: int):
+        n = logits.shape[0]
+        lps = torch.empty(n, dtype=torch.float32, device=logits.device)
+        ents, lses = torch.empty_like(lps), torch.empty_like(lps)
+        for i in range(0, n, chunk):
+            logp = _scaled(logits[i : i + chunk], temperature)
+            lse = torch.logsumexp(logp, dim=-1)
+            logp.sub_(lse[:, None])
+            lps[i : i + chunk] = logp.gather(-1, targets[i : i + chunk, None]).squeeze(-1)
+            ents[i : i + chunk] = -logp.exp().mul_(logp).sum(-1)
+            lses[i : i + chunk] = lse
+        ctx.save_for_backward(logits, targets, lses, ents)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.set_materialize_grads(False)
+        return lps, ents
+
+    @staticmethod
+    def backward(ctx, grad_lp: torch.Tensor | None, grad_ent: torch.Tensor | None):
+        logits, targets, lses, ents = ctx.saved_tensors
+        t, chunk = ctx.temperature, ctx.chunk
+        grad = torch.zeros_like(logits) if grad_lp is None and grad_ent is None else torch.empty_like(logits)
+        for i in range(0, logits.shape[0] if grad_lp is not None or grad_ent is not None else 0, chunk):
+            logp = _scaled(logits[i : i + chunk], t).sub_(lses[i : i + chunk, None])
+            g = logp.exp()  # p
+            if grad_ent is not None:  # dH/dx = -p (log p + H): built in the log-p buffer
+                logp.add_(ents[i : i + chunk, None]).mul_(g).mul_(-grad_ent[i : i + chunk, None].float())
+            else:
+                logp.zero_()
+            if grad_lp is not None:  # dlogp/dx = onehot - p
+                g_lp = grad_lp[i : i + chunk, None].float()
+                g.mul_(-g_lp).scatter_add_(-1, targets[i : i + chunk, None], g_lp)
+            else:
+                g.zero_()
+            g.add_(logp)
+            grad[i : i + chunk] = g.div_(t) if t != 1.0 else g
+        return grad, None, None, None
+
 
 def logits_to_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
-                       chunk: int = 1024, with_entropy: bool = False):
-    """log softmax(logits / T)[target] per position, in float32, `chunk` positions at a time (bounded memory).
-
-    Returns `logprobs` shaped like `targets`, and the entropies too when `with_entropy`.
-    """
+                       chunk: int = DEFAULT_CHUNK, with_entropy: bool = False):
+    """log softmax(logits / T)[target] per position, in float32 (`targets` already shifted: `targets[i]` is
+    the token that follows position i); also the entropies when `with_entropy`. Shapes like `targets`."""
     flat = logits.reshape(-1, logits.shape[-1])
-    tgt = targets.reshape(-1)
-    lps, ents = [], []
-    for i in range(0, flat.shape[0], chunk):
-        x = flat[i : i + chunk].float()
-        if temperature != 1.0:
-            x = x / temperature
-        lse = torch.logsumexp(x, dim=-1)
-        lps.append(x.gather(-1, tgt[i : i + chunk, None]).squeeze(-1) - lse)
-        if with_entropy:
-            p = torch.softmax(x, dim=-1)
-            ents.append(lse - (p * x).sum(-1))
-    lp = torch.cat(lps).view(targets.shape)
-    if with_entropy:
-        return lp, torch.cat(ents).view(targets.shape)
-    return lp
+    lp, ent = ChunkedLogProbs.apply(flat, targets.reshape(-1), temperature, chunk)
+    lp = lp.view(targets.shape)
+    return (lp, ent.view(targets.shape)) if with_entropy else lp
 
 
 def forward_logprobs(model, input_ids: torch.Tensor, position_ids: torch.Tensor, targets: torch.Tensor, *,
