@@ -36,6 +36,8 @@ DEFAULT_BUDGET = 8192  # TrainerConfig.micro_batch_tokens
 
 
 def make_samples(count: int, max_len: int, vocab: int, seed: int = 0):
+    import torch
+
     from hybrid_rl.types import Sample
 
     rng = random.Random(seed)
@@ -44,7 +46,7 @@ def make_samples(count: int, max_len: int, vocab: int, seed: int = 0):
         length = rng.randint(16, max_len)
         prompt = min(64, length // 4)
         ids = [rng.randrange(4, vocab) for _ in range(length)]
-        out.append(Sample(tuple(ids[:prompt]), tuple(ids[prompt:]), (), False, i, i, {}, ""))
+        out.append(Sample(i, torch.tensor(ids[:prompt]), torch.tensor(ids[prompt:]), torch.zeros(0), False, i, i, {}))
     return out
 
 
@@ -68,12 +70,12 @@ def padded_pass(model, samples, per_micro: int, pad_id: int) -> int:
     tokens = 0
     for i in range(0, len(samples), per_micro):
         chunk = samples[i : i + per_micro]
-        ids, mask, pos = pad([list(s.prompt_ids + s.response_ids) for s in chunk], pad_id)
+        ids, mask, pos = pad([torch.cat([s.prompt_ids, s.response_ids]) for s in chunk], pad_id)
         targets = torch.roll(ids, -1, 1)
         lp = forward_logprobs(model, ids, pos, targets, attention_mask=mask)
         keep = torch.zeros_like(mask, dtype=torch.bool)
         for j, s in enumerate(chunk):  # the response tokens, as the packed side scores them
-            keep[j, len(s.prompt_ids) - 1 : s.length - 1] = True
+            keep[j, s.prompt_len - 1 : s.length - 1] = True
         (-(lp * keep).sum() / keep.sum()).backward()
         tokens += ids.numel()  # padded tokens, the work this side does
     return tokens

@@ -143,7 +143,7 @@ def _prompts(count: int, seed: int = 0) -> list[list[int]]:
 
 
 def _max_over_ranks(values: list[float]) -> list[float]:
-    from hybrid_rl.dist.mesh import all_reduce_max
+    from hybrid_rl.dist.collectives import all_reduce_max
 
     return all_reduce_max(values)
 
@@ -273,7 +273,7 @@ def _dp_generation(engine, dims, a, Sampling) -> dict:  # noqa: N803 - a class p
 
 
 def _sum(values: list[float]) -> float:
-    from hybrid_rl.dist.mesh import all_reduce_sum
+    from hybrid_rl.dist.collectives import all_reduce_sum
 
     return all_reduce_sum(values)[0]
 

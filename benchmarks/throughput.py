@@ -50,7 +50,7 @@ def _rates(dtypes: list[str]) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
-    from hybrid_rl.dist.mesh import all_reduce_sum
+    from hybrid_rl.dist.collectives import all_reduce_sum
     from hybrid_rl.model.loading import DTYPES
 
     out = {}

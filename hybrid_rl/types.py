@@ -1,49 +1,104 @@
 """The contracts between stages of the RL step: what rollout produces and the trainer consumes.
 
-Plain frozen dataclasses; tensors are annotated with their shapes (`B` samples, `T` response tokens).
+Plain frozen dataclasses. Shape letters: `N` samples of the whole step (all ranks), `B` samples of
+this rank's training share, `T` response tokens (the longest in the share), `P` pairs.
+
+Token ids and log-probs are 1-D tensors, never Python tuples: a step at scale holds millions of
+tokens, and everything that touches them (packing, the exchange between ranks, the log-prob check)
+is vectorised. Each sample lives on the rank that holds it (`Rollout.held`, then the training
+share); what every rank knows about every sample is the small `BatchIndex`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Sample:
     """One prompt with one sampled response, as every stage after rollout sees it."""
 
-    prompt_ids: tuple[int, ...]
-    response_ids: tuple[int, ...]
-    rollout_logprobs: tuple[float, ...]  # the sampler's log-prob of each response token
+    uid: int  # its row in the step's batch (0..N-1), the same on every rank
+    prompt_ids: torch.Tensor  # [prompt tokens] int64
+    response_ids: torch.Tensor  # [response tokens] int64
+    rollout_logprobs: torch.Tensor  # [response tokens] float32: the sampler's; empty when none (offline pairs)
     truncated: bool  # stopped by the length limit, not by EOS
-    group: int  # samples of the same prompt share a group id (unique within a step)
-    record_index: int  # the dataset row it came from
+    group: int  # samples of the same prompt share a group id
+    record_index: int  # the dataset row it came from (`PromptRecord.index`)
     fields: Mapping[str, Any]  # the row's reward fields (ground_truth, tests, ...)
-    response_text: str
+
+    @property
+    def prompt_len(self) -> int:
+        return int(self.prompt_ids.shape[0])
+
+    @property
+    def response_len(self) -> int:
+        return int(self.response_ids.shape[0])
 
     @property
     def length(self) -> int:
-        return len(self.prompt_ids) + len(self.response_ids)
+        return self.prompt_len + self.response_len
+
+    def renumbered(self, uid: int) -> Sample:
+        return replace(self, uid=uid)
+
+
+@dataclass(frozen=True)
+class BatchIndex:
+    """One row per sample of the step, identical on every rank: what balancing, group statistics and
+    metrics need, without the tokens."""
+
+    prompt_lens: torch.Tensor  # [N] int64
+    response_lens: torch.Tensor  # [N] int64
+    groups: torch.Tensor  # [N] int64
+    truncated: torch.Tensor  # [N] bool
+
+    @property
+    def size(self) -> int:
+        return int(self.groups.shape[0])
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.prompt_lens + self.response_lens
+
+    def select(self, uids: torch.Tensor) -> BatchIndex:
+        return BatchIndex(self.prompt_lens[uids], self.response_lens[uids], self.groups[uids], self.truncated[uids])
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """What generation produced: the samples this rank holds (sorted by uid) and the index of all of them.
+
+    Every sample is held by exactly one rank (one of the TP ranks of the data-parallel group that
+    generated it); that rank scores it and sends its tokens to the rank that trains on it.
+    """
+
+    held: list[Sample]
+    index: BatchIndex
 
 
 @dataclass
 class Scores:
-    """Rewards of a list of samples: the weighted total and each reward function's part."""
+    """Rewards of the step's samples, on every rank: the weighted total and each reward function's part."""
 
-    total: torch.Tensor  # [B] float32
-    parts: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [B]
+    total: torch.Tensor  # [N] float32
+    parts: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [N]
     errors: int = 0
     timeouts: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # the slowest rank's scoring time
 
 
 @dataclass
 class TrainBatch:
-    """This rank's share of a step's samples with everything the update needs, padded to [B, T]."""
+    """This rank's training share with everything the update needs, padded to [B, T].
+
+    Rows come unit by unit: a unit is one sample, or for preference objectives one (chosen, rejected)
+    pair in two adjacent rows; units are never split between ranks, mini-batches or micro-batches.
+    """
 
     samples: list[Sample]
     mask: torch.Tensor  # [B, T] bool, real response tokens
@@ -53,11 +108,16 @@ class TrainBatch:
     ref_logp: torch.Tensor | None = None  # [B, T]
     values: torch.Tensor | None = None  # [B, T] critic values before the update
     returns: torch.Tensor | None = None  # [B, T] value targets
-    pairs: torch.Tensor | None = None  # [P, 2] (chosen, rejected) sample indices, for DPO objectives
+    paired: bool = False  # rows (2k, 2k + 1) are preference pair k: (chosen, rejected)
+
+    @property
+    def units(self) -> list[list[int]]:
+        step = 2 if self.paired else 1
+        return [list(range(i, min(i + step, len(self.samples)))) for i in range(0, len(self.samples), step)]
 
     def select(self, idx: list[int]) -> TrainBatch:
-        """The rows `idx` (a mini-batch), every tensor sliced alike."""
+        """The rows `idx` (whole units, in order: a mini-batch), every tensor sliced alike."""
         t = torch.tensor(idx, dtype=torch.long)
         pick = lambda x: None if x is None else x[t]  # noqa: E731
         return TrainBatch([self.samples[i] for i in idx], self.mask[t], self.scores[t], pick(self.old_logp),
-                          self.advantages[t], pick(self.ref_logp), pick(self.values), pick(self.returns), None)
+                          self.advantages[t], pick(self.ref_logp), pick(self.values), pick(self.returns), self.paired)

@@ -1,48 +1,43 @@
-"""Model passes of one RL step on this rank's share: no-grad passes, then the actor and critic updates.
+"""The actor and critic updates of one RL step, on this rank's training share.
 
-Micro-batches are packed and cut by a token budget. Losses use the whole mini-batch's token and
-sequence counts, summed over micro-batches and ranks, so the gradient does not depend on how the
-mini-batch was cut; FSDP averages gradients over ranks, so each micro-batch loss is multiplied by
-the world size to turn that average back into the global sum.
+Mini-batches and micro-batches are cut over units (a sample, or a preference pair), never through
+one. Losses use the whole mini-batch's token, sequence and pair counts, summed over micro-batches
+and ranks, so the gradient does not depend on how the mini-batch was cut; FSDP averages gradients
+over ranks, so each micro-batch loss is multiplied by the world size to turn that average back into
+the global sum. Statistics are kept as tensors and reduced once per update (no host sync per
+micro-batch).
 """
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 
-from hybrid_rl.algos import explained_variance, value_loss
-from hybrid_rl.algos.objectives import MicroInputs, ObjectiveSettings, get_objective
-from hybrid_rl.dist.mesh import all_reduce_sum
-from hybrid_rl.model.forward import MicroBatch, gather_per_token, micro_batches, policy_logprobs, token_values
+from hybrid_rl.algos.losses import aggregate, value_loss_terms
+from hybrid_rl.algos.masked import masked_sum
+from hybrid_rl.algos.objectives import (
+    Denominators,
+    MicroInputs,
+    Objective,
+    ObjectiveSettings,
+    StatSums,
+    zero_like_loss,
+)
+from hybrid_rl.dist.collectives import all_reduce, all_reduce_sum
+from hybrid_rl.model.forward import MicroBatch, micro_batches, policy_logprobs, token_values
 from hybrid_rl.model.handle import Model
 from hybrid_rl.types import Sample, TrainBatch
 
 
 def response_mask(samples: list[Sample], width: int) -> torch.Tensor:
-    lens = torch.tensor([len(s.response_ids) for s in samples])
+    lens = torch.tensor([s.response_len for s in samples], dtype=torch.int64)
     return torch.arange(width)[None, :] < lens[:, None]
 
 
 def width_of(samples: list[Sample]) -> int:
-    return max((len(s.response_ids) for s in samples), default=1) or 1
-
-
-@torch.no_grad()
-def logprobs_pass(model: torch.nn.Module, samples: list[Sample], *, temperature: float, budget: int) -> torch.Tensor:
-    """Log-probs `[B, T]` of the response tokens (reference or pre-update actor), on the CPU."""
-    mbs = micro_batches(samples, budget)
-    return gather_per_token(lambda mb: policy_logprobs(model, mb, temperature=temperature), mbs, len(samples),
-                            width_of(samples))
-
-
-@torch.no_grad()
-def values_pass(model: torch.nn.Module, samples: list[Sample], *, budget: int) -> torch.Tensor:
-    mbs = micro_batches(samples, budget)
-    return gather_per_token(lambda mb: token_values(model, mb), mbs, len(samples), width_of(samples))
+    return max((s.response_len for s in samples), default=1) or 1
 
 
 @dataclass(frozen=True)
@@ -56,117 +51,144 @@ class UpdateSettings:
     world: int
 
 
-def _mini_batches(n: int, k: int) -> list[list[int]]:
-    size = math.ceil(n / k)
-    return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+def split_units(units: list[list[int]], k: int) -> list[list[list[int]]]:
+    """`k` mini-batches of consecutive units (fewer when there are fewer units); at least one, maybe empty."""
+    size = max(1, math.ceil(len(units) / k))
+    return [units[i : i + size] for i in range(0, len(units), size)] or [[]]
 
 
-def _denominators(batch: TrainBatch, horizon: int) -> dict:
-    """Token / sequence / pair counts of a mini-batch over all ranks."""
-    tokens, seqs = batch.mask.sum().item(), (batch.mask.sum(-1) > 0).sum().item()
-    pairs = 0 if batch.pairs is None else len(batch.pairs)
-    tokens, seqs, pairs = all_reduce_sum([tokens, seqs, pairs])
-    return {"num_tokens": max(tokens, 1.0), "num_seqs": max(seqs, 1.0), "horizon": float(horizon),
-            "num_pairs": max(pairs, 1.0)}
+def denominators(batch: TrainBatch, horizon: int) -> Denominators:
+    """Token / sequence / pair counts of a mini-batch over all ranks (one small all-reduce)."""
+    local = torch.tensor([batch.mask.sum(), (batch.mask.sum(-1) > 0).sum(),
+                          len(batch.samples) // 2 if batch.paired else 0], dtype=torch.float64)
+    tokens, seqs, pairs = all_reduce(local).tolist()
+    return Denominators(max(tokens, 1.0), max(seqs, 1.0), max(pairs, 1.0), float(horizon))
 
 
-def _rows(x: torch.Tensor | None, mb: MicroBatch, width: int, dev) -> torch.Tensor | None:
+def rows(x: torch.Tensor | None, mb: MicroBatch, width: int, dev) -> torch.Tensor | None:
     return None if x is None else x[mb.indices, :width].to(dev)
 
 
-def _local_pairs(batch: TrainBatch, mb: MicroBatch) -> torch.Tensor | None:
-    if batch.pairs is None:
+def _mb_pairs(batch: TrainBatch, mb: MicroBatch) -> torch.Tensor | None:
+    """Pairs of a micro-batch as its own row positions: whole pairs only, by construction (pairs are units)."""
+    if not batch.paired:
         return None
-    pos = {i: j for j, i in enumerate(mb.indices)}
-    keep = [(pos[c], pos[r]) for c, r in batch.pairs.tolist() if c in pos and r in pos]
-    return torch.tensor(keep, dtype=torch.long).view(-1, 2)
+    pos = torch.arange(len(mb.indices))
+    return pos.view(-1, 2)
 
 
 class StepStats:
-    """Token-weighted means of micro-batch stats."""
+    """(sum, count) of each statistic over micro-batches; `means()` reduces over ranks once."""
 
     def __init__(self) -> None:
-        self.sums: dict[str, float] = defaultdict(float)
-        self.weights: dict[str, float] = defaultdict(float)
+        self.sums: dict[str, list[torch.Tensor]] = {}
 
-    def add(self, stats: dict[str, float], weight: float) -> None:
-        for k, v in stats.items():
-            self.sums[k] += v * weight
-            self.weights[k] += weight
+    def add(self, stats: StatSums) -> None:
+        for k, (total, count) in stats.items():
+            acc = self.sums.setdefault(k, [torch.zeros((), dtype=torch.float64)] * 2)
+            self.sums[k] = [acc[0] + total.detach().double().cpu(), acc[1] + count.detach().double().cpu()]
 
     def means(self, prefix: str) -> dict[str, float]:
-        """Token-weighted means over all micro-batches of all ranks (every rank has the same keys)."""
+        """Means over all micro-batches of all ranks (every rank adds the same keys, in any order)."""
         keys = sorted(self.sums)
-        totals = all_reduce_sum([self.sums[k] for k in keys] + [self.weights[k] for k in keys])
-        n = len(keys)
-        return {f"{prefix}/{k}": totals[i] / totals[n + i] for i, k in enumerate(keys) if totals[n + i]}
+        totals = all_reduce(torch.stack([torch.stack(self.sums[k]) for k in keys])).tolist() if keys else []
+        return {f"{prefix}/{k}": t / c for k, (t, c) in zip(keys, totals, strict=True) if c}
 
 
-def update_actor(actor: Model, batch: TrainBatch, objective: str, settings: ObjectiveSettings,
-                 u: UpdateSettings) -> tuple[dict[str, float], bool]:
-    """PPO-style epochs over mini-batches; returns (stats, finite). A non-finite step is not applied.
+def update_actor(actor: Model, batch: TrainBatch, objective: Objective, settings: ObjectiveSettings,
+                 u: UpdateSettings) -> tuple[dict[str, float], bool, torch.Tensor | None]:
+    """PPO-style epochs over mini-batches; returns (stats, finite, old log-probs). A non-finite step is not applied.
 
     ``batch.old_logp`` None: the batch gets one optimizer step, so each micro-batch's own log-probs,
-    detached, are the old ones (ratio 1, as a separate pass would give); they are kept in
-    ``batch.old_logp`` for the step's metrics.
+    detached, are the old ones (ratio 1, as a separate pass would give); they are returned `[B, T]`
+    for the step's metrics (else None).
     """
     reuse = batch.old_logp is None
     if reuse and u.epochs * u.mini_batches != 1:
         raise ValueError("old log-probs can come from the update only when it makes one optimizer step, "
                          f"not {u.epochs} epochs x {u.mini_batches} mini-batches")
     seen = torch.zeros(batch.mask.shape) if reuse else None
-    loss_fn, stats, finite = get_objective(objective), StepStats(), True
-    grad_norms = []
+    stats, finite, grad_norms, pairs_used = StepStats(), True, [], 0
     for _ in range(u.epochs):
-        for idx in _mini_batches(len(batch.samples), u.mini_batches):
-            sub = batch.select(idx) if batch.pairs is None else batch
-            denoms = _denominators(sub, u.horizon)
-            for mb in micro_batches(sub.samples, u.budget):
-                want_entropy = objective == "ppo_clip"
-                out = policy_logprobs(actor.module, mb, temperature=u.temperature, with_entropy=want_entropy)
-                logp, ent = out if want_entropy else (out, None)
-                w = logp.shape[1]
-                dev = logp.device
-                if seen is not None:  # one mini-batch of all rows: mb.indices index the batch
+        for units in split_units(batch.units, u.mini_batches):
+            idx = [i for unit in units for i in unit]
+            sub = batch.select(idx)
+            d = denominators(sub, u.horizon)
+            for mb in micro_batches(sub.samples, u.budget, units=_renumbered(units)):
+                out = policy_logprobs(actor.module, mb, temperature=u.temperature, with_entropy=objective.entropy)
+                logp, ent = out if objective.entropy else (out, None)
+                if mb.is_filler:
+                    (zero_like_loss(logp) * u.world).backward()
+                    continue
+                w, dev = logp.shape[1], logp.device
+                if seen is not None:  # one mini-batch of all rows: the mini-batch's rows are the batch's
                     seen[mb.indices, :w] = logp.detach().float().cpu()
-                old = logp.detach() if reuse else _rows(sub.old_logp, mb, w, dev)
-                x = MicroInputs(logp, ent, _rows(sub.mask, mb, w, dev), old, _rows(sub.advantages, mb, w, dev),
-                                _rows(sub.ref_logp, mb, w, dev), _local_pairs(sub, mb))
-                loss, s = loss_fn(x, settings, denoms)
+                old = logp.detach() if reuse else rows(sub.old_logp, mb, w, dev)
+                x = MicroInputs(logp, ent, rows(sub.mask, mb, w, dev), old, rows(sub.advantages, mb, w, dev),
+                                rows(sub.ref_logp, mb, w, dev), _mb_pairs(sub, mb))
+                loss, s = objective.loss(x, settings, d)
                 (loss * u.world).backward()
-                stats.add(s, float(x.mask.sum()))
+                stats.add(s)
+                pairs_used += 0 if x.pairs is None else len(x.pairs)
             norm, ok = _step(actor, u.grad_clip)
             grad_norms.append(norm)
             finite &= ok
-    if seen is not None:
-        batch.old_logp = seen
     out = stats.means("actor")
     out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
     out["actor/lr"] = actor.optimizer.param_groups[0]["lr"]
-    return out, finite
+    if batch.paired:
+        out["train/pairs_used"] = all_reduce_sum([pairs_used / u.epochs])[0]
+    return out, finite, seen
+
+
+def _renumbered(units: list[list[int]]) -> list[list[int]]:
+    """The same units as rows of the mini-batch that holds them one after another."""
+    out, k = [], 0
+    for unit in units:
+        out.append(list(range(k, k + len(unit))))
+        k += len(unit)
+    return out
 
 
 def update_critic(critic: Model, batch: TrainBatch, *, value_clip: float, loss_agg: str,
                   u: UpdateSettings) -> tuple[dict[str, float], bool]:
     stats, finite = StepStats(), True
     for _ in range(u.epochs):
-        for idx in _mini_batches(len(batch.samples), u.mini_batches):
-            sub = batch.select(idx)
-            denoms = _denominators(sub, u.horizon)
+        for units in split_units(batch.units, u.mini_batches):
+            sub = batch.select([i for unit in units for i in unit])
+            d = denominators(sub, u.horizon)
             for mb in micro_batches(sub.samples, u.budget):
                 v = token_values(critic.module, mb)
+                if mb.is_filler:
+                    (zero_like_loss(v) * u.world).backward()
+                    continue
                 w, dev = v.shape[1], v.device
-                mask = _rows(sub.mask, mb, w, dev)
-                loss, s = value_loss(v, _rows(sub.values, mb, w, dev), _rows(sub.returns, mb, w, dev), mask,
-                                     value_clip, loss_agg, num_tokens=denoms["num_tokens"],
-                                     num_seqs=denoms["num_seqs"], horizon=denoms["horizon"])
+                mask = rows(sub.mask, mb, w, dev)
+                per_token, clipped = value_loss_terms(v, rows(sub.values, mb, w, dev), rows(sub.returns, mb, w, dev),
+                                                      mask, value_clip)
+                loss = aggregate(per_token, mask, loss_agg, **d.aggregate_kwargs())
                 (loss * u.world).backward()
-                stats.add(dict(s, value_loss=loss.item()), float(mask.sum()))
+                count = mask.float().sum()
+                stats.add({"value_loss": (masked_sum(per_token.detach(), mask), count),
+                           "clip_frac": (masked_sum(clipped.float(), mask), count)})
             _, ok = _step(critic, u.grad_clip)
             finite &= ok
     out = stats.means("critic")
-    out["critic/explained_variance"] = float(explained_variance(batch.values, batch.returns, batch.mask))
+    out["critic/explained_variance"] = _explained_variance(batch)
     return out, finite
+
+
+def _explained_variance(batch: TrainBatch) -> float:
+    """Over the whole batch (all ranks): 1 - Var[R - V] / Var[R], from summed moments."""
+    m = batch.mask.double()
+    r, v = batch.returns.double() * m, batch.values.double() * m
+    e = r - v
+    n, sr, sr2, se, se2 = all_reduce(torch.stack([m.sum(), r.sum(), (r * r).sum(), e.sum(), (e * e).sum()])).tolist()
+    if n < 2:
+        return 0.0
+    var_r = (sr2 - sr * sr / n) / (n - 1)
+    var_e = (se2 - se * se / n) / (n - 1)
+    return float(1 - var_e / var_r) if var_r > 0 else 0.0
 
 
 def _step(model: Model, grad_clip: float) -> tuple[float, bool]:
@@ -180,3 +202,5 @@ def _step(model: Model, grad_clip: float) -> tuple[float, bool]:
         model.optimizer.step()
     model.optimizer.zero_grad(set_to_none=True)
     return norm, ok
+
+

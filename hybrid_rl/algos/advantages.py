@@ -27,7 +27,8 @@ from .groups import GroupIds, group_moments
 from .masked import masked_whiten
 from .registry import lookup
 
-__all__ = ["ADVANTAGES", "gae", "get_advantage", "grpo", "masked_whiten", "reinforce_pp", "rloo"]
+__all__ = ["ADVANTAGES", "discounted_returns", "gae", "gae_unwhitened", "get_advantage", "grpo", "masked_whiten",
+           "reinforce_pp", "rloo"]
 
 
 @torch.no_grad()
@@ -41,6 +42,14 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
         `(advantages [B, T], returns [B, T])`; advantages whitened (`masked_whiten`), both 0 where
         `mask == 0`.
     """
+    advantages, returns = gae_unwhitened(rewards, values, mask, gamma, lam)
+    return masked_whiten(advantages, mask), returns
+
+
+@torch.no_grad()
+def gae_unwhitened(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+    """`gae` before whitening: (advantages, returns), both 0 where `mask == 0`. Row by row independent, so a
+    batch split over ranks can be whitened afterwards with moments of the whole batch."""
     keep = mask.bool()
     rewards = torch.where(keep, rewards, 0)
     values = torch.where(keep, values, 0)
@@ -55,8 +64,7 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
         next_value = torch.where(keep[:, t], values[:, t], next_value)
         next_advantage = torch.where(keep[:, t], advantage, next_advantage)
     advantages = torch.stack(columns[::-1], dim=1) if columns else torch.zeros_like(values)
-    returns = advantages + values
-    return masked_whiten(advantages, mask), returns
+    return advantages, advantages + values
 
 
 def _as_float(scores: Tensor) -> Tensor:
@@ -116,6 +124,13 @@ def reinforce_pp(rewards: Tensor, mask: Tensor, gamma: float) -> tuple[Tensor, T
         `(advantages [B, T], returns [B, T])`; advantages are the whitened returns, both 0 where
         `mask == 0`.
     """
+    returns = discounted_returns(rewards, mask, gamma)
+    return masked_whiten(returns, mask), returns
+
+
+@torch.no_grad()
+def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """REINFORCE++'s returns before whitening, 0 where `mask == 0` (row by row independent)."""
     keep = mask.bool()
     rewards = torch.where(keep, rewards, 0)
     next_return = rewards.new_zeros(rewards.shape[0])
@@ -124,8 +139,7 @@ def reinforce_pp(rewards: Tensor, mask: Tensor, gamma: float) -> tuple[Tensor, T
         ret = rewards[:, t] + gamma * next_return
         columns.append(torch.where(keep[:, t], ret, 0))
         next_return = torch.where(keep[:, t], ret, next_return)
-    returns = torch.stack(columns[::-1], dim=1) if columns else torch.zeros_like(rewards)
-    return masked_whiten(returns, mask), returns
+    return torch.stack(columns[::-1], dim=1) if columns else torch.zeros_like(rewards)
 
 
 ADVANTAGES: dict[str, Callable[..., Tensor | tuple[Tensor, Tensor]]] = {

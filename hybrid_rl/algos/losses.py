@@ -18,6 +18,7 @@ Adding a KL estimator, aggregation mode or DPO kind: one function plus one line 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -219,6 +220,31 @@ def policy_loss(
         (masked mean of `old_logp - logp`), `dual_clip_frac` (share where the dual clip bound).
     """
     check_loss_agg(agg)
+    t = clipped_surrogate(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip)
+    loss = aggregate(t.per_token, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon)
+    return loss, {k: float(v) for k, v in t.stats(mask).items()}
+
+
+@dataclass(frozen=True)
+class Surrogate:
+    """`policy_loss`'s per-token terms, before aggregation."""
+
+    per_token: Tensor  # [B, T] the clipped surrogate loss
+    clipped: Tensor  # [B, T] bool: the clipped term was the larger
+    dual_bound: Tensor  # [B, T] bool: the dual clip bound
+    log_ratio: Tensor  # [B, T] logp - old_logp (0 outside the mask)
+
+    @torch.no_grad()
+    def stats(self, mask: Tensor) -> dict[str, Tensor]:
+        """0-d tensors (no host sync): clip_frac, approx_kl, dual_clip_frac over the masked tokens."""
+        return {"clip_frac": masked_mean(self.clipped.float(), mask),
+                "approx_kl": masked_mean(-self.log_ratio.detach().float(), mask),
+                "dual_clip_frac": masked_mean(self.dual_bound.float(), mask)}
+
+
+def clipped_surrogate(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float,
+                      clip_high: float, dual_clip: float | None) -> Surrogate:
+    """The per-token PPO surrogate of `policy_loss` (see there)."""
     if dual_clip is not None and dual_clip <= 1:
         raise ValueError(f"dual_clip must be > 1 (or None to disable), got {dual_clip}")
     keep = mask.bool()
@@ -232,14 +258,7 @@ def policy_loss(
     if dual_clip is not None:
         dual_bound = (advantages < 0) & (per_token > -advantages * dual_clip)
         per_token = torch.where(dual_bound, -advantages * dual_clip, per_token)
-    loss = aggregate(per_token, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon)
-    with torch.no_grad():
-        stats = {
-            "clip_frac": masked_mean((clipped > unclipped).float(), mask).item(),
-            "approx_kl": masked_mean(-log_ratio.float(), mask).item(),
-            "dual_clip_frac": masked_mean(dual_bound.float(), mask).item(),
-        }
-    return loss, stats
+    return Surrogate(per_token, (clipped > unclipped).detach(), dual_bound, log_ratio)
 
 
 def value_loss(
@@ -260,6 +279,14 @@ def value_loss(
         `(loss, stats)`; `stats["clip_frac"]`: share of masked tokens where the clipped term was larger.
     """
     check_loss_agg(agg)
+    per_token, clipped = value_loss_terms(values, old_values, returns, mask, clip)
+    loss = aggregate(per_token, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon)
+    return loss, {"clip_frac": masked_mean(clipped.float(), mask).item()}
+
+
+def value_loss_terms(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
+                     clip: float) -> tuple[Tensor, Tensor]:
+    """`value_loss`'s per-token loss `[B, T]` and where the clipped term was larger (bool, detached)."""
     keep = mask.bool()
     values = torch.where(keep, values, 0)
     old_values = torch.where(keep, old_values, 0)
@@ -268,11 +295,7 @@ def value_loss(
     values_clipped = torch.clamp(values, old_values - clip, old_values + clip)
     unclipped = (values - returns) ** 2
     clipped = (values_clipped - returns) ** 2
-    per_token = 0.5 * torch.maximum(unclipped, clipped)
-    loss = aggregate(per_token, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon)
-    with torch.no_grad():
-        stats = {"clip_frac": masked_mean((clipped > unclipped).float(), mask).item()}
-    return loss, stats
+    return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped).detach()
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:

@@ -10,6 +10,8 @@ never read, so they can reach neither a result nor a gradient.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -55,16 +57,24 @@ def masked_var(values: Tensor, mask: Tensor, *, unbiased: bool = True) -> Tensor
     return squared_dev / safe_denominator(n - 1 if unbiased else n)
 
 
-def masked_whiten(values: Tensor, mask: Tensor, *, eps: float = WHITEN_EPS) -> Tensor:
+def masked_whiten(values: Tensor, mask: Tensor, *, eps: float = WHITEN_EPS,
+                  reduce: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """`(values - mean) / sqrt(var + eps)` over the masked entries, zero where `mask == 0`.
 
     The mean is the masked mean, the variance the unbiased masked variance (`masked_var`). An
     all-masked input or a single masked entry gives zeros.
+
+    `reduce` sums a small tensor over every part of a batch split between processes (the trainer
+    passes an all-reduce): the moments are then those of the whole batch, while `values` is this
+    process's part. None: `values` is the whole batch.
     """
+    reduce = reduce or (lambda t: t)
     keep = mask.bool()
     values = torch.where(keep, values, 0)
-    mean = masked_mean(values, mask)
-    var = masked_var(values, mask)
+    total, n = reduce(torch.stack([masked_sum(values, mask), mask.to(values.dtype).sum()]))
+    mean = total / safe_denominator(n)
+    squared_dev = reduce(masked_sum((values - mean) ** 2, mask)[None])[0]
+    var = squared_dev / safe_denominator(n - 1)
     return torch.where(keep, (values - mean) / torch.sqrt(var + eps), 0)
 
 

@@ -2,7 +2,8 @@
 
 An objective is a pure function of tensors; the trainer runs the model and passes the global
 denominators (whole mini-batch, all ranks) so micro-batching never changes the result. Adding an
-objective is one function plus one line in `OBJECTIVES`.
+objective is one function plus one line in `OBJECTIVES`, saying whether it trains on preference
+pairs (then a pair is one unit for packing, micro-batching and rank balancing).
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .losses import aggregate, dpo_loss, kl, policy_loss
-from .masked import masked_mean
+from .losses import aggregate, clipped_surrogate, dpo_loss, kl
+from .masked import masked_sum
 from .registry import lookup
 
 
@@ -33,6 +34,19 @@ class ObjectiveSettings:
 
 
 @dataclass(frozen=True)
+class Denominators:
+    """Counts of a whole mini-batch over every micro-batch and rank: what each micro-batch's loss divides by."""
+
+    num_tokens: float
+    num_seqs: float
+    num_pairs: float
+    horizon: float  # the max response length: Dr. GRPO's constant denominator
+
+    def aggregate_kwargs(self) -> dict[str, float]:
+        return {"num_tokens": self.num_tokens, "num_seqs": self.num_seqs, "horizon": self.horizon}
+
+
+@dataclass(frozen=True)
 class MicroInputs:
     """One micro-batch's tensors, `[b, T]` (rows and width matching `logp`)."""
 
@@ -45,31 +59,39 @@ class MicroInputs:
     pairs: Tensor | None  # [p, 2] local (chosen, rejected) rows, DPO only
 
 
-def ppo_clip(x: MicroInputs, s: ObjectiveSettings, denoms: dict) -> tuple[Tensor, dict[str, float]]:
+StatSums = dict[str, tuple[Tensor, Tensor]]  # name -> (sum, count) of one micro-batch, 0-d tensors
+
+
+def _token_stat(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    return masked_sum(values.detach().float(), mask), mask.float().sum()
+
+
+def ppo_clip(x: MicroInputs, s: ObjectiveSettings, d: Denominators) -> tuple[Tensor, StatSums]:
     """PPO clipped surrogate (+ KL to the reference as a loss term, - entropy bonus).
 
-    The loss uses the mini-batch's global denominators; the reported stats are this micro-batch's
-    token means (the trainer averages them, weighted by tokens).
+    The loss uses the mini-batch's global denominators. Stats are (sum, count) over this
+    micro-batch's tokens, so that the trainer reports exact token means over all micro-batches and
+    ranks with one reduction at the end (no host sync per micro-batch).
     """
-    denoms = {k: denoms[k] for k in ("num_tokens", "num_seqs", "horizon")}
-    loss, stats = policy_loss(x.logp, x.old_logp, x.advantages, x.mask, s.clip_low, s.clip_high, s.dual_clip,
-                              s.loss_agg, **denoms)
-    with torch.no_grad():
-        stats = dict(stats, pg_loss=policy_loss(x.logp, x.old_logp, x.advantages, x.mask, s.clip_low, s.clip_high,
-                                                s.dual_clip, "token-mean")[0].item())
+    denoms = d.aggregate_kwargs()
+    t = clipped_surrogate(x.logp, x.old_logp, x.advantages, x.mask, s.clip_low, s.clip_high, s.dual_clip)
+    loss = aggregate(t.per_token, x.mask, s.loss_agg, **denoms)
+    count = x.mask.float().sum()
+    stats = {k: (v * count, count) for k, v in t.stats(x.mask).items()}
+    stats["pg_loss"] = _token_stat(t.per_token, x.mask)
     if x.ref_logp is not None:
         k = kl(x.logp, x.ref_logp, s.kl_estimator, mask=x.mask)
-        stats["kl"] = masked_mean(k.detach(), x.mask).item()
+        stats["kl"] = _token_stat(k, x.mask)
         if s.kl_coef:
             loss = loss + s.kl_coef * aggregate(k, x.mask, s.loss_agg, **denoms)
     if x.entropy is not None:
-        stats["entropy"] = masked_mean(x.entropy.detach(), x.mask).item()
+        stats["entropy"] = _token_stat(x.entropy, x.mask)
         if s.entropy_coef:
             loss = loss - s.entropy_coef * aggregate(x.entropy, x.mask, s.loss_agg, **denoms)
     return loss, stats
 
 
-def dpo(x: MicroInputs, s: ObjectiveSettings, denoms: dict) -> tuple[Tensor, dict[str, float]]:
+def dpo(x: MicroInputs, s: ObjectiveSettings, d: Denominators) -> tuple[Tensor, StatSums]:
     """DPO on (chosen, rejected) pairs of this micro-batch; mean over all pairs of the mini-batch."""
     m = x.mask.to(x.logp.dtype)
     seq = (x.logp * m).sum(-1)
@@ -77,14 +99,27 @@ def dpo(x: MicroInputs, s: ObjectiveSettings, denoms: dict) -> tuple[Tensor, dic
     c, r = x.pairs[:, 0], x.pairs[:, 1]
     losses, chosen_r, rejected_r = dpo_loss(seq[c], seq[r], ref[c], ref[r], s.dpo_beta, s.dpo_kind,
                                             s.dpo_label_smoothing)
-    loss = losses.sum() / denoms["num_pairs"]
-    stats = {"dpo_loss": loss.item(), "reward_margin": (chosen_r - rejected_r).mean().item() if len(c) else 0.0,
-             "reward_accuracy": (chosen_r > rejected_r).float().mean().item() if len(c) else 0.0}
+    loss = losses.sum() / d.num_pairs
+    n = torch.tensor(float(len(c)))
+    stats = {"dpo_loss": (losses.detach().sum(), n), "reward_margin": ((chosen_r - rejected_r).sum(), n),
+             "reward_accuracy": ((chosen_r > rejected_r).float().sum(), n)}
     return loss, stats
 
 
-Objective = Callable[[MicroInputs, ObjectiveSettings, dict], tuple[Tensor, dict[str, float]]]
-OBJECTIVES: dict[str, Objective] = {"ppo_clip": ppo_clip, "dpo": dpo}
+LossFn = Callable[[MicroInputs, ObjectiveSettings, Denominators], tuple[Tensor, StatSums]]
+
+
+@dataclass(frozen=True)
+class Objective:
+    loss: LossFn
+    paired: bool  # trains on (chosen, rejected) pairs, adjacent rows; else on single samples with advantages
+    entropy: bool  # reports (and may train) the policy's token entropy
+
+
+OBJECTIVES: dict[str, Objective] = {
+    "ppo_clip": Objective(ppo_clip, paired=False, entropy=True),
+    "dpo": Objective(dpo, paired=True, entropy=False),
+}
 
 
 def get_objective(name: str) -> Objective:

@@ -16,16 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from hybrid_rl.checkpoint.collective import CAUGHT, raise_if_any_failed
 from hybrid_rl.checkpoint.files import fsync_tree, replace_dir
-
-# Added to parameter names by activation checkpointing, torch.compile and FSDP1; HF names have none.
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+from hybrid_rl.dist.collectives import world_size
+from hybrid_rl.dist.fsdp import hf_name
 
 
 def export_hf(model: nn.Module, tokenizer: Any, out_dir: str | Path, *, rank: int, dtype: torch.dtype | None = None,
@@ -41,7 +39,7 @@ def export_hf(model: nn.Module, tokenizer: Any, out_dir: str | Path, *, rank: in
     """
     out = Path(out_dir)
     hf_model = _hf_model(model)  # a ValueError here is raised by every rank alike
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = world_size()
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     full = get_model_state_dict(model, options=options)  # rank 0 holds everything, on CPU; others nothing
     error = None
@@ -91,8 +89,7 @@ def hf_tensors(full: dict[str, torch.Tensor], *, tied: set[str], dtype: torch.dt
     """
     out = {}
     for name, t in full.items():
-        for prefix in WRAPPER_PREFIXES:
-            name = name.replace(prefix, "")
+        name = hf_name(name)
         if name in tied:
             continue
         t = t.detach()

@@ -3,7 +3,7 @@
 Layer 1: imports torch, pyarrow and the standard library only; a tokenizer object is passed in.
 """
 
-from hybrid_rl.data.batching import balance_across_ranks, split_by_token_budget
+from hybrid_rl.data.batching import balance_across_ranks, balance_units, split_by_token_budget
 from hybrid_rl.data.datasets import Tokenizer, load_preference_dataset, load_prompt_dataset
 from hybrid_rl.data.loader import PromptLoader
 from hybrid_rl.data.packing import PackedBatch, ResponseIndex, pack, pad
@@ -22,6 +22,7 @@ __all__ = [
     "ResponseIndex",
     "Tokenizer",
     "balance_across_ranks",
+    "balance_units",
     "load_preference_dataset",
     "load_prompt_dataset",
     "pack",

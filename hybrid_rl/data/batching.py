@@ -89,6 +89,16 @@ def balance_across_ranks(lengths: Sequence[int], world: int) -> list[list[int]]:
     return sorted(groups, key=lambda group: group[0])
 
 
+def balance_units(lengths: Sequence[int], world: int) -> list[list[int]]:
+    """`balance_across_ranks` for any number of units: counts per rank differ by at most one.
+
+    Zero-length placeholders pad the count to a multiple of `world` and are dropped afterwards, so a
+    rank may get one unit fewer (or none, with fewer units than ranks).
+    """
+    padded = list(lengths) + [0] * (-len(lengths) % world)
+    return [[i for i in group if i < len(lengths)] for group in balance_across_ranks(padded, world)]
+
+
 def _push(heap: list[_Partial], groups: list[tuple[int, list[int]]], tie: int) -> None:
     sums = [s for s, _ in groups]
     # Widest spread first; `tie` (creation order) keeps the result independent of list comparison.

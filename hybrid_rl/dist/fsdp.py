@@ -36,6 +36,17 @@ def shard_model(
     return model
 
 
+# Added to parameter names by activation checkpointing, torch.compile and FSDP1; Hugging Face names have none.
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def hf_name(name: str) -> str:
+    """A parameter's Hugging Face name, with wrapper prefixes removed."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
 def local_tensor(p: torch.Tensor) -> torch.Tensor:
     """The shard this rank holds (a DTensor's local tensor; a plain tensor is its own shard)."""
     return p.to_local() if hasattr(p, "to_local") else p

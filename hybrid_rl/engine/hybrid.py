@@ -30,7 +30,7 @@ from typing import Protocol
 
 import torch
 
-from hybrid_rl.dist.fsdp import is_sharded, local_tensor
+from hybrid_rl.dist.fsdp import hf_name, is_sharded, local_tensor
 from hybrid_rl.dist.mesh import ParallelDims
 from hybrid_rl.dist.offload import OffloadManager, grad_tensors, optimizer_tensors, param_tensors
 from hybrid_rl.engine.layout import Layout
@@ -82,13 +82,6 @@ class SwitchReport:
     peak_buffer_bytes: int = 0
 
 
-def hf_name(name: str) -> str:
-    """A parameter's Hugging Face name, with wrapper prefixes (activation checkpointing, compile) removed."""
-    for junk in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
-        name = name.replace(junk, "")
-    return name
-
-
 class WeightSource(Protocol):
     """What the policy offers to sync: (HF name, this rank's dim-0 shard, full shape) per weight."""
 
@@ -130,7 +123,6 @@ class HybridEngine:
         self._plans: dict[tuple[str, ...], ReshardPlan] = {}
         self._path: str | None = None
         self._vllm_current = False  # vLLM holds the weights of the last sync (so only changes need sending)
-        self.corrupt_hook = None  # tests: callable(bucket_index, recv_buffer) applied on the next sync
         self._verbose = True  # log the first round trip's checklist at INFO
 
     # -- modes -----------------------------------------------------------------------------------
@@ -251,10 +243,9 @@ class HybridEngine:
         stats = SyncStats()
         stream = stream_slices(
             plan, sources, device=self.device, probe_cols=self.options.probe_cols,
-            sync_index=self.sync_index, stats=stats, corrupt=self.corrupt_hook,
+            sync_index=self.sync_index, stats=stats,
         )
         self.vllm.load_weights(stream, self._path)
-        self.corrupt_hook = None
         if self.options.verify:
             self._verify(plan)
         self.sync_index += 1

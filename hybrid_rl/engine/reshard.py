@@ -222,19 +222,17 @@ class SyncStats:
 def stream_slices(
     plan: ReshardPlan, params: list[SourceParam], *, device: torch.device, group=None,
     probe_cols: int, sync_index: int = 0, stats: SyncStats | None = None,
-    corrupt: Callable[[int, torch.Tensor], None] | None = None,
 ) -> Iterator[tuple[TPSlice, torch.Tensor]]:
     """Yield (slice, tensor) for every weight this rank's vLLM needs, bucket by bucket.
 
     Must be driven to the end on every rank in lockstep (each bucket is a collective). After the
     last item, `plan.expected` holds the senders' checksums of this rank's slices, taken over
     `probe_cols` columns of each 2-D slice (`rollout.verify_probe_cols`) that rotate with `sync_index`.
-    `corrupt(bucket_index, recv_buffer)` is a fault-injection hook for tests.
     """
     stats = stats or SyncStats()
     world = plan.world
     partial = torch.zeros(world, len(plan.slices), dtype=torch.float64, device=device)
-    for b_idx, bucket in enumerate(plan.buckets):
+    for bucket in plan.buckets:
         send_splits = [sum(pc.numel for pc in bucket.sends[d]) for d in range(world)]
         recv_splits = [sum(pc.numel for pc in bucket.recvs[s]) for s in range(world)]
         send = torch.empty(sum(send_splits), dtype=plan.dtype, device=device)
@@ -257,8 +255,6 @@ def stream_slices(
             recv.copy_(send)
         stats.peak_buffer_bytes = max(stats.peak_buffer_bytes, (send.numel() + recv.numel()) * send.element_size())
         del send
-        if corrupt is not None:
-            corrupt(b_idx, recv)
         stats.bytes_received += recv.numel() * recv.element_size()
         stats.buckets += 1
         yield from _assemble(plan, bucket, recv, device)

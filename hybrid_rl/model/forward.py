@@ -1,59 +1,87 @@
 """Packed forward passes over samples: actor/reference log-probs, critic values, reward-model scores.
 
 Every pass packs a micro-batch of samples into one row (no padding), runs the model once, and
-scatters the response-token outputs back to `[b, T]`. Micro-batches are cut by a token budget, and
-every rank runs the same number of them (FSDP forwards are collective), so the count is agreed with
-an all-reduce before the first one.
+scatters the response-token outputs back to `[b, T]`. Micro-batches are cut by a token budget over
+*units* (a sample, or a preference pair that must stay together). Every rank runs the same number
+of them, because FSDP's forward and backward are collective: the count is agreed with one
+all-reduce, and a rank with fewer units than that count runs filler micro-batches (one two-token
+sequence whose outputs are ignored and whose loss is zero) so that it still joins every collective.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from hybrid_rl.data import PackedBatch, ResponseIndex, pack, split_by_token_budget
-from hybrid_rl.dist.mesh import all_reduce_max, device
+from hybrid_rl.dist.collectives import all_reduce_max
+from hybrid_rl.dist.mesh import device
 from hybrid_rl.model.logprobs import logits_to_logprobs
 from hybrid_rl.types import Sample
 
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """Samples `indices` packed into one row, with where their response tokens are."""
+    """Samples `indices` packed into one row, with where their response tokens are.
+
+    `indices` empty: a filler (see the module docstring); its outputs belong to no sample.
+    """
 
     indices: list[int]
     packed: PackedBatch
     response: ResponseIndex
 
+    @property
+    def is_filler(self) -> bool:
+        return not self.indices
 
-def micro_batches(samples: list[Sample], token_budget: int) -> list[MicroBatch]:
-    """Cut `samples` into packed micro-batches of at most `token_budget` tokens, as many on every rank."""
-    lengths = [s.length for s in samples]
+
+def micro_batches(samples: list[Sample], token_budget: int, *,
+                  units: Sequence[Sequence[int]] | None = None) -> list[MicroBatch]:
+    """Cut `samples` into packed micro-batches of at most `token_budget` tokens, as many on every rank.
+
+    `units` (default: every sample alone) are lists of sample indices that share a micro-batch.
+    A collective: every rank calls it, with its own samples.
+    """
+    units = [[i] for i in range(len(samples))] if units is None else [list(u) for u in units]
+    lengths = [sum(samples[i].length for i in u) for u in units]
     count = int(all_reduce_max([len(split_by_token_budget(lengths, token_budget))])[0])
-    count = min(count, len(samples)) if samples else count
-    out = []
-    for idx in split_by_token_budget(lengths, token_budget, min_micro_batches=count):
-        packed = pack([list(samples[i].prompt_ids + samples[i].response_ids) for i in idx])
-        packed = PackedBatch(packed.input_ids.to(device()), packed.position_ids.to(device()),
-                             packed.cu_seqlens.to(device()), packed.max_seqlen, packed.seq_lens)
-        resp = packed.response_index([len(samples[i].prompt_ids) for i in idx],
-                                     [len(samples[i].response_ids) for i in idx])
-        out.append(MicroBatch(idx, packed, resp))
-    return out
+    groups = split_by_token_budget(lengths, token_budget, min_micro_batches=min(count, len(units))) if units else []
+    out = [_micro_batch(samples, sorted(i for g in group for i in units[g])) for group in groups]
+    return out + [_filler() for _ in range(count - len(out))]
 
 
-def _forward(model, mb: MicroBatch):
-    return model(input_ids=mb.packed.input_ids, position_ids=mb.packed.position_ids, use_cache=False)
+def _micro_batch(samples: list[Sample], idx: list[int]) -> MicroBatch:
+    dev = device()
+    packed = pack([torch.cat([samples[i].prompt_ids, samples[i].response_ids]) for i in idx])
+    packed = PackedBatch(packed.input_ids.to(dev), packed.position_ids.to(dev), packed.cu_seqlens.to(dev),
+                         packed.max_seqlen, packed.seq_lens)
+    resp = packed.response_index([samples[i].prompt_len for i in idx], [samples[i].response_len for i in idx])
+    return MicroBatch(idx, packed, resp)
+
+
+def _filler() -> MicroBatch:
+    dev = device()
+    packed = pack([torch.zeros(2, dtype=torch.int64, device=dev)])
+    return MicroBatch([], packed, packed.response_index([1], [1]))
+
+
+def _forward(model, mb: MicroBatch, **kwargs):
+    return model(input_ids=mb.packed.input_ids, position_ids=mb.packed.position_ids, use_cache=False, **kwargs)
 
 
 def policy_logprobs(model, mb: MicroBatch, *, temperature: float, with_entropy: bool = False):
-    """Log-probs `[b, T]` (and entropies) of the response tokens of one micro-batch, with the autograd graph."""
-    logits = _forward(model, mb).logits[0]
+    """Log-probs `[b, T]` (and entropies) of the response tokens of one micro-batch, with the autograd graph.
+
+    The LM head runs only at the positions that predict response tokens (`logits_to_keep`): prompt
+    positions never produce vocabulary-sized logits.
+    """
     r = mb.response
+    logits = _forward(model, mb, logits_to_keep=r.logit_positions).logits[0]
     targets = mb.packed.input_ids[0, r.target_positions]
-    out = logits_to_logprobs(logits[r.logit_positions], targets, temperature=temperature, with_entropy=with_entropy)
+    out = logits_to_logprobs(logits, targets, temperature=temperature, with_entropy=with_entropy)
     if with_entropy:
         lp, ent = out
         return r.scatter(lp)[0], r.scatter(ent)[0]
@@ -75,7 +103,7 @@ def sequence_scores(model, mb: MicroBatch) -> torch.Tensor:
     captured = {}
     handle = model.score.register_forward_hook(lambda _m, _i, out: captured.__setitem__("scores", out))
     try:
-        model(input_ids=mb.packed.input_ids, position_ids=mb.packed.position_ids, use_cache=False)
+        _forward(model, mb)
     finally:
         handle.remove()
     last = mb.packed.cu_seqlens[1:].long() - 1
@@ -88,5 +116,6 @@ def gather_per_token(fn: Callable[[MicroBatch], torch.Tensor], mbs: list[MicroBa
     out = torch.zeros(n, width)
     for mb in mbs:
         vals = fn(mb).float().cpu()
-        out[mb.indices, : vals.shape[1]] = vals
+        if not mb.is_filler:
+            out[mb.indices, : vals.shape[1]] = vals
     return out

@@ -1,23 +1,24 @@
-"""Prompts in, samples out: each DP group generates for its share of the prompts, then all ranks share all samples.
+"""Prompts in, samples out: each DP group generates for its share of the prompts; each sample is held by one rank.
 
 The ranks of one vLLM TP group must submit identical requests, so the share and the per-request
 seeds depend only on the DP rank, the step and the prompt's position, never on the global rank.
-After generation, every rank receives every sample (token ids are cheap to move), so rewards,
-group statistics and the token-balanced split for training can be computed without further
-coordination.
+Every TP rank of a group receives the group's outputs; the group's samples are then split between
+its TP ranks (`uid % tp`), so that each sample is held (scored, then sent to its trainer) by exactly
+one rank. What all ranks learn about all samples is the small `BatchIndex` (one all-gather).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.distributed as dist
+import torch
 
 from hybrid_rl.data import PromptRecord
 from hybrid_rl.dist.mesh import ParallelDims
 from hybrid_rl.engine.hybrid import HybridEngine
-from hybrid_rl.engine.vllm_engine import Sampling
-from hybrid_rl.types import Sample
+from hybrid_rl.engine.vllm_engine import Generation, Sampling
+from hybrid_rl.rollout.exchange import gather_index
+from hybrid_rl.types import Rollout, Sample
 
 
 @dataclass(frozen=True)
@@ -32,14 +33,14 @@ class Sampler:
     """Turns a batch of prompt records into samples, `n` per prompt, generated data-parallel."""
 
     def __init__(self, engine: HybridEngine, tokenizer, dims: ParallelDims, settings: SamplingSettings, *, seed: int):
-        self.engine, self.tokenizer, self.dims, self.settings, self.seed = engine, tokenizer, dims, settings, seed
+        self.engine, self.dims, self.settings, self.seed = engine, dims, settings, seed
         self.stop_ids = tuple(sorted({tokenizer.eos_token_id} | set(_generation_eos(tokenizer))))
 
     def generate(self, records: list[PromptRecord], *, n: int, step: int, group_base: int,
-                 greedy: bool = False) -> list[Sample]:
-        """Sample `n` responses for every record (the same list on every rank); returns all samples, on all ranks.
+                 greedy: bool = False) -> Rollout:
+        """Sample `n` responses for every record (the same list on every rank). Collective, in rollout mode.
 
-        Must be called in rollout mode, on every rank. Samples of record i get group `group_base + i`.
+        Sample `j` of record `i` has uid `i * n + j` and group `group_base + i`.
         """
         d = self.dims
         mine = list(range(d.dp_rank, len(records), d.dp))
@@ -49,23 +50,19 @@ class Sampler:
                             stop_token_ids=self.stop_ids)
         seeds = [hash((self.seed, step, group_base + i)) % (2**31) for i in mine]
         outs = self.engine.generate([list(records[i].prompt_ids) for i in mine], sampling, seeds)
-        local = []
+        held = []
         for i, gens in zip(mine, outs, strict=True):
-            rec = records[i]
-            for g in gens:
-                local.append(Sample(rec.prompt_ids, g.token_ids, g.logprobs, g.finish_reason == "length",
-                                    group_base + i, rec.index, rec.fields,
-                                    self.tokenizer.decode(g.token_ids, skip_special_tokens=True)))
-        return _share_across_dp_groups(local if d.tp_rank == 0 else [], d)
+            prompt = torch.tensor(records[i].prompt_ids, dtype=torch.int64)
+            for j, g in enumerate(gens):
+                if (i * n + j) % d.tp == d.tp_rank:
+                    held.append(_sample(i * n + j, prompt, g, group_base + i, records[i]))
+        return Rollout(held, gather_index(held, len(records) * n))
 
 
-def _share_across_dp_groups(local: list[Sample], dims: ParallelDims) -> list[Sample]:
-    """Every rank gets every DP group's samples, ordered by group id."""
-    if dims.world == 1:
-        return local
-    gathered: list[list[Sample]] = [[] for _ in range(dims.world)]
-    dist.all_gather_object(gathered, local)
-    return sorted((s for part in gathered for s in part), key=lambda s: s.group)
+def _sample(uid: int, prompt: torch.Tensor, g: Generation, group: int, record: PromptRecord) -> Sample:
+    return Sample(uid, prompt, torch.as_tensor(g.token_ids, dtype=torch.int64),
+                  torch.as_tensor(g.logprobs, dtype=torch.float32), g.finish_reason == "length", group, record.index,
+                  record.fields)
 
 
 def _generation_eos(tokenizer) -> list[int]:

@@ -37,20 +37,24 @@ EXPECTED = {
     "dapo": ROLLOUT_KEYS | PPO_ACTOR | {"rollout/sampling_rounds", "reward/mean"},
     "rloo": ROLLOUT_KEYS | REWARD_KEYS | PPO_ACTOR | {"actor/kl"},
     "reinforce_pp": ROLLOUT_KEYS | REWARD_KEYS | PPO_ACTOR | {"actor/kl", "actor/kl_coef"},
-    "online_dpo": ROLLOUT_KEYS | REWARD_KEYS | DPO_ACTOR,
+    "online_dpo": ROLLOUT_KEYS | DPO_ACTOR | {"reward/mean", "reward/length_parity/mean", "train/pairs",
+                                              "train/pairs_used"},
     "grpo_rm": ROLLOUT_KEYS | REWARD_KEYS | PPO_ACTOR | {"timing/reward_model_s"},
     "grpo_lora": ROLLOUT_KEYS | PPO_ACTOR | {"actor/kl", "timing/reference_s", "reward/length_parity/mean"},
     "ppo_lora": ROLLOUT_KEYS | PPO_ACTOR | {"actor/kl", "critic/value_loss", "reward/length_parity/mean"},
-    "dpo": DPO_ACTOR,
+    "dpo": DPO_ACTOR | {"train/pairs", "train/pairs_used"},
 }
 
 
 def test_every_recipe_runs_two_steps_and_logs_its_metrics(tiny_models, task_files, reward_model, tmp_path,
                                                           model_without_pad_token):
     runs = []
-    for recipe in ("grpo", "ppo", "dr_grpo", "rloo", "reinforce_pp", "online_dpo"):
+    for recipe in ("grpo", "ppo", "dr_grpo", "rloo", "reinforce_pp"):
         runs.append({"name": recipe, "recipe": recipe,
                      "overrides": tiny_overrides(tiny_models["qwen2"], task_files, tmp_path / recipe)})
+    # Online DPO pairs best against worst by reward: a reward whose scores vary gives it pairs to train.
+    runs.append({"name": "online_dpo", "recipe": "online_dpo", "overrides": tiny_overrides(
+        tiny_models["qwen2"], task_files, tmp_path / "online_dpo", **{"reward.fn": "tests.e2e.rewards:length_parity"})})
     # A random model never gets a math answer right, so every group would look alike to dynamic sampling:
     # DAPO gets a user reward (plugged in by dotted path) whose scores vary.
     runs.append({"name": "dapo", "recipe": "dapo", "overrides": tiny_overrides(
@@ -76,6 +80,7 @@ def test_every_recipe_runs_two_steps_and_logs_its_metrics(tiny_models, task_file
     failed = {name: r["error"] for name, r in result.items() if not r["ok"]}
     assert not failed, failed
     _check_overlap(tmp_path / "grpo_slow_reward")
+    _check_pairs(tmp_path)
     _check_exports(tmp_path)
     for run in runs:
         name = run["name"]
@@ -94,6 +99,15 @@ def test_every_recipe_runs_two_steps_and_logs_its_metrics(tiny_models, task_file
         assert (out / "checkpoints" / "step_2" / "COMPLETE").exists(), f"{name}: no final checkpoint"
         assert (out / "export" / "config.json").exists(), f"{name}: no export"
         assert any((out / "tensorboard").iterdir()), f"{name}: no TensorBoard events"
+
+
+def _check_pairs(root: Path) -> None:
+    """Every preference pair is trained (none dropped for landing on two ranks or micro-batches)."""
+    for name, expected in (("dpo", 4), ("online_dpo", None)):  # offline: one pair per prompt, 4 prompts a step
+        for d in map(json.loads, (root / name / "metrics.jsonl").read_text().splitlines()):
+            if "train/pairs" in d:
+                assert d["train/pairs_used"] == d["train/pairs"] == (expected or d["train/pairs"]), (name, d)
+                assert d["train/pairs"] > 0, (name, d)
 
 
 def _check_overlap(out: Path) -> None:

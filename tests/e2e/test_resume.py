@@ -1,4 +1,9 @@
-"""A run stopped after step 2 and resumed gives bitwise the same steps 3 and 4 as an uninterrupted run."""
+"""A run stopped after step 2 and resumed gives bitwise the same steps 3 and 4 as an uninterrupted run.
+
+The full fine-tuning case runs on 4 ranks with `rollout.tp=2`: two data-parallel vLLM groups of two
+tensor-parallel ranks each, as GPU users run (TP 2-8 with several DP groups), with the check that vLLM's
+sampling log-probs match the trainer's recomputation.
+"""
 
 import json
 from pathlib import Path
@@ -18,10 +23,10 @@ def _metrics(path: Path) -> dict[int, dict]:
     return {d["step"]: d for d in map(json.loads, (path / "metrics.jsonl").read_text().splitlines())}
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_resumed_run_matches_uninterrupted_run_bitwise(tiny_models, task_files, tmp_path, lora):
+@pytest.mark.parametrize(("lora", "nproc", "tp"), [(False, 4, 2), (True, 2, 1)], ids=["full-dp2-tp2", "lora"])
+def test_resumed_run_matches_uninterrupted_run_bitwise(tiny_models, task_files, tmp_path, lora, nproc, tp):
     # A reward whose scores vary even for a random model, so every step really updates the weights.
-    common = {"trainer.seed": 3, "trainer.save_every": 2, "data.val_files": "[]",
+    common = {"trainer.seed": 3, "trainer.save_every": 2, "data.val_files": "[]", "rollout.tp": tp,
               "reward.fn": "tests.e2e.rewards:length_parity"}
     if lora:  # the checkpoint must save and restore the adapter (and its optimizer state)
         common.update({"model.lora.rank": 8, "optim.lr": "1e-3"})
@@ -36,11 +41,13 @@ def test_resumed_run_matches_uninterrupted_run_bitwise(tiny_models, task_files, 
          "overrides": tiny_overrides(tiny_models["qwen2"], task_files, tmp_path / "resumed",
                                      **common, **{"trainer.total_steps": 4, "trainer.resume": "auto"})},
     ]
-    result = run_torchrun(WORKER, json.dumps(runs), tmp_path=tmp_path, timeout=900)
+    result = run_torchrun(WORKER, json.dumps(runs), nproc=nproc, tmp_path=tmp_path, timeout=900)
     assert all(r["ok"] for r in result.values()), result
     straight, resumed = _metrics(tmp_path / "straight"), _metrics(tmp_path / "resumed")
     assert sorted(resumed) == [1, 2, 3, 4]  # no step lost or logged twice
     assert straight[4]["actor/entropy"] != straight[1]["actor/entropy"], "the policy did not change: test is vacuous"
+    for step in (1, 2, 3, 4):  # vLLM (each TP group) samples what the trainer computes (float32 both sides)
+        assert straight[step]["rollout/logprob_diff_max"] < 1e-3, straight[step]
     for step in (3, 4):
         for key in COMPARED:
             assert resumed[step][key] == straight[step][key], f"step {step} {key}: {resumed[step][key]} != " \

@@ -96,8 +96,15 @@ result["bucket_bytes"] = resident.options.bucket_bytes
 result["sync_bytes_received"] = resident.report.bytes_received
 result["model_bytes_fp32"] = sum(t.numel() * 4 for t in m_res.state_dict().values())
 
-# 4. A corrupted bucket is caught; the engine stays usable afterwards.
-resident.corrupt_hook = lambda b, buf: buf.mul_(1.001) if b == 1 else None
+# 4. A weight corrupted in flight (between the all-to-all and vLLM) is caught; the engine stays usable afterwards.
+load_weights = resident.vllm.load_weights
+
+
+def corrupt_second_slice(stream, path):
+    load_weights((((ts, t.mul_(1.001)) if k == 1 else (ts, t)) for k, (ts, t) in enumerate(stream)), path)
+
+
+resident.vllm.load_weights = corrupt_second_slice
 try:
     with resident.rollout_mode():
         pass
@@ -105,6 +112,7 @@ try:
 except WeightSyncError as e:
     result["corruption_caught"] = True
     result["corruption_message"] = str(e)
+resident.vllm.load_weights = load_weights
 result["mode_after_error"] = resident.mode.value
 with resident.rollout_mode():
     resident.generate(PROMPTS[:1], Sampling(max_tokens=2), seeds=[0])

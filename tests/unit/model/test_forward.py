@@ -5,6 +5,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from hybrid_rl.model.forward import micro_batches, policy_logprobs, sequence_scores, token_values
 from hybrid_rl.types import Sample
+from tests.unit.trainer.samples import make_sample
 
 
 def _samples() -> list[Sample]:
@@ -12,7 +13,7 @@ def _samples() -> list[Sample]:
     out = []
     for i, (p, r) in enumerate([(5, 3), (9, 1), (4, 6), (7, 0)]):
         ids = torch.randint(5, 400, (p + r,), generator=g).tolist()
-        out.append(Sample(tuple(ids[:p]), tuple(ids[p:]), (), False, i, i, {}, ""))
+        out.append(make_sample(i, ids[:p], ids[p:]))
     return out
 
 
@@ -23,7 +24,7 @@ def test_reward_model_scores_of_a_packed_batch_equal_separate_scores(tiny_models
     (mb,) = micro_batches(samples, 10_000)
     packed = sequence_scores(rm, mb)
     for i, s in zip(mb.indices, packed, strict=True):
-        ids = torch.tensor([samples[i].prompt_ids + samples[i].response_ids])
+        ids = torch.cat([samples[i].prompt_ids, samples[i].response_ids])[None]
         alone = rm(input_ids=ids).logits[0, 0]
         torch.testing.assert_close(s, alone, rtol=1e-5, atol=1e-5)
 
@@ -37,8 +38,8 @@ def test_critic_values_and_logprobs_of_a_packed_batch_equal_separate_passes(tiny
     values, logp = token_values(critic, mb), policy_logprobs(lm, mb, temperature=0.7)
     for row, i in enumerate(mb.indices):
         s = samples[i]
-        ids = torch.tensor([s.prompt_ids + s.response_ids])
-        p, r = len(s.prompt_ids), len(s.response_ids)
+        ids = torch.cat([s.prompt_ids, s.response_ids])[None]
+        p, r = s.prompt_len, s.response_len
         v = critic(input_ids=ids).logits[0, p - 1 : p + r - 1, 0]
         lp = torch.log_softmax(lm(input_ids=ids).logits[0, p - 1 : p + r - 1] / 0.7, -1)
         lp = lp.gather(-1, ids[0, p:, None])[:, 0]

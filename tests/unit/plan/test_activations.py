@@ -25,9 +25,8 @@ PROMPT = 16
 
 def _micro_batch(vocab: int):
     g = torch.Generator().manual_seed(0)
-    samples = [Sample(tuple(torch.randint(0, vocab, (PROMPT,), generator=g).tolist()),
-                      tuple(torch.randint(0, vocab, (n,), generator=g).tolist()), (0.0,) * n, False, i, i, {}, "")
-               for i, n in enumerate(RESPONSE_LENGTHS)]
+    samples = [Sample(i, torch.randint(0, vocab, (PROMPT,), generator=g), torch.randint(0, vocab, (n,), generator=g),
+                      torch.zeros(n), False, i, i, {}) for i, n in enumerate(RESPONSE_LENGTHS)]
     return micro_batches(samples, token_budget=10**6)[0]
 
 

@@ -7,21 +7,21 @@ from transformers import AutoModelForCausalLM
 from hybrid_rl.algos.objectives import MicroInputs, ObjectiveSettings, ppo_clip
 from hybrid_rl.model.forward import micro_batches, policy_logprobs
 from hybrid_rl.types import TrainBatch
-from hybrid_rl.updates import _denominators, _rows, response_mask
+from hybrid_rl.updates import denominators, response_mask, rows
 from tests.unit.trainer.samples import random_samples
 
 
 def _grads(model, batch: TrainBatch, budget: int, agg: str) -> list[torch.Tensor]:
     model.zero_grad()
     s = ObjectiveSettings(agg, 0.2, 0.2, None, 0.1, "k3", 0.01, 0.1, "sigmoid", 0.0)
-    denoms = _denominators(batch, horizon=8)
+    d = denominators(batch, horizon=8)
     mbs = micro_batches(batch.samples, budget)
     for mb in mbs:
         logp, ent = policy_logprobs(model, mb, temperature=1.0, with_entropy=True)
         w = logp.shape[1]
-        x = MicroInputs(logp, ent, _rows(batch.mask, mb, w, "cpu"), _rows(batch.old_logp, mb, w, "cpu"),
-                        _rows(batch.advantages, mb, w, "cpu"), _rows(batch.ref_logp, mb, w, "cpu"), None)
-        loss, _ = ppo_clip(x, s, denoms)
+        x = MicroInputs(logp, ent, rows(batch.mask, mb, w, "cpu"), rows(batch.old_logp, mb, w, "cpu"),
+                        rows(batch.advantages, mb, w, "cpu"), rows(batch.ref_logp, mb, w, "cpu"), None)
+        loss, _ = ppo_clip(x, s, d)
         loss.backward()
     return len(mbs), [p.grad.clone() for p in model.parameters()]
 
@@ -31,7 +31,7 @@ def test_micro_batch_of_one_and_of_four_give_equal_gradients(tiny_models, agg):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_models["qwen2"], dtype=torch.float32)
     samples = random_samples(8)
-    width = max(len(s.response_ids) for s in samples)
+    width = max(s.response_len for s in samples)
     mask = response_mask(samples, width)
     with torch.no_grad():
         old = torch.randn(8, width) * 0.1 - 3.0

@@ -1,0 +1,65 @@
+"""The no-grad model passes of a step on this rank's share: old log-probs, reference, critic, reward model.
+
+Frozen models that are offloaded between steps (`offload.reference / critic / reward_model`) are
+brought in for their pass and sent back out after it (`resident`). Outputs are `[B, T]` on the CPU
+(per token) or `[B]` (the reward model), rows in the share's order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from hybrid_rl.dist.offload import OffloadManager, param_tensors
+from hybrid_rl.model.forward import gather_per_token, micro_batches, policy_logprobs, sequence_scores, token_values
+from hybrid_rl.types import Sample
+
+
+def width_of(samples: list[Sample]) -> int:
+    return max((s.response_len for s in samples), default=1) or 1
+
+
+@torch.no_grad()
+def logprobs_pass(model: torch.nn.Module, samples: list[Sample], *, temperature: float, budget: int) -> torch.Tensor:
+    """Log-probs `[B, T]` of the response tokens (reference or pre-update actor), on the CPU."""
+    mbs = micro_batches(samples, budget)
+    return gather_per_token(lambda mb: policy_logprobs(model, mb, temperature=temperature), mbs, len(samples),
+                            width_of(samples))
+
+
+@torch.no_grad()
+def values_pass(model: torch.nn.Module, samples: list[Sample], *, budget: int) -> torch.Tensor:
+    mbs = micro_batches(samples, budget)
+    return gather_per_token(lambda mb: token_values(model, mb), mbs, len(samples), width_of(samples))
+
+
+@torch.no_grad()
+def scores_pass(model: torch.nn.Module, samples: list[Sample], *, budget: int) -> torch.Tensor:
+    """Reward-model scores `[B]`."""
+    out = torch.zeros(len(samples))
+    for mb in micro_batches(samples, budget):
+        scores = sequence_scores(model, mb).cpu()
+        if not mb.is_filler:
+            out[mb.indices] = scores
+    return out
+
+
+@dataclass
+class PassOutputs:
+    old_logp: torch.Tensor | None = None  # [B, T]; None when the update's own forward gives it
+    ref_logp: torch.Tensor | None = None  # [B, T]
+    values: torch.Tensor | None = None  # [B, T]
+    rm_scores: torch.Tensor | None = None  # [B]
+
+
+@contextmanager
+def resident(offload: OffloadManager, name: str, module: torch.nn.Module, target: str) -> Iterator[None]:
+    """Bring an offloaded model in for the body of the `with`, and send it back out to `target` after."""
+    offload.reload(name)
+    try:
+        yield
+    finally:
+        offload.offload(name, param_tensors(module), target)
