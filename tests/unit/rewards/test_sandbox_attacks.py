@@ -1,12 +1,13 @@
 """The sandbox keeps its promises whatever the program does: one test per attack.
 
-Each attack runs at the isolation level the machine offers; the suite is skipped (with the reason)
-where bubblewrap does not work, since only that level makes these promises.
+Each attack runs at the default isolation level, bubblewrap, the only one that makes these promises.
+Where it does not work here, every test fails with the reason (``SandboxUnavailableError``): a
+skipped attack suite would pass CI without testing anything. ``make install`` stops earlier with the
+same reason; a user without bubblewrap deselects these tests explicitly (``-m "not sandbox"``).
 """
 
 import os
 import socket
-import sys
 import time
 import uuid
 
@@ -16,9 +17,7 @@ from hybrid_rl.rewards import sandbox
 from hybrid_rl.rewards.code import run
 from hybrid_rl.rewards.sandbox import SandboxConfig, execute
 
-pytestmark = pytest.mark.skipif(
-    sandbox.isolation_level() != "bwrap", reason="bubblewrap isolation is not available on this machine"
-)
+pytestmark = pytest.mark.sandbox
 
 CONFIG = SandboxConfig()
 LAUNCHER_MARK = sandbox._LAUNCHER.splitlines()[1]  # every sandboxed process carries it in its cmdline
@@ -43,7 +42,7 @@ def _processes_with(marker: str) -> list[int]:
 
 
 def test_isolation_level_here_is_bwrap():
-    assert sandbox.isolation_level() == "bwrap"
+    assert sandbox.check_isolation(CONFIG) == "bwrap"  # else SandboxUnavailableError says why
 
 
 def test_endless_loop_times_out():
@@ -259,7 +258,3 @@ def test_a_typical_run_costs_tens_of_milliseconds():
     for _ in range(5):
         assert _exec("print(sum(range(10)))").stdout.strip() == "45"
     assert (time.monotonic() - start) / 5 < 0.5  # ~40 ms when the machine is idle
-
-
-def test_caller_process_survives_everything():
-    assert sys.executable  # reaching here after the attacks above is the assertion
