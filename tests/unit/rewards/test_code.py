@@ -97,6 +97,47 @@ def test_tests_may_be_given_as_json_or_columns():
     assert run(REVERSE, columns).status == "ok"
 
 
+LARGE_N = 250_000  # 0..N-1, one a line: 1.6 MB of output, over the fixed 1 MiB cap this reward once had
+FLOOD = "while True:\n    print('y' * 1000)"
+
+
+def _write(n_bytes: int) -> str:
+    return f"import sys\nsys.stdout.write('y' * {n_bytes})"
+
+
+@pytest.mark.sandbox
+def test_correct_program_with_a_large_output_passes():
+    expected = "\n".join(map(str, range(LARGE_N))) + "\n"
+    assert len(expected) > 1_500_000
+    code = f"print('\\n'.join(map(str, range({LARGE_N}))))"
+    assert run(code, [{"input": "", "output": expected}]) == CodeResult(1, 1, "ok", "")
+
+
+@pytest.mark.sandbox
+def test_output_may_be_twice_the_expected_plus_one_mib():
+    test = {"input": "", "output": "y" * 1_500_000}
+    limit = 2 * 1_500_000 + (1 << 20)
+    assert run(_write(limit), [test]).status == "wrong"  # kept whole and compared
+    over = run(_write(limit + 1), [test])
+    assert over == CodeResult(0, 1, "error", f"test 0: output limit exceeded ({limit} bytes)")
+    assert run(FLOOD, [test], timeout_s=2.0) == over
+
+
+@pytest.mark.sandbox
+def test_output_limit_never_passes_the_configured_bound():
+    test = {"input": "", "output": "y" * 1_500_000}  # would allow 4 MiB
+    config = SandboxConfig(max_output_bytes=2 << 20)
+    assert run(_write(2 << 20), [test], config=config).status == "wrong"
+    over = run(_write((2 << 20) + 1), [test], config=config)
+    assert over.detail == f"test 0: output limit exceeded ({2 << 20} bytes)"
+
+
+@pytest.mark.sandbox
+def test_a_flood_stops_at_32_mib_by_default_whatever_the_test_expects():
+    result = run(FLOOD, [{"input": "", "output": "y" * (20 << 20)}], timeout_s=5.0)
+    assert result == CodeResult(0, 1, "error", f"test 0: output limit exceeded ({32 << 20} bytes)")
+
+
 def test_no_tests_is_an_error_and_scores_zero():
     assert run(REVERSE, []) == CodeResult(0, 0, "error", "no tests")
     assert score("```python\nprint(1)\n```", []) == 0.0
