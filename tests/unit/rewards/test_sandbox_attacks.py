@@ -45,6 +45,16 @@ def test_isolation_level_here_is_bwrap():
     assert sandbox.check_isolation(CONFIG) == "bwrap"  # else SandboxUnavailableError says why
 
 
+def test_the_program_runs_in_new_pid_network_ipc_uts_and_mount_namespaces():
+    kinds = ("pid", "net", "ipc", "uts", "mnt")
+    code = f"import os, socket\nprint(socket.gethostname())\nfor k in {kinds!r}:\n    print(os.readlink('/proc/self/ns/' + k))"
+    hostname, *inside = _exec(code).stdout.split()
+    assert hostname == "sandbox"
+    outside = [os.readlink(f"/proc/self/ns/{kind}") for kind in kinds]
+    assert [ns.split(":")[0] for ns in inside] == list(kinds)
+    assert [a == b for a, b in zip(inside, outside, strict=True)] == [False] * len(kinds)
+
+
 def test_endless_loop_times_out():
     start = time.monotonic()
     result = run("while True:\n    pass", [{"input": "", "output": ""}], timeout_s=1.0)
