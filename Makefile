@@ -11,6 +11,8 @@ LOCK      := $(if $(HAS_CUDA),requirements/cuda.txt,requirements/cpu.lock)
 NPROC     ?= 2
 ALGO      ?= grpo
 PYTEST_ARGS ?=
+# required: `make install` fails where the code sandbox's bubblewrap is missing or does not work; optional: warns
+SANDBOX   ?= required
 
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
@@ -18,7 +20,7 @@ export TOKENIZERS_PARALLELISM := false
 .PHONY: install test test-fast lint fmt demo bench clean help
 
 help:
-	@echo "make install   create $(VENV) with the pinned stack (+ bubblewrap for the code sandbox)"
+	@echo "make install   create $(VENV) with the pinned stack (+ bubblewrap for the code sandbox; SANDBOX=optional goes on without)"
 	@echo "make test      install if needed, then run the whole test suite (what CI runs)"
 	@echo "make test-fast only the single-process tests (no torchrun)"
 	@echo "make demo      GRPO on a tiny model with the hybrid engine, 2 CPU ranks (ALGO=ppo for PPO)"
@@ -34,7 +36,7 @@ $(STAMP): pyproject.toml $(LOCK) scripts/install_sandbox.sh
 	$(BIN)/python -c "import sysconfig, pathlib; pathlib.Path(sysconfig.get_paths()['purelib'], 'hybrid_rl.pth').write_text('$(CURDIR)\\n')"
 	@# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports beside the CPU torch.
 	@$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-	@bash scripts/install_sandbox.sh
+	@bash scripts/install_sandbox.sh $(BIN)/python $(SANDBOX)
 	@$(BIN)/python -c "import torch, vllm, transformers; print(f'installed: torch {torch.__version__}, vllm {vllm.__version__}, transformers {transformers.__version__}')" 2>&1 | tail -1
 	@touch $(STAMP)
 

@@ -3,6 +3,8 @@
 ``run`` executes the program once per test (a fresh sandbox each time, ~40 ms overhead) and
 ``score`` returns the fraction of tests passed. A missing sandbox level raises
 ``SandboxUnavailableError`` (a machine/config problem); anything the program does is a score.
+A run may write twice its test's expected output plus 1 MiB to stdout, and never more than
+``SandboxConfig.max_output_bytes`` (32 MiB): large correct answers pass, a flood ends as ``error``.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hybrid_rl.rewards.sandbox import ExecResult, SandboxConfig, execute
@@ -30,6 +32,7 @@ _BLOCKED_RE = re.compile(
     r"Resource temporarily unavailable|Too many open files|can't start new thread"
 )
 _SIGXCPU_EXIT, _SIGKILL_EXIT = 128 + 24, 128 + 9
+_OUTPUT_SLACK = 1 << 20  # stdout allowed beyond twice the expected output
 
 
 @dataclass(frozen=True)
@@ -76,10 +79,15 @@ def _last_line(text: str) -> str:
     return lines[-1].strip() if lines else ""
 
 
-def _judge(result: ExecResult, expected: str, timeout_s: float) -> tuple[str, str]:
+def _output_limit(expected: str, config: SandboxConfig) -> int:
+    """Bytes of stdout one test's run may write: twice the expected output + 1 MiB, within the config's bound."""
+    return min(2 * len(expected.encode("utf-8", "replace")) + _OUTPUT_SLACK, config.max_output_bytes)
+
+
+def _judge(result: ExecResult, expected: str, timeout_s: float, output_limit: int) -> tuple[str, str]:
     """(status, detail) of one test run; status "pass" or one of STATUSES."""
     if result.output_exceeded:
-        return "error", "output limit exceeded"
+        return "error", f"output limit exceeded ({output_limit} bytes)"
     if result.timed_out or result.exit_code == _SIGXCPU_EXIT:
         return "timeout", f"time limit {timeout_s:g}s exceeded"
     last = _last_line(result.stderr_tail)
@@ -107,7 +115,8 @@ def run(
     """Run ``code`` once per test (``{"input": stdin, "output": expected stdout}``) in the sandbox.
 
     A test passes when stdout equals the expected output after stripping trailing whitespace on
-    each line (trailing blank lines ignored). ``timeout_s`` and ``memory_mb`` apply to each test.
+    each line (trailing blank lines ignored). ``timeout_s`` and ``memory_mb`` apply to each test,
+    and so does the output limit (``_output_limit``).
     """
     config = config or SandboxConfig()
     try:
@@ -120,8 +129,10 @@ def run(
         return CodeResult(0, len(cases), "error", "no code")
     passed, worst, detail = 0, "", ""
     for index, (stdin, expected) in enumerate(cases):
-        result = execute(code, stdin, timeout_s=timeout_s, memory_mb=memory_mb, config=config)
-        status, message = _judge(result, expected, timeout_s)
+        limit = _output_limit(expected, config)
+        result = execute(code, stdin, timeout_s=timeout_s, memory_mb=memory_mb,
+                         config=replace(config, max_output_bytes=limit))  # fmt: skip
+        status, message = _judge(result, expected, timeout_s, limit)
         if status == "pass":
             passed += 1
         elif not worst or _SEVERITY[status] > _SEVERITY[worst]:

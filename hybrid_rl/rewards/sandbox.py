@@ -20,7 +20,9 @@ process), CPU seconds, processes + threads, file size, open files, no core dumps
 thus at most ``max_processes * memory_mb`` plus the two tmpfs. As root, bwrap runs privileged (no
 user namespace) and the launcher switches to an unprivileged uid first: the kernel never applies
 the process limit to uid 0. The wall clock and the output size are enforced here: stdout is read
-incrementally and the run is killed past ``max_output_bytes``.
+incrementally and the run is killed past ``max_output_bytes`` (a caller narrows it per run, as
+``code.run`` does to fit each test's expected output), so one run's output costs the caller memory
+in proportion to ``max_output_bytes`` (the bytes read, the decoded text), whatever the program does.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ class SandboxConfig:
 
     min_isolation: str = BWRAP
     max_processes: int = 8  # processes + threads of the program (RLIMIT_NPROC); memory is 8 x memory_mb at most
-    max_output_bytes: int = 1 << 20  # stdout kept; one byte more ends the run
+    max_output_bytes: int = 32 << 20  # stdout kept; one byte more ends the run (code.run asks less per test)
     max_stderr_bytes: int = 16 << 10  # tail of stderr kept for the detail message
     max_file_bytes: int = 16 << 20  # one file (RLIMIT_FSIZE)
     scratch_bytes: int = 64 << 20  # each tmpfs: /sandbox and /tmp

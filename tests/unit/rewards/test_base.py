@@ -29,7 +29,7 @@ def test_bad_format_pattern_fails_at_construction():
         resolve_reward("format", pattern="(")
 
 
-@pytest.mark.skipif(sandbox.isolation_level() != "bwrap", reason="bubblewrap is not available")
+@pytest.mark.sandbox
 def test_code_reward_scores_the_fraction_of_tests_passed():
     reward = resolve_reward("code", timeout_s=2.0)
     assert isinstance(reward, CodeReward)

@@ -9,8 +9,6 @@ from hybrid_rl.rewards import sandbox
 from hybrid_rl.rewards.code import CodeResult, extract_code, run, score
 from hybrid_rl.rewards.sandbox import SandboxConfig, SandboxUnavailableError
 
-needs_sandbox = pytest.mark.skipif(sandbox.isolation_level() != "bwrap", reason="bubblewrap is not available")
-
 REVERSE = "print(input()[::-1])"
 TESTS = [{"input": "abc\n", "output": "cba"}, {"input": "xy\n", "output": "yx\n"}, {"input": "a\n", "output": "a"}]
 
@@ -32,19 +30,19 @@ def test_extracts_the_last_python_block(response, expected):
     assert extract_code(response) == expected
 
 
-@needs_sandbox
+@pytest.mark.sandbox
 def test_correct_program_passes_every_test():
     assert run(REVERSE, TESTS) == CodeResult(passed=3, total=3, status="ok", detail="")
 
 
-@needs_sandbox
+@pytest.mark.sandbox
 def test_trailing_whitespace_and_blank_lines_are_ignored():
     tests = [{"input": "", "output": "1\n2"}]
     assert run("print('1   ')\nprint('2\\t')\nprint()\nprint()", tests).status == "ok"
     assert run("print(' 1')\nprint(2)", tests).status == "wrong"  # leading whitespace counts
 
 
-@needs_sandbox
+@pytest.mark.sandbox
 def test_partly_correct_program_is_wrong_with_partial_credit():
     code = "s = input()\nprint(s[::-1] if len(s) > 1 else 'nope')"
     result = run(code, TESTS)
@@ -52,24 +50,24 @@ def test_partly_correct_program_is_wrong_with_partial_credit():
     assert "test 2" in result.detail and "nope" in result.detail
 
 
-@needs_sandbox
+@pytest.mark.sandbox
 def test_runtime_error_is_error_with_the_exception_in_the_detail():
     result = run("raise ValueError('bad input')", TESTS[:1])
     assert result.status == "error" and "ValueError: bad input" in result.detail
 
 
-@needs_sandbox
+@pytest.mark.sandbox
 def test_syntax_error_is_error():
     assert run("def f(:\n  pass", TESTS[:1]).status == "error"
 
 
-@needs_sandbox
+@pytest.mark.sandbox
 def test_program_reads_all_of_stdin():
     tests = [{"input": "\n".join(map(str, range(100_000))) + "\n", "output": str(sum(range(100_000)))}]
     assert run("import sys\nprint(sum(int(x) for x in sys.stdin))", tests).status == "ok"
 
 
-@needs_sandbox
+@pytest.mark.sandbox
 def test_main_guard_runs():
     assert (
         run(
@@ -79,12 +77,12 @@ def test_main_guard_runs():
     )
 
 
-@needs_sandbox
+@pytest.mark.sandbox
 def test_unicode_output_is_compared_as_text():
     assert run("print('héllo ✓')", [{"input": "", "output": "héllo ✓"}]).status == "ok"
 
 
-@needs_sandbox
+@pytest.mark.sandbox
 def test_worst_failure_decides_the_status():
     code = "import sys\nn = int(input())\nif n == 1:\n    print(1)\nelif n == 2:\n    print(0)\nelse:\n    while True: pass"
     tests = [{"input": "1", "output": "1"}, {"input": "2", "output": "2"}, {"input": "3", "output": "3"}]
@@ -92,11 +90,52 @@ def test_worst_failure_decides_the_status():
     assert (result.passed, result.status) == (1, "timeout")
 
 
-@needs_sandbox
+@pytest.mark.sandbox
 def test_tests_may_be_given_as_json_or_columns():
     columns = {"inputs": ["abc\n", "xy\n"], "outputs": ["cba", "yx"]}
     assert run(REVERSE, json.dumps(TESTS)).status == "ok"
     assert run(REVERSE, columns).status == "ok"
+
+
+LARGE_N = 250_000  # 0..N-1, one a line: 1.6 MB of output, over the fixed 1 MiB cap this reward once had
+FLOOD = "while True:\n    print('y' * 1000)"
+
+
+def _write(n_bytes: int) -> str:
+    return f"import sys\nsys.stdout.write('y' * {n_bytes})"
+
+
+@pytest.mark.sandbox
+def test_correct_program_with_a_large_output_passes():
+    expected = "\n".join(map(str, range(LARGE_N))) + "\n"
+    assert len(expected) > 1_500_000
+    code = f"print('\\n'.join(map(str, range({LARGE_N}))))"
+    assert run(code, [{"input": "", "output": expected}]) == CodeResult(1, 1, "ok", "")
+
+
+@pytest.mark.sandbox
+def test_output_may_be_twice_the_expected_plus_one_mib():
+    test = {"input": "", "output": "y" * 1_500_000}
+    limit = 2 * 1_500_000 + (1 << 20)
+    assert run(_write(limit), [test]).status == "wrong"  # kept whole and compared
+    over = run(_write(limit + 1), [test])
+    assert over == CodeResult(0, 1, "error", f"test 0: output limit exceeded ({limit} bytes)")
+    assert run(FLOOD, [test], timeout_s=2.0) == over
+
+
+@pytest.mark.sandbox
+def test_output_limit_never_passes_the_configured_bound():
+    test = {"input": "", "output": "y" * 1_500_000}  # would allow 4 MiB
+    config = SandboxConfig(max_output_bytes=2 << 20)
+    assert run(_write(2 << 20), [test], config=config).status == "wrong"
+    over = run(_write((2 << 20) + 1), [test], config=config)
+    assert over.detail == f"test 0: output limit exceeded ({2 << 20} bytes)"
+
+
+@pytest.mark.sandbox
+def test_a_flood_stops_at_32_mib_by_default_whatever_the_test_expects():
+    result = run(FLOOD, [{"input": "", "output": "y" * (20 << 20)}], timeout_s=5.0)
+    assert result == CodeResult(0, 1, "error", f"test 0: output limit exceeded ({32 << 20} bytes)")
 
 
 def test_no_tests_is_an_error_and_scores_zero():
@@ -113,7 +152,7 @@ def test_empty_code_is_an_error(code):
     assert run(code, TESTS).status == "error"
 
 
-@needs_sandbox
+@pytest.mark.sandbox
 def test_score_is_the_fraction_of_tests_passed():
     response = "Reverse it:\n```python\ns = input()\nprint(s[::-1] if len(s) > 1 else 'nope')\n```"
     assert score(response, TESTS) == pytest.approx(2 / 3)

@@ -1,12 +1,13 @@
 """The sandbox keeps its promises whatever the program does: one test per attack.
 
-Each attack runs at the isolation level the machine offers; the suite is skipped (with the reason)
-where bubblewrap does not work, since only that level makes these promises.
+Each attack runs at the default isolation level, bubblewrap, the only one that makes these promises.
+Where it does not work here, every test fails with the reason (``SandboxUnavailableError``): a
+skipped attack suite would pass CI without testing anything. ``make install`` stops earlier with the
+same reason; a user without bubblewrap deselects these tests explicitly (``-m "not sandbox"``).
 """
 
 import os
 import socket
-import sys
 import time
 import uuid
 
@@ -16,9 +17,7 @@ from hybrid_rl.rewards import sandbox
 from hybrid_rl.rewards.code import run
 from hybrid_rl.rewards.sandbox import SandboxConfig, execute
 
-pytestmark = pytest.mark.skipif(
-    sandbox.isolation_level() != "bwrap", reason="bubblewrap isolation is not available on this machine"
-)
+pytestmark = pytest.mark.sandbox
 
 CONFIG = SandboxConfig()
 LAUNCHER_MARK = sandbox._LAUNCHER.splitlines()[1]  # every sandboxed process carries it in its cmdline
@@ -43,7 +42,17 @@ def _processes_with(marker: str) -> list[int]:
 
 
 def test_isolation_level_here_is_bwrap():
-    assert sandbox.isolation_level() == "bwrap"
+    assert sandbox.check_isolation(CONFIG) == "bwrap"  # else SandboxUnavailableError says why
+
+
+def test_the_program_runs_in_new_pid_network_ipc_uts_and_mount_namespaces():
+    kinds = ("pid", "net", "ipc", "uts", "mnt")
+    code = f"import os, socket\nprint(socket.gethostname())\nfor k in {kinds!r}:\n    print(os.readlink('/proc/self/ns/' + k))"
+    hostname, *inside = _exec(code).stdout.split()
+    assert hostname == "sandbox"
+    outside = [os.readlink(f"/proc/self/ns/{kind}") for kind in kinds]
+    assert [ns.split(":")[0] for ns in inside] == list(kinds)
+    assert [a == b for a, b in zip(inside, outside, strict=True)] == [False] * len(kinds)
 
 
 def test_endless_loop_times_out():
@@ -232,11 +241,11 @@ def test_daemon_left_behind_is_killed():
 def test_output_flood_is_cut_at_the_cap():
     start = time.monotonic()
     result = run("while True:\n    print('y' * 1000)", [{"input": "", "output": ""}], timeout_s=2.0)
-    assert result.status in ("error", "timeout")
-    assert len(result.detail) <= 300
+    assert result.status == "error" and result.detail == f"test 0: output limit exceeded ({1 << 20} bytes)"
     assert time.monotonic() - start < 5
-    raw = _exec("while True:\n    print('y' * 1000)", timeout_s=2.0)
-    assert raw.output_exceeded and len(raw.stdout) <= CONFIG.max_output_bytes
+    cap = SandboxConfig(max_output_bytes=1 << 20)
+    raw = execute("while True:\n    print('y' * 1000)", "", timeout_s=2.0, memory_mb=256, config=cap)
+    assert raw.output_exceeded and len(raw.stdout) == cap.max_output_bytes
 
 
 def test_stderr_flood_keeps_only_a_bounded_tail():
@@ -259,7 +268,3 @@ def test_a_typical_run_costs_tens_of_milliseconds():
     for _ in range(5):
         assert _exec("print(sum(range(10)))").stdout.strip() == "45"
     assert (time.monotonic() - start) / 5 < 0.5  # ~40 ms when the machine is idle
-
-
-def test_caller_process_survives_everything():
-    assert sys.executable  # reaching here after the attacks above is the assertion
