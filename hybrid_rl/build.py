@@ -23,16 +23,10 @@ from hybrid_rl.engine.hybrid import HybridEngine, SwitchOptions
 from hybrid_rl.engine.layout import Layout, ModelDims, check_architecture
 from hybrid_rl.engine.vllm_engine import EngineSpec, VLLMEngine
 from hybrid_rl.model.handle import Model
-from hybrid_rl.model.loading import (
-    DTYPES,
-    enable_activation_checkpointing,
-    load_causal_lm,
-    load_config,
-    load_critic,
-    load_reward_model,
-    load_tokenizer,
-)
+from hybrid_rl.model.loading import DTYPES, empty_model, enable_activation_checkpointing, load_config, load_tokenizer
 from hybrid_rl.model.lora import LoraWeights, apply_lora, is_lora
+from hybrid_rl.model.materialize import materialize
+from hybrid_rl.model.param_count import Head
 from hybrid_rl.rewards import RewardPool, Rubric, RubricItem, resolve_reward
 from hybrid_rl.rollout.sampler import Sampler, SamplingSettings
 from hybrid_rl.utils.schedule import lr_multiplier
@@ -85,10 +79,9 @@ def build(cfg: Config) -> Components:
     sampler = Sampler(engine, tokenizer, dims, settings, seed=cfg.trainer.seed)
     a = cfg.algorithm
     # With LoRA the reference is the actor's own frozen base (adapter disabled): no second copy.
-    reference = _frozen(load_causal_lm(cfg.model.path), cfg, dims) if a.use_reference and not cfg.model.lora.rank \
-        else None
+    reference = _frozen(cfg.model.path, "lm", cfg, dims) if a.use_reference and not cfg.model.lora.rank else None
     critic = _critic(cfg, dims) if a.use_critic else None
-    rm = _frozen(load_reward_model(cfg.reward.model_path), cfg, dims) if cfg.reward.model_path else None
+    rm = _frozen(cfg.reward.model_path, "score", cfg, dims) if cfg.reward.model_path else None
     return Components(cfg, dims, tokenizer, actor, engine, sampler, loader, val_records, rewards, reference,
                       critic, rm, offload)
 
@@ -135,13 +128,15 @@ def _scheduler(opt, cfg: Config, warmup: int):
     return torch.optim.lr_scheduler.LambdaLR(opt, f)
 
 
-def _shard(module: torch.nn.Module, cfg: Config, dims: ParallelDims) -> torch.nn.Module:
-    module.to(device())
-    return shard_model(module, fsdp_mesh(dims), param_dtype=DTYPES[cfg.model.dtype])
+def _shard(module: torch.nn.Module, path: str, cfg: Config, dims: ParallelDims) -> torch.nn.Module:
+    """Shard a meta-device model, then fill this rank's shards from the checkpoint (never the whole model)."""
+    shard_model(module, fsdp_mesh(dims), param_dtype=DTYPES[cfg.model.dtype])
+    materialize(module, path, device=device(), seed=cfg.trainer.seed)
+    return module
 
 
 def _actor(cfg: Config, dims: ParallelDims) -> Model:
-    module = load_causal_lm(cfg.model.path)
+    module = empty_model(cfg.model.path, "lm")
     if cfg.model.activation_checkpointing:
         enable_activation_checkpointing(module)
     module.config.use_cache = False
@@ -149,7 +144,7 @@ def _actor(cfg: Config, dims: ParallelDims) -> Model:
     if lora.rank:
         module = apply_lora(module, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
                             target_modules=lora.target_modules)
-    _shard(module, cfg, dims)
+    _shard(module, cfg.model.path, cfg, dims)
     o = cfg.optim
     trainable = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
@@ -157,17 +152,19 @@ def _actor(cfg: Config, dims: ParallelDims) -> Model:
 
 
 def _critic(cfg: Config, dims: ParallelDims) -> Model:
-    module = load_critic(cfg.critic.path or cfg.model.path)
+    path = cfg.critic.path or cfg.model.path
+    module = empty_model(path, "value")
     module.config.use_cache = False
-    _shard(module, cfg, dims)
+    _shard(module, path, cfg, dims)
     opt = torch.optim.AdamW(module.parameters(), lr=cfg.critic.lr, betas=tuple(cfg.optim.betas))
     return Model(module, opt, _scheduler(opt, cfg, cfg.critic.warmup_steps))
 
 
-def _frozen(module: torch.nn.Module, cfg: Config, dims: ParallelDims) -> Model:
+def _frozen(path: str, head: Head, cfg: Config, dims: ParallelDims) -> Model:
+    """Reference or reward model: no gradients; its shards stored in `model.frozen_dtype`."""
+    module = empty_model(path, head, dtype=DTYPES[cfg.model.frozen_storage_dtype])
     module.requires_grad_(False)
-    module.eval()
-    return Model(_shard(module, cfg, dims))
+    return Model(_shard(module, path, cfg, dims))
 
 
 def _engine(cfg: Config, dims: ParallelDims, actor: Model, offload: OffloadManager) -> HybridEngine:

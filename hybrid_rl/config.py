@@ -33,9 +33,17 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     path: str = "???"  # a local Hugging Face model folder
-    dtype: str = "bfloat16"  # compute dtype of FSDP mixed precision (master weights stay float32)
+    dtype: str = "bfloat16"  # compute dtype of FSDP mixed precision (trained models' master weights stay float32)
+    # Stored dtype of the frozen models' shards (reference, reward model). auto = model.dtype: they compute in
+    # model.dtype anyway, so storing them in it changes no number and halves them under bf16 (the GPU default).
+    frozen_dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     activation_checkpointing: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
+
+    @property
+    def frozen_storage_dtype(self) -> str:
+        """`frozen_dtype` with auto resolved."""
+        return self.dtype if self.frozen_dtype == "auto" else self.frozen_dtype
 
 
 @dataclass
@@ -302,6 +310,7 @@ def _drop_hydra(obj: Any) -> Config:
 
 CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.frozen_dtype": ("auto", "float32", "bfloat16", "float16"),
     "rollout.dtype": ("float32", "bfloat16", "float16"),
     "rollout.release": ("auto", "keep", "sleep", "restart"),
     "algorithm.advantage": ("gae", "grpo", "rloo", "reinforce_pp"),

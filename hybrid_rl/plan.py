@@ -4,7 +4,7 @@
         [--device auto|cuda|cpu] [--local-ranks N] [--attention auto|sdpa|flash]
 
 Takes the same recipe and overrides as `hybrid_rl.train`, reads only `config.json` of the models
-(no weights, no GPU, no data files) and prints a table: phases (sync, rollout, old_logp,
+(no weights, no GPU, no data files) and prints a table: phases (startup, sync, rollout, old_logp,
 reference, critic, reward_model, update, critic_update) by items (params, AdamW states, grads,
 compute copies, activations, vLLM weights and KV cache), offloaded items marked, then whether the
 peak fits the device and, if not, the settings that would save the most in each phase that

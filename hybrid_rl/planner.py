@@ -36,14 +36,14 @@ def plan_for(cfg: Config, world: int, *, device: DeviceSpec | None = None, atten
     if lora.rank:  # build.py wraps the actor with peft: the base freezes, the adapters train
         actor = ModelSpec(tuple(lora_params(list(actor.params), rank=lora.rank, target_modules=lora.target_modules)),
                           actor.dims, "lm", lora.rank, len(set(lora.target_modules) & LINEARS))
-    a = cfg.algorithm
+    a, frozen = cfg.algorithm, DTYPE_BYTES[cfg.model.frozen_storage_dtype]
     inputs = PlanInputs(
         actor=actor, world=world, device=device, compute_bytes=DTYPE_BYTES[cfg.model.dtype],
         **_tokens(cfg, world), rollout=_rollout(cfg, device), offload=OffloadSpec(**_offload(cfg)),
-        reference=_spec(cfg.model.path, "lm") if a.use_reference and not lora.rank else None,
+        reference=_spec(cfg.model.path, "lm", frozen) if a.use_reference and not lora.rank else None,
         reference_from_actor=a.use_reference and bool(lora.rank),
         critic=_spec(cfg.critic.path or cfg.model.path, "value") if a.use_critic else None,
-        reward_model=_spec(cfg.reward.model_path, "score") if cfg.reward.model_path else None,
+        reward_model=_spec(cfg.reward.model_path, "score", frozen) if cfg.reward.model_path else None,
         activation_checkpointing=cfg.model.activation_checkpointing,
         attention=_attention(attention, device), entropy=a.objective == "ppo_clip",
         old_logp_pass=not a.old_logp_from_update,
@@ -69,11 +69,11 @@ def detect_device(kind: str = "auto", *, gib: float | None = None, local_ranks: 
     return DeviceSpec("cpu", ram // local_ranks, f"host RAM / {local_ranks} local rank(s)")
 
 
-def _spec(path: str, head: Head) -> ModelSpec:
+def _spec(path: str, head: Head, param_bytes: int = 4) -> ModelSpec:
     from hybrid_rl.model.loading import load_config
 
     hf = load_config(path)
-    return ModelSpec(tuple(model_params(hf, head)), ArchDims.from_hf_config(hf), head)
+    return ModelSpec(tuple(model_params(hf, head)), ArchDims.from_hf_config(hf), head, param_bytes=param_bytes)
 
 
 def _needs_rollout(cfg: Config) -> bool:

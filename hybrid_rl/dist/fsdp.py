@@ -54,3 +54,23 @@ def local_tensor(p: torch.Tensor) -> torch.Tensor:
 
 def is_sharded(p: torch.Tensor) -> bool:
     return hasattr(p, "to_local")
+
+
+def local_rows(p: torch.Tensor) -> tuple[int, int]:
+    """Rows [a, b) of dim 0 that this rank's shard of `p` holds; a plain tensor holds them all.
+
+    FSDP2 shards dim 0 with torch.chunk semantics: chunks of ceil(rows / world), the last ones
+    short or empty (as `engine/reshard.fsdp_row_ranges`).
+    """
+    if not is_sharded(p):
+        return 0, p.shape[0]
+    from torch.distributed.tensor import Shard
+
+    if len(p.placements) != 1 or p.placements[0] != Shard(0):
+        raise ValueError(f"expected FSDP2's Shard(0) on a 1-D mesh, got placements {p.placements}")
+    rows, world, rank = p.shape[0], p.device_mesh.size(), p.device_mesh.get_local_rank()
+    chunk = -(-rows // world)
+    a, b = min(rank * chunk, rows), min((rank + 1) * chunk, rows)
+    if p.to_local().shape[0] != b - a:
+        raise AssertionError(f"local shard has {p.to_local().shape[0]} rows, expected {b - a} (rows {a}:{b})")
+    return a, b

@@ -1,10 +1,17 @@
-"""Load Hugging Face models and tokenizers from a local folder (never from a hub)."""
+"""Load Hugging Face models and tokenizers from a local folder (never from a hub).
+
+`load_causal_lm` / `load_critic` / `load_reward_model` load the whole model on this process (tools,
+tests, single-process use). The trainer instead builds `empty_model` (parameters on the meta
+device), shards it, and fills each rank's shards from the checkpoint (`model/materialize.py`).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+
+from hybrid_rl.model.param_count import Head
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,16 +64,53 @@ def load_config(path: str):
 
 def load_critic(path: str, *, device: torch.device | str = "cpu"):
     """A value model: the policy's backbone with a 1-output token head (`...ForTokenClassification`)."""
-    import warnings
-
     from transformers import AutoModelForTokenClassification
 
-    # The head's output is a view; FSDP2 warns that in-place ops on it would skip a hook. We never do any.
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    _quiet_value_head_warning()
     check_model_dir(path)
     model = AutoModelForTokenClassification.from_pretrained(
         path, num_labels=1, dtype=torch.float32, attn_implementation=attn_implementation())
     return model.to(device)
+
+
+def _quiet_value_head_warning() -> None:
+    import warnings
+
+    # The head's output is a view; FSDP2 warns that in-place ops on it would skip a hook. We never do any.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+
+def empty_model(path: str, head: Head, *, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The model of folder `path` as the loaders build it, with every parameter on the meta device.
+
+    `head`: "lm" (`AutoModelForCausalLM`, as `load_causal_lm`), "value" (a 1-output token head, as
+    `load_critic`) or "score" (a 1-output sequence head, as `load_reward_model`). Parameters take no
+    memory until `model.materialize.materialize` fills them; buffers (rotary `inv_freq`, which no
+    checkpoint holds) are computed on the CPU by the modules themselves, as `from_config` would.
+    The model is in eval mode with its generation config read from the folder, as `from_pretrained`
+    returns it.
+    """
+    from accelerate import init_empty_weights
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+        GenerationConfig,
+    )
+
+    config = load_config(path)
+    auto = {"lm": AutoModelForCausalLM, "value": AutoModelForTokenClassification,
+            "score": AutoModelForSequenceClassification}[head]
+    if head != "lm":
+        config.num_labels = 1
+    if head == "value":
+        _quiet_value_head_warning()
+    with init_empty_weights(include_buffers=False):
+        model = auto.from_config(config, dtype=dtype, attn_implementation=attn_implementation())
+    model.tie_weights()  # init_empty_weights re-registers each parameter, which unties a tied head
+    if head == "lm" and (Path(path) / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    return model.eval()
 
 
 def load_reward_model(path: str, *, device: torch.device | str = "cpu"):

@@ -2,7 +2,8 @@
 
 Who holds what, as `build.py`, `engine/hybrid.py` and `trainer.py` arrange it:
 
-* Every model is FSDP2-sharded with float32 master weights (frozen ones too); FSDP2 pads dim 0 of
+* Every model is FSDP2-sharded: trained ones with float32 master weights, frozen ones (reference,
+  reward model) in `model.frozen_dtype` (`ModelSpec.param_bytes`); FSDP2 pads dim 0 of
   each parameter to a multiple of the world size, so a rank holds `ceil(dim0 / W)` rows of each
   (storage), while AdamW's moments are `zeros_like` of the *unpadded* local shard (rank 0 holds the
   most). Gradients exist only between the first backward and `zero_grad(set_to_none=True)`.
@@ -16,8 +17,12 @@ Who holds what, as `build.py`, `engine/hybrid.py` and `trainer.py` arrange it:
 * Reference, critic and reward model go to `offload.<name>` after their pass and come back for it.
   The critic's optimizer state is never offloaded. On a CPU-only device `cpu` offload frees nothing.
 
-Phases (the trainer's timer names, plus `sync` and `critic_update`): sync, rollout, old_logp,
-reference, critic, reward_model, update, critic_update.
+* Start-up: `build.py` builds each model on the meta device and each rank reads only its own rows
+  of the checkpoint into its shards, a block of at most `load_chunk_bytes` at a time; nothing else
+  exists yet (AdamW's states come with the first step, vLLM with the first weight sync).
+
+Phases (the trainer's timer names, plus `startup`, `sync` and `critic_update`): startup, sync,
+rollout, old_logp, reference, critic, reward_model, update, critic_update.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class ModelSpec:
     head: Head = "lm"
     lora_rank: int = 0  # > 0: a peft LoRA model (only the adapters train)
     lora_targets: int = 0  # adapted linear layers per block
+    param_bytes: int = 4  # stored shards: float32 master weights (trained), model.frozen_dtype (frozen)
 
     @property
     def numel(self) -> int:
@@ -64,7 +70,7 @@ class ModelSpec:
 class ShardBytes:
     """Bytes one rank holds for one model under FSDP2 (world 1 = the plain model)."""
 
-    params: int  # float32 master shards, dim 0 padded to a multiple of the world size
+    params: int  # stored shards (float32 master weights unless frozen), dim 0 padded to a multiple of the world
     grads: int  # float32, padded like the params (views into FSDP's reduce-scatter output); trainable only
     optim: int  # AdamW exp_avg + exp_avg_sq of the unpadded local shard + a float32 `step` per trainable tensor
 
@@ -75,7 +81,8 @@ def shard_rows(dim0: int, world: int, rank: int) -> tuple[int, int]:
     return chunk, max(0, min(chunk, dim0 - rank * chunk))
 
 
-def shard_bytes(params: tuple[ParamShape, ...] | list[ParamShape], world: int, rank: int = 0) -> ShardBytes:
+def shard_bytes(params: tuple[ParamShape, ...] | list[ParamShape], world: int, rank: int = 0, *,
+                param_bytes: int = 4) -> ShardBytes:
     padded = trained_padded = trained_local = 0
     for p in params:
         dim0 = p.shape[0] if p.shape else 1
@@ -86,7 +93,7 @@ def shard_bytes(params: tuple[ParamShape, ...] | list[ParamShape], world: int, r
             trained_padded += pad_rows * rest
             trained_local += real_rows * rest
     steps = sum(p.trainable for p in params)
-    return ShardBytes(params=4 * padded, grads=4 * trained_padded, optim=8 * trained_local + 4 * steps)
+    return ShardBytes(params=param_bytes * padded, grads=4 * trained_padded, optim=8 * trained_local + 4 * steps)
 
 
 @dataclass(frozen=True)
@@ -138,6 +145,7 @@ class PlanInputs:
     attention: Attention = "sdpa"
     entropy: bool = True  # the PPO-clip objective computes token entropies in the update
     old_logp_pass: bool = True  # False: the update's own forward gives the old log-probs
+    load_chunk_bytes: int = 8 * 2**20  # model/materialize.READ_CHUNK_BYTES: the largest single checkpoint read
 
 
 @dataclass(frozen=True)
@@ -194,7 +202,7 @@ class MemoryPlan:
     def memory(self, component: str, rank: int = 0) -> ShardBytes:
         """Exact per-rank params / grads / optimizer bytes of one model."""
         spec = getattr(self.inputs, component)
-        return shard_bytes(spec.params, self.inputs.world, rank)
+        return shard_bytes(spec.params, self.inputs.world, rank, param_bytes=spec.param_bytes)
 
     def table(self, measured: dict[str, float] | None = None) -> str:
         """The plan as text; `measured` (phase -> peak GiB) adds a row beside the prediction."""
@@ -248,11 +256,11 @@ def _copies(spec: ModelSpec, b: int, *, train: bool) -> int:
 
 def _model_items(name: str, spec: ModelSpec, x: PlanInputs, *, active: str, phase: str) -> list[Item]:
     """The items of model `name` in `phase`; `active` = "" (idle), "pass" or "train"."""
-    s, b = shard_bytes(spec.params, x.world), x.compute_bytes
+    s, b = shard_bytes(spec.params, x.world, param_bytes=spec.param_bytes), x.compute_bytes
     out = []
     target = getattr(x.offload, name) if name in OFFLOADABLE else "none"
     idle_off = target if not active and frees_device(target, x.device) else ""
-    out.append(Item(name, "params (fp32 shard)", s.params, idle_off))
+    out.append(Item(name, _params_label(spec), s.params, idle_off))
     if name in ("actor", "critic"):
         trains = active == "train"
         optim_off = ""
@@ -265,6 +273,26 @@ def _model_items(name: str, spec: ModelSpec, x: PlanInputs, *, active: str, phas
         out.append(Item(name, f"compute copies ({_dtype(b)})", _copies(spec, b, train=active == "train")))
         out.append(_activations(name, spec, x, train=active == "train"))
     return out
+
+
+def _params_label(spec: ModelSpec) -> str:
+    return f"params ({_dtype(spec.param_bytes)} shard)"
+
+
+def _startup(x: PlanInputs) -> Phase:
+    """While `build.py` loads the models: every model's shards, and one checkpoint read in flight (the
+    block of rows and the file pages it maps)."""
+    items, largest = [], 0
+    for comp in ("actor", *OFFLOADABLE):
+        spec = getattr(x, comp)
+        if spec is None:
+            continue
+        items.append(Item(comp, _params_label(spec), shard_bytes(spec.params, x.world,
+                                                                  param_bytes=spec.param_bytes).params))
+        largest = max([largest] + [shard_rows(p.shape[0], x.world, 0)[0] * (p.numel // p.shape[0]) * 4
+                                   for p in spec.params if p.shape])
+    items.append(Item("loading", "checkpoint read (rows + mapped pages)", 2 * min(x.load_chunk_bytes, largest)))
+    return Phase("startup", tuple(items))
 
 
 def _activations(name: str, spec: ModelSpec, x: PlanInputs, *, train: bool) -> Item:
@@ -311,6 +339,8 @@ def _vllm_items(x: PlanInputs, phase: str) -> list[Item]:
 
 
 def _phase(x: PlanInputs, name: str, *, first_step: bool = False) -> Phase:
+    if name == "startup":
+        return _startup(x)
     active = {"old_logp": ("actor", "pass"), "update": ("actor", "train"), "critic_update": ("critic", "train"),
               "reference": ("actor" if x.reference_from_actor else "reference", "pass"), "critic": ("critic", "pass"),
               "reward_model": ("reward_model", "pass")}.get(name, ("", ""))
@@ -330,7 +360,7 @@ def _phase(x: PlanInputs, name: str, *, first_step: bool = False) -> Phase:
 
 
 def _phase_names(x: PlanInputs) -> list[str]:
-    names = ["sync", "rollout"] if x.rollout.enabled else []
+    names = ["startup"] + (["sync", "rollout"] if x.rollout.enabled else [])
     if x.old_logp_pass:
         names.append("old_logp")
     names += [n for n in OFFLOADABLE if getattr(x, n) is not None or (n == "reference" and x.reference_from_actor)]

@@ -46,7 +46,7 @@ def render(plan: MemoryPlan, measured: dict[str, float] | None = None) -> str:
     return "\n".join(lines)
 
 
-COMPONENTS = ("actor", "reference", "critic", "reward_model", "vllm")
+COMPONENTS = ("actor", "reference", "critic", "reward_model", "vllm", "loading")
 ITEMS = ("params", "grads", "AdamW", "compute", "activations", "weights", "KV", "weight sync")
 
 
