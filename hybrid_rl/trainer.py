@@ -15,7 +15,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -117,9 +117,9 @@ class Trainer:
             with self.peaks.phase("update"):
                 stats, finite = update_actor(self.c.actor, batch, self.cfg.algorithm.objective, self.objective,
                                              self.updates)
-            if self.c.critic is not None:
-                with self.peaks.phase("critic_update"):
-                    cstats, cfinite = update_critic(self.c.critic, batch, value_clip=self.cfg.algorithm.value_clip,
+            if (critic := self.c.critic) is not None:
+                with self.peaks.phase("critic_update"), self._resident("critic", critic.module, critic.optimizer):
+                    cstats, cfinite = update_critic(critic, batch, value_clip=self.cfg.algorithm.value_clip,
                                                     loss_agg=self.cfg.algorithm.loss_agg, u=self.updates)
                 stats.update(cstats)
                 finite &= cfinite
@@ -292,9 +292,9 @@ class Trainer:
 
     # -- bookkeeping -------------------------------------------------------------------------------
 
-    def _resident(self, name: str, module: torch.nn.Module):
-        """Bring an offloaded frozen model in for its pass and send it back out afterwards."""
-        return _Resident(self.c.offload, name, module, getattr(self.cfg.offload, name))
+    def _resident(self, name: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None):
+        """Bring a model (with `optimizer`: and its state) in for the body and send it to `offload.<name>` after."""
+        return self.c.offload.resident(name, getattr(self.cfg.offload, name), module, optimizer)
 
     def _schedulers_step(self, stats: dict[str, float], kl_mean: float | None) -> None:
         for m in (self.c.actor, self.c.critic):
@@ -370,7 +370,9 @@ class Trainer:
                   "skipped_steps": self.skipped_steps, "val_history": self.val_history,
                   "config": to_dict(self.cfg)}
         rank_state = {"torch_rng": torch.get_rng_state()}
-        self.checkpointer.save(step, components=comps, rank_state=rank_state, shared_state=shared)
+        critic = self.c.critic  # an offloaded critic comes in to be saved
+        with self._resident("critic", critic.module, critic.optimizer) if critic is not None else nullcontext():
+            self.checkpointer.save(step, components=comps, rank_state=rank_state, shared_state=shared)
 
     def _resume(self) -> int:
         if self.cfg.trainer.resume == "never":
@@ -417,18 +419,6 @@ class _ScoreSet:
     def __init__(self, total, parts, counts):
         self.total, self.parts = total, parts
         self.errors, self.timeouts, self.seconds = counts
-
-
-class _Resident:
-    def __init__(self, offload, name, module, target):
-        self.offload, self.name, self.module, self.target = offload, name, module, target
-
-    def __enter__(self):
-        self.offload.reload(self.name)
-
-    def __exit__(self, *exc):
-        self.offload.offload(self.name, [p.to_local() if hasattr(p, "to_local") else p
-                                         for p in self.module.parameters()], self.target)
 
 
 def _mkdir(path: Path) -> Path:

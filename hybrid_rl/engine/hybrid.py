@@ -5,8 +5,8 @@ Who owns which memory in which mode:
 =================  ===========================================  ==========================================
                    train mode                                   rollout mode
 =================  ===========================================  ==========================================
-policy params      FSDP2 shards, resident                       offloaded after the sync (`offload.params`)
-grads, optimizer   resident                                     offloaded first (`offload.grads/optim`)
+policy params      FSDP2 shards, resident                       offloaded after the sync (`offload.actor_params`)
+grads, optimizer   resident (grads only inside an update)       offloaded first (`offload.actor_grads/optim`)
 vLLM weights       released (`release`: sleep / restart)        resident, synced from the shards
 KV cache           released                                     resident
 =================  ===========================================  ==========================================
@@ -200,6 +200,7 @@ class HybridEngine:
         if self.mode is Mode.ROLLOUT:
             self.enter_train()
         self.vllm.stop()
+        self.offload.close()
 
     @contextmanager
     def _step(self, rep: SwitchReport, name: str) -> Iterator[None]:
