@@ -32,7 +32,7 @@ from hybrid_rl.data import balance_across_ranks
 from hybrid_rl.dist.mesh import all_reduce_max, all_reduce_sum
 from hybrid_rl.metrics import MetricsLogger
 from hybrid_rl.model.forward import micro_batches, sequence_scores
-from hybrid_rl.model.lora import is_lora, merge_full_state_dict, save_adapter
+from hybrid_rl.model.lora import adapter_disabled, is_lora, merge_full_state_dict, save_adapter
 from hybrid_rl.model.phase_peaks import PhasePeaks
 from hybrid_rl.planner import detect_device, plan_for
 from hybrid_rl.types import Sample, TrainBatch
@@ -207,7 +207,7 @@ class Trainer:
             with self._phase("reference"), self._resident("reference", c.reference.module):
                 ref = logprobs_pass(c.reference.module, local, temperature=temp, budget=budget)
         elif a.use_reference and is_lora(c.actor.module):
-            with self._phase("reference"), c.actor.module.disable_adapter():
+            with self._phase("reference"), adapter_disabled(c.actor.module):
                 ref = logprobs_pass(c.actor.module, local, temperature=temp, budget=budget)
         if c.critic is not None:
             with self._phase("critic"), self._resident("critic", c.critic.module):
