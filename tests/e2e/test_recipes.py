@@ -129,6 +129,8 @@ def _check_offload_is_bitwise(root: Path, result: dict) -> None:
         assert got.keys() == want_weights.keys(), name
         differ = [k for k, v in want_weights.items() if not torch.equal(got[k], v)]
         assert not differ, (name, differ[:5])
+    assert (root / "ppo_offload_disk" / "offload").is_dir()  # the files were there ...
+    assert not list((root / "ppo_offload_disk" / "offload").iterdir())  # ... and are deleted when the run ends
 
 
 def _numbers(out: Path) -> list[dict]:
