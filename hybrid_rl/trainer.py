@@ -29,10 +29,10 @@ from hybrid_rl.config import to_dict
 from hybrid_rl.dist.collectives import all_reduce_max
 from hybrid_rl.experience import batch as exp_batch
 from hybrid_rl.experience import dynamic, share
-from hybrid_rl.experience.passes import PassOutputs, logprobs_pass, resident, scores_pass, values_pass
+from hybrid_rl.experience.passes import PassOutputs, logprobs_pass, scores_pass, values_pass
 from hybrid_rl.experience.scoring import Pending, Ready, Scorer
 from hybrid_rl.metrics import MetricsLogger
-from hybrid_rl.model.lora import is_lora, merge_full_state_dict, save_adapter
+from hybrid_rl.model.lora import adapter_disabled, is_lora, merge_full_state_dict, save_adapter
 from hybrid_rl.model.phase_peaks import PhasePeaks
 from hybrid_rl.planner import detect_device, plan_for
 from hybrid_rl.rollout.offline import preference_rollout
@@ -172,24 +172,23 @@ class Trainer:
         return share.make_share(rollout, units, self.dims, paired=self.objective.paired, fields_of=fields.get)
 
     def _passes(self, mine: share.Share) -> PassOutputs:
-        c, a, o = self.c, self.cfg.algorithm, self.cfg.offload
+        c, a = self.c, self.cfg.algorithm
         budget, temp, samples, out = self.cfg.trainer.micro_batch_tokens, self.cfg.rollout.temperature, \
             mine.samples, PassOutputs()
         if not a.old_logp_from_update:  # else the update's own forward gives them
             with self._phase("old_logp"):
                 out.old_logp = logprobs_pass(c.actor.module, samples, temperature=temp, budget=budget)
         if c.reference is not None:
-            with self._phase("reference"), resident(c.offload, "reference", c.reference.module, o.reference):
+            with self._phase("reference"), self._resident("reference", c.reference.module):
                 out.ref_logp = logprobs_pass(c.reference.module, samples, temperature=temp, budget=budget)
         elif a.use_reference and is_lora(c.actor.module):  # the frozen base is the reference
-            with self._phase("reference"), c.actor.module.disable_adapter():
+            with self._phase("reference"), adapter_disabled(c.actor.module):
                 out.ref_logp = logprobs_pass(c.actor.module, samples, temperature=temp, budget=budget)
         if c.critic is not None:
-            with self._phase("critic"), resident(c.offload, "critic", c.critic.module, o.critic):
+            with self._phase("critic"), self._resident("critic", c.critic.module):
                 out.values = values_pass(c.critic.module, samples, budget=budget)
         if c.reward_model is not None:
-            with self._phase("reward_model"), resident(c.offload, "reward_model", c.reward_model.module,
-                                                       o.reward_model):
+            with self._phase("reward_model"), self._resident("reward_model", c.reward_model.module):
                 out.rm_scores = scores_pass(c.reward_model.module, samples, budget=budget)
         return out
 
@@ -213,10 +212,9 @@ class Trainer:
             with self.peaks.phase("update"):
                 stats, finite, seen = update_actor(self.c.actor, batch, self.objective, self.loss_settings,
                                                    self.updates)
-            if self.c.critic is not None:
-                with self.peaks.phase("critic_update"), resident(self.c.offload, "critic", self.c.critic.module,
-                                                                  self.cfg.offload.critic):
-                    cstats, cfinite = update_critic(self.c.critic, batch, value_clip=self.cfg.algorithm.value_clip,
+            if (critic := self.c.critic) is not None:
+                with self.peaks.phase("critic_update"), self._resident("critic", critic.module, critic.optimizer):
+                    cstats, cfinite = update_critic(critic, batch, value_clip=self.cfg.algorithm.value_clip,
                                                     loss_agg=self.cfg.algorithm.loss_agg, u=self.updates)
                 stats.update(cstats)
                 finite &= cfinite
@@ -336,9 +334,13 @@ class Trainer:
         return step
 
     def _critic_resident(self):
-        if self.c.critic is None:
-            return nullcontext()
-        return resident(self.c.offload, "critic", self.c.critic.module, self.cfg.offload.critic)
+        """An offloaded critic (and its optimizer state) comes in to be saved or restored."""
+        critic = self.c.critic
+        return nullcontext() if critic is None else self._resident("critic", critic.module, critic.optimizer)
+
+    def _resident(self, name: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None):
+        """Bring a model (with `optimizer`: and its state) in for the body and send it to `offload.<name>` after."""
+        return self.c.offload.resident(name, getattr(self.cfg.offload, name), module, optimizer)
 
     def _request_stop(self, signum, frame) -> None:
         self._stop = True

@@ -7,11 +7,16 @@ Reloading resizes the storage back and copies the bytes in: bitwise exact, and n
 module needs to know it happened.
 
 Targets:
-* ``cpu``: pinned host memory (from an accelerator). On a CPU-only machine there is nothing to
-  gain, so it is a no-op there (said once).
-* ``disk``: one file per component under the offload directory; frees real host memory (this is
-  how the CPU tests exercise the path) and is read back with `readinto` straight into the storage.
+* ``cpu``: a separate host buffer per storage, pinned when the tensors live on an accelerator. On a
+  CPU-only machine this frees nothing (the bytes only move to another host buffer, said once), but
+  the code runs the same way, so the CPU tests exercise it.
+* ``disk``: one file per component under the offload directory; frees real host memory and is
+  read back with `readinto` straight into the storage.
 * ``none``: stay resident.
+
+`OffloadManager.resident` is the bracket the trainer puts around a model's pass or update: what an
+earlier exit offloaded comes back, the body runs, and the model's parameters (and, when given, its
+optimizer state) go out again.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +40,7 @@ TARGETS = ("none", "cpu", "disk")
 class _Stash:
     storage: torch.UntypedStorage
     nbytes: int
-    cpu: torch.Tensor | None = None  # uint8 host copy ("cpu")
+    cpu: torch.Tensor | None = None  # uint8 host buffer ("cpu")
     offset: int = 0  # byte offset in the component file ("disk")
 
 
@@ -43,14 +49,15 @@ class _Component:
     target: str
     stashes: list[_Stash] = field(default_factory=list)
     path: Path | None = None
+    pinned: bool = False  # "cpu" from an accelerator: pinned buffers, asynchronous copies
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The optimizer's state tensors (Adam moments); the scalar `step` counters stay put."""
+    """The optimizer's state tensors (Adam moments, even of a one-element bias); the 0-dim `step` counters stay put."""
     out = []
     for state in optimizer.state.values():
         for v in state.values():
-            if isinstance(v, torch.Tensor) and v.numel() > 1:
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
                 out.append(v.to_local() if hasattr(v, "to_local") else v)
     return out
 
@@ -72,6 +79,7 @@ class OffloadManager:
         self.rank = rank
         self._components: dict[str, _Component] = {}
         self._warned_cpu = False
+        self.moved_bytes: dict[str, int] = {}  # bytes offloaded per component, summed over the run
 
     def is_offloaded(self, name: str) -> bool:
         return name in self._components
@@ -82,12 +90,13 @@ class OffloadManager:
             raise ValueError(f"offload target for {name!r} must be one of {TARGETS}, got {target!r}")
         assert name not in self._components, f"{name} is already offloaded"
         tensors = list(tensors)
-        if target == "none" or (target == "cpu" and not _on_accelerator(tensors)):
-            if target == "cpu" and not self._warned_cpu:
-                log.info("offload target 'cpu' has no effect on a CPU-only machine (use 'disk' to free host RAM)")
-                self._warned_cpu = True
+        if target == "none":
             return 0
-        comp = _Component(target)
+        comp = _Component(target, pinned=target == "cpu" and _on_accelerator(tensors))
+        if target == "cpu" and not comp.pinned and not self._warned_cpu:
+            log.info("offload target 'cpu' frees nothing on a CPU-only machine: the bytes only move to other host "
+                     "buffers (use 'disk' to free host RAM)")
+            self._warned_cpu = True
         seen: set[int] = set()
         for t in tensors:
             st = t.untyped_storage()
@@ -99,14 +108,16 @@ class OffloadManager:
             self._write(name, comp)
         else:
             for s in comp.stashes:
-                s.cpu = torch.empty(s.nbytes, dtype=torch.uint8, pin_memory=True)
-                s.cpu.copy_(_as_bytes(s.storage), non_blocking=True)
-            torch.cuda.synchronize()
+                s.cpu = torch.empty(s.nbytes, dtype=torch.uint8, pin_memory=comp.pinned)
+                s.cpu.copy_(_as_bytes(s.storage), non_blocking=comp.pinned)
+            _wait_for_copies(comp)
         for s in comp.stashes:
             s.storage.resize_(0)
         self._components[name] = comp
         release_freed_memory()
-        return sum(s.nbytes for s in comp.stashes)
+        freed = sum(s.nbytes for s in comp.stashes)
+        self.moved_bytes[name] = self.moved_bytes.get(name, 0) + freed
+        return freed
 
     def reload(self, name: str) -> None:
         """Bring a component back, bitwise as it was. A component that was not offloaded is left alone."""
@@ -119,9 +130,36 @@ class OffloadManager:
             self._read(comp)
         else:
             for s in comp.stashes:
-                _as_bytes(s.storage).copy_(s.cpu, non_blocking=True)
+                _as_bytes(s.storage).copy_(s.cpu, non_blocking=comp.pinned)
+            _wait_for_copies(comp)
+            for s in comp.stashes:
                 s.cpu = None
-            torch.cuda.synchronize()
+
+    @contextmanager
+    def resident(self, name: str, target: str, module: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
+        """A model in memory for the body of the `with`, offloaded to `target` after it.
+
+        Before the body, what an earlier exit offloaded comes back: the parameters (component `name`)
+        and, with `optimizer`, its state (`name.optim`, which an exit without `optimizer` leaves where
+        it is: a pass needs no optimizer state). After the body they go out again; the optimizer's
+        state is read only then, as AdamW creates it at its first step. Gradients are not moved: the
+        updates free them at every step. An error in the body leaves everything resident.
+        """
+        parts = [name, f"{name}.optim"] if optimizer is not None else [name]
+        for part in parts:
+            self.reload(part)
+        yield
+        self.offload(name, param_tensors(module), target)
+        if optimizer is not None:
+            self.offload(f"{name}.optim", optimizer_tensors(optimizer), target)
+
+    def close(self) -> None:
+        """The run is over: delete the files of components still on disk (their tensors stay empty)."""
+        for comp in self._components.values():
+            if comp.path is not None:
+                comp.path.unlink(missing_ok=True)
+        self._components.clear()
 
     def offloaded_bytes(self) -> dict[str, int]:
         return {n: sum(s.nbytes for s in c.stashes) for n, c in self._components.items()}
@@ -168,6 +206,12 @@ def _raw(storage: torch.UntypedStorage) -> memoryview:
 
 def _on_accelerator(tensors: Iterable[torch.Tensor]) -> bool:
     return any(t.device.type != "cpu" for t in tensors)
+
+
+def _wait_for_copies(comp: _Component) -> None:
+    """Pinned copies run asynchronously: wait for them before a storage is freed or read."""
+    if comp.pinned:
+        torch.cuda.synchronize()
 
 
 def release_freed_memory() -> None:

@@ -2,14 +2,14 @@
 
 Who owns which memory in which mode:
 
-=================  ===========================================  ==========================================
+=================  ===========================================  ==================================================
                    train mode                                   rollout mode
-=================  ===========================================  ==========================================
-policy params      FSDP2 shards, resident                       offloaded after the sync (`offload.params`)
-grads, optimizer   resident                                     offloaded first (`offload.grads/optim`)
+=================  ===========================================  ==================================================
+policy params      FSDP2 shards, resident                       offloaded after the sync (`offload.actor_params`)
+grads, optimizer   resident (grads only inside an update)       offloaded first (`offload.actor_grads/optim`)
 vLLM weights       released (`release`: sleep / restart)        resident, synced from the shards
 KV cache           released                                     resident
-=================  ===========================================  ==========================================
+=================  ===========================================  ==================================================
 
 The switch into rollout runs a fixed checklist, one logged line per step with time and memory:
 offload train state (grads, optimizer) -> bring vLLM weights in -> sync (bucketed reshard + verify)
@@ -192,6 +192,7 @@ class HybridEngine:
         if self.mode is Mode.ROLLOUT:
             self.enter_train()
         self.vllm.stop()
+        self.offload.close()
 
     @contextmanager
     def _step(self, rep: SwitchReport, name: str) -> Iterator[None]:

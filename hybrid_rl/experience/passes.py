@@ -1,19 +1,16 @@
 """The no-grad model passes of a step on this rank's share: old log-probs, reference, critic, reward model.
 
-Frozen models that are offloaded between steps (`offload.reference / critic / reward_model`) are
-brought in for their pass and sent back out after it (`resident`). Outputs are `[B, T]` on the CPU
+The trainer brackets each pass with the offload manager's `resident` (models offloaded between
+steps come in for their pass). Outputs are `[B, T]` on the CPU
 (per token) or `[B]` (the reward model), rows in the share's order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
-from hybrid_rl.dist.offload import OffloadManager, param_tensors
 from hybrid_rl.model.forward import gather_per_token, micro_batches, policy_logprobs, sequence_scores, token_values
 from hybrid_rl.types import Sample
 
@@ -53,13 +50,3 @@ class PassOutputs:
     ref_logp: torch.Tensor | None = None  # [B, T]
     values: torch.Tensor | None = None  # [B, T]
     rm_scores: torch.Tensor | None = None  # [B]
-
-
-@contextmanager
-def resident(offload: OffloadManager, name: str, module: torch.nn.Module, target: str) -> Iterator[None]:
-    """Bring an offloaded model in for the body of the `with`, and send it back out to `target` after."""
-    offload.reload(name)
-    try:
-        yield
-    finally:
-        offload.offload(name, param_tensors(module), target)

@@ -8,6 +8,7 @@ whole. After the first sync only the layers LoRA touches change, so only those a
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -28,6 +29,27 @@ def apply_lora(model: nn.Module, *, rank: int, alpha: float, dropout: float, tar
 
 def is_lora(model: nn.Module) -> bool:
     return hasattr(model, "peft_config")
+
+
+@contextmanager
+def adapter_disabled(model: nn.Module) -> Iterator[None]:
+    """The base model alone (a LoRA run's reference), with the adapter still marked trainable.
+
+    peft's `disable_adapter()` also sets `requires_grad=False` on the adapter. FSDP2 fixes each
+    parameter group's gradient dtype at the model's first forward, from the parameters that require
+    grad then: a group with none keeps no dtype, so its reduced gradients are not cast back to the
+    float32 master dtype. When that first forward is the reference pass (GRPO with LoRA: the update
+    gives the old log-probs, so nothing ran the actor before), every group looks frozen and the first
+    backward with `model.dtype=bfloat16` assigns bf16 gradients to float32 parameters (an error).
+    The pass runs without grad, so the flags change nothing in it.
+    """
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    with model.disable_adapter():
+        for p in trainable:
+            p.requires_grad_(True)
+        yield
+    for p in trainable:  # peft re-enables the active adapter; anything else trainable too
+        p.requires_grad_(True)
 
 
 def hf_name(name: str) -> str:

@@ -15,7 +15,9 @@ Who holds what, as `build.py`, `engine/hybrid.py` and `trainer.py` arrange it:
   padded to 64) and the KV cache. In train mode vLLM is released (`sleep`, `restart`) or stays
   (`keep`, the CPU default).
 * Reference, critic and reward model go to `offload.<name>` after their pass and come back for it.
-  The critic's optimizer state is never offloaded. On a CPU-only device `cpu` offload frees nothing.
+  The critic's optimizer state goes with it after its update and comes back only for the next one
+  (and to be saved). On a CPU-only device `cpu` offload frees nothing (the bytes move to other host
+  buffers).
 
 * Start-up: `build.py` builds each model on the meta device and each rank reads only its own rows
   of the checkpoint into its shards, a block of at most `load_chunk_bytes` at a time; nothing else
@@ -35,7 +37,7 @@ from hybrid_rl.model.param_count import ArchDims, Head, ParamShape
 
 GIB = 2**30
 VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this before splitting it over TP ranks
-OFFLOADABLE = ("reference", "critic", "reward_model")  # offloaded after their pass (`offload.<name>`)
+OFFLOADABLE = ("reference", "critic", "reward_model")  # offloaded after their pass / update (`offload.<name>`)
 
 
 @dataclass(frozen=True)
@@ -266,6 +268,8 @@ def _model_items(name: str, spec: ModelSpec, x: PlanInputs, *, active: str, phas
         optim_off = ""
         if name == "actor" and phase in ("sync", "rollout") and frees_device(x.offload.actor_optim, x.device):
             optim_off = x.offload.actor_optim
+        if name == "critic" and not trains and frees_device(target, x.device):
+            optim_off = target
         out.append(Item(name, "AdamW states (2 x fp32)", s.optim, optim_off))
         if trains:
             out.append(Item(name, "grads (fp32 shard)", s.grads))

@@ -49,14 +49,17 @@ def task_files(tmp_path_factory) -> dict[str, str]:
     return {"train": str(train), "val": str(val), "prefs": str(prefs)}
 
 
-def tiny_overrides(model: str, data: dict[str, str], out: Path, **extra) -> list[str]:
-    """A fast configuration for CPU tests: tiny batches, short responses, fp32, one reward worker."""
+def tiny_overrides(model: str, data: dict[str, str], out: Path, *, fp32: bool = True, **extra) -> list[str]:
+    """A fast configuration for CPU tests: tiny batches, short responses, one reward worker; fp32 training and
+    rollout, or with `fp32=False` the configuration's default dtypes (what users get)."""
     base = {
         "model.path": model, "data.train_files": f"[{data['train']}]", "data.val_files": f"[{data['val']}]",
         "data.val_prompts": 4, "data.prompts_per_step": 4, "rollout.n": 4, "rollout.max_new_tokens": 8,
-        "rollout.tp": 1, "model.dtype": "float32", "rollout.dtype": "float32", "trainer.total_steps": 2,
+        "rollout.tp": 1, "trainer.total_steps": 2,
         "trainer.output_dir": str(out), "trainer.micro_batch_tokens": 256, "trainer.show_progress": "false",
         "reward.num_workers": 1, "optim.lr": "1e-4", "rollout.bucket_mb": 1,
     }
+    if fp32:
+        base.update({"model.dtype": "float32", "rollout.dtype": "float32"})
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]

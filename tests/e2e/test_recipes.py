@@ -1,9 +1,15 @@
-"""Every recipe runs end to end under torchrun (2 ranks, real vLLM, real FSDP) and logs what users read."""
+"""Every recipe runs end to end under torchrun (2 ranks, real vLLM, real FSDP) and logs what users read.
+
+All runs use the default dtypes (bf16 training compute and rollout), as users get them. PPO, with a
+reference, a critic and a reward model, runs three times: without offload, then with every offload
+target of every component at `cpu`, then at `disk`; the numbers and final weights must be bitwise equal.
+"""
 
 import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import run_torchrun
 from tests.e2e.conftest import tiny_overrides
@@ -32,7 +38,7 @@ EXPECTED = {
     "grpo": ROLLOUT_KEYS | REWARD_KEYS | PPO_ACTOR | {"actor/kl", "timing/reference_s"},
     "ppo": ROLLOUT_KEYS | REWARD_KEYS | PPO_ACTOR | {"actor/kl", "critic/value_loss", "critic/explained_variance",
                                                     "critic/clip_frac", "timing/critic_s", "actor/kl_coef",
-                                                    "memory/critic_update/peak_gib"},
+                                                    "memory/critic_update/peak_gib", "timing/reward_model_s"},
     "dr_grpo": ROLLOUT_KEYS | REWARD_KEYS | PPO_ACTOR,
     "dapo": ROLLOUT_KEYS | PPO_ACTOR | {"rollout/sampling_rounds", "reward/mean"},
     "rloo": ROLLOUT_KEYS | REWARD_KEYS | PPO_ACTOR | {"actor/kl"},
@@ -44,44 +50,56 @@ EXPECTED = {
     "ppo_lora": ROLLOUT_KEYS | PPO_ACTOR | {"actor/kl", "critic/value_loss", "reward/length_parity/mean"},
     "dpo": DPO_ACTOR | {"train/pairs", "train/pairs_used"},
 }
+OFFLOAD = ("actor_params", "actor_grads", "actor_optim", "reference", "critic", "reward_model")
+# What each run moves (OffloadManager components). Gradients are freed at every optimizer step, so at the
+# switch to rollout `actor_grads` finds nothing to move; the critic's AdamW state goes with `offload.critic`.
+MOVED = {"actor.params", "actor.optim", "reference", "critic", "critic.optim", "reward_model"}
+NOT_NUMBERS = ("timing/", "memory/", "throughput/")  # wall-clock and memory readings differ run to run
 
 
 def test_every_recipe_runs_two_steps_and_logs_its_metrics(tiny_models, task_files, reward_model, tmp_path,
                                                           model_without_pad_token):
+    def overrides(name, model=tiny_models["qwen2"], data=task_files, **extra):
+        return tiny_overrides(model, data, tmp_path / name, fp32=False, **extra)
+
     runs = []
-    for recipe in ("grpo", "ppo", "dr_grpo", "rloo", "reinforce_pp"):
-        runs.append({"name": recipe, "recipe": recipe,
-                     "overrides": tiny_overrides(tiny_models["qwen2"], task_files, tmp_path / recipe)})
+    for recipe in ("grpo", "dr_grpo", "rloo", "reinforce_pp"):
+        runs.append({"name": recipe, "recipe": recipe, "overrides": overrides(recipe)})
     # Online DPO pairs best against worst by reward: a reward whose scores vary gives it pairs to train.
-    runs.append({"name": "online_dpo", "recipe": "online_dpo", "overrides": tiny_overrides(
-        tiny_models["qwen2"], task_files, tmp_path / "online_dpo", **{"reward.fn": "tests.e2e.rewards:length_parity"})})
+    runs.append({"name": "online_dpo", "recipe": "online_dpo", "overrides": overrides(
+        "online_dpo", **{"reward.fn": "tests.e2e.rewards:length_parity"})})
+    # PPO with every component that can be offloaded: actor, reference (KL), critic and a reward model.
+    runs.append({"name": "ppo", "recipe": "ppo", "overrides": overrides("ppo", **{"reward.model_path": reward_model})})
     # A random model never gets a math answer right, so every group would look alike to dynamic sampling:
     # DAPO gets a user reward (plugged in by dotted path) whose scores vary.
-    runs.append({"name": "dapo", "recipe": "dapo", "overrides": tiny_overrides(
-        tiny_models["qwen2"], task_files, tmp_path / "dapo",
-        **{"reward.fn": "tests.e2e.rewards:length_parity", "algorithm.overlong_buffer": 4})})
+    runs.append({"name": "dapo", "recipe": "dapo", "overrides": overrides(
+        "dapo", **{"reward.fn": "tests.e2e.rewards:length_parity", "algorithm.overlong_buffer": 4})})
     # LoRA: the actor trains an adapter; the reference is its own frozen base.
     for recipe in ("grpo", "ppo"):
-        runs.append({"name": f"{recipe}_lora", "recipe": recipe, "overrides": tiny_overrides(
-            tiny_models["qwen2"], task_files, tmp_path / f"{recipe}_lora",
-            **{"model.lora.rank": 8, "optim.lr": "1e-3", "reward.fn": "tests.e2e.rewards:length_parity"})})
+        runs.append({"name": f"{recipe}_lora", "recipe": recipe, "overrides": overrides(
+            f"{recipe}_lora", **{"model.lora.rank": 8, "optim.lr": "1e-3",
+                                 "reward.fn": "tests.e2e.rewards:length_parity"})})
     # GRPO with a neural reward model added to the rule reward, and with a slow rule reward (overlap).
     # (with activation checkpointing on, and a tokenizer without a pad token: packing needs none)
-    runs.append({"name": "grpo_rm", "recipe": "grpo", "overrides": tiny_overrides(
-        model_without_pad_token, task_files, tmp_path / "grpo_rm",
-        **{"reward.model_path": reward_model, "model.activation_checkpointing": "true"})})
-    runs.append({"name": "grpo_slow_reward", "recipe": "grpo", "overrides": tiny_overrides(
-        tiny_models["qwen2"], task_files, tmp_path / "grpo_slow_reward",
-        **{"reward.fn": "tests.e2e.rewards:slow", "trainer.total_steps": 1, "data.val_files": "[]",
-           "algorithm.old_logp_pass": "always"})})
-    dpo = tiny_overrides(tiny_models["qwen2"], dict(task_files, train=task_files["prefs"]), tmp_path / "dpo")
+    runs.append({"name": "grpo_rm", "recipe": "grpo", "overrides": overrides(
+        "grpo_rm", model_without_pad_token, **{"reward.model_path": reward_model,
+                                               "model.activation_checkpointing": "true"})})
+    runs.append({"name": "grpo_slow_reward", "recipe": "grpo", "overrides": overrides(
+        "grpo_slow_reward", **{"reward.fn": "tests.e2e.rewards:slow", "trainer.total_steps": 1,
+                               "data.val_files": "[]", "algorithm.old_logp_pass": "always"})})
+    dpo = overrides("dpo", data=dict(task_files, train=task_files["prefs"]))
     runs.append({"name": "dpo", "recipe": "dpo", "overrides": [o for o in dpo if not o.startswith("data.val")]})
+    for target in ("cpu", "disk"):  # last: the PPO run again, everything offloaded
+        runs.append({"name": f"ppo_offload_{target}", "recipe": "ppo", "overrides": overrides(
+            f"ppo_offload_{target}", **{"reward.model_path": reward_model},
+            **{f"offload.{k}": target for k in OFFLOAD})})
     result = run_torchrun(WORKER, json.dumps(runs), tmp_path=tmp_path, timeout=1200)
     failed = {name: r["error"] for name, r in result.items() if not r["ok"]}
     assert not failed, failed
     _check_overlap(tmp_path / "grpo_slow_reward")
     _check_pairs(tmp_path)
     _check_exports(tmp_path)
+    _check_offload_is_bitwise(tmp_path, result)
     for run in runs:
         name = run["name"]
         if name == "grpo_slow_reward":
@@ -91,6 +109,7 @@ def test_every_recipe_runs_two_steps_and_logs_its_metrics(tiny_models, task_file
         lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         steps = {d["step"]: d for d in lines}
         assert {1, 2} <= set(steps), f"{name}: steps logged {sorted(steps)}"
+        name = "ppo" if name.startswith("ppo_offload") else name
         expected = COMMON_KEYS | EXPECTED[name] | (OLD_LOGP_PASS if name in WITH_OLD_LOGP_PASS else set())
         missing = expected - set(steps[2])
         assert not missing, f"{name}: metrics missing {sorted(missing)}"
@@ -108,6 +127,51 @@ def _check_pairs(root: Path) -> None:
             if "train/pairs" in d:
                 assert d["train/pairs_used"] == d["train/pairs"] == (expected or d["train/pairs"]), (name, d)
                 assert d["train/pairs"] > 0, (name, d)
+
+
+def _check_offload_is_bitwise(root: Path, result: dict) -> None:
+    """Every offload target of every component, at `cpu` and at `disk`: every logged number and every final
+    weight (the export; the checkpoint's actor and critic with their AdamW state) bitwise as without offload."""
+    assert result["ppo"]["offloaded"] == {}
+    want_numbers, want_weights = _numbers(root / "ppo"), _final_weights(root / "ppo")
+    for target in ("cpu", "disk"):
+        name = f"ppo_offload_{target}"
+        moved = result[name]["offloaded"]
+        assert {k for k, v in moved.items() if v > 0} == MOVED and moved["actor.grads"] == 0, (name, moved)
+        assert _numbers(root / name) == want_numbers, name
+        got = _final_weights(root / name)
+        assert got.keys() == want_weights.keys(), name
+        differ = [k for k, v in want_weights.items() if not torch.equal(got[k], v)]
+        assert not differ, (name, differ[:5])
+    assert (root / "ppo_offload_disk" / "offload").is_dir()  # the files were there ...
+    assert not list((root / "ppo_offload_disk" / "offload").iterdir())  # ... and are deleted when the run ends
+
+
+def _numbers(out: Path) -> list[dict]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(x).items() if not k.startswith(NOT_NUMBERS)} for x in lines]
+
+
+def _final_weights(out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    flat = {f"export/{k}": v for k, v in load_file(out / "export" / "model.safetensors").items()}
+    for comp in ("actor", "critic"):
+        dcp_to_torch_save(out / "checkpoints" / "step_2" / comp, out / f"{comp}.pt")
+        _flatten(torch.load(out / f"{comp}.pt", weights_only=False), comp, flat)
+    return flat
+
+
+def _flatten(tree, prefix: str, out: dict[str, torch.Tensor]) -> None:
+    if isinstance(tree, torch.Tensor):
+        out[prefix] = tree
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            _flatten(v, f"{prefix}/{k}", out)
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            _flatten(v, f"{prefix}/{i}", out)
 
 
 def _check_overlap(out: Path) -> None:

@@ -34,7 +34,8 @@ for run in runs:
             trainer.fit()
         finally:
             trainer.close()
-        result[run["name"]] = {"ok": True, "output_dir": cfg.trainer.output_dir}
+        result[run["name"]] = {"ok": True, "output_dir": cfg.trainer.output_dir,
+                               "offloaded": dict(trainer.c.offload.moved_bytes)}  # rank 0's bytes per component
     except Exception as e:  # report and go on: one broken recipe must not hide the others
         traceback.print_exc()
         result[run["name"]] = {"ok": False, "error": f"{type(e).__name__}: {e}"}

@@ -1,9 +1,15 @@
-"""LoRA: the disabled adapter is exactly the base model; merging reproduces the adapted model."""
+"""LoRA: the disabled adapter is exactly the base model; merging reproduces the adapted model; a reference
+pass first does not break FSDP2's mixed-precision gradients."""
+
+import os
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
-from hybrid_rl.model.lora import LoraWeights, apply_lora, merge_full_state_dict
+from hybrid_rl.dist.mesh import free_port
+from hybrid_rl.model.lora import LoraWeights, adapter_disabled, apply_lora, merge_full_state_dict
 
 
 def _trained_lora(path):
@@ -24,7 +30,7 @@ def test_disabled_adapter_gives_the_base_models_logprobs_exactly(tiny_models):
     model, ids = _trained_lora(tiny_models["qwen2"])
     with torch.no_grad():
         adapted = model(input_ids=ids).logits
-        with model.disable_adapter():
+        with adapter_disabled(model):
             disabled = model(input_ids=ids).logits
         want = base(input_ids=ids).logits
     assert not torch.allclose(adapted, want)  # the adapter does change the model ...
@@ -43,3 +49,45 @@ def test_merged_weights_reproduce_the_adapted_model(tiny_models):
         torch.testing.assert_close(merged(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
     assert LoraWeights(model).changed_names() == {f"model.layers.{i}.{m}.weight" for i in range(2)
                                                   for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")}
+
+
+def test_the_reference_context_leaves_the_adapter_trainable(tiny_models):
+    model, _ = _trained_lora(tiny_models["qwen2"])
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    with model.disable_adapter():  # peft's own context freezes the adapter while it is on ...
+        assert not any(p.requires_grad for p in model.parameters())
+    with adapter_disabled(model):  # ... ours does not (FSDP2 reads the flags at the first forward)
+        assert [n for n, p in model.named_parameters() if p.requires_grad] == trainable
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == trainable
+
+
+def _first_forward_is_the_reference(rank: int, port: int, path: str, results) -> None:
+    """The GRPO order on a bf16-compute FSDP2 LoRA actor: reference pass first, then a training step."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hybrid_rl.dist.fsdp import shard_model
+
+    ids = torch.randint(5, 400, (1, 12))
+    for name, reference in (("peft", lambda m: m.disable_adapter()), ("ours", adapter_disabled)):
+        torch.manual_seed(0)
+        model = apply_lora(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), rank=4, alpha=8.0,
+                           dropout=0.0, target_modules=["q_proj", "v_proj"])
+        shard_model(model, init_device_mesh("cpu", (1,)), param_dtype=torch.bfloat16)  # as build.py's defaults
+        with torch.no_grad(), reference(model):
+            model(input_ids=ids)
+        try:
+            model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
+            results[name] = sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None})
+        except RuntimeError as e:
+            results[name] = str(e)
+    dist.destroy_process_group()
+
+
+def test_a_reference_pass_before_the_first_update_keeps_float32_gradients(tiny_models):
+    results = mp.Manager().dict()
+    mp.spawn(_first_forward_is_the_reference, args=(free_port(), tiny_models["qwen2"], results), nprocs=1)
+    # With peft's context the bug this guards against is there: FSDP2 saw no trainable parameter ...
+    assert "attempting to assign a gradient with dtype 'c10::BFloat16'" in str(results["peft"])
+    assert results["ours"] == ["torch.float32"]  # ... with ours the adapter's grads are cast to the master dtype

@@ -1,0 +1,33 @@
+"""Where the planner puts offloaded items matches what the trainer does with `offload.*` (dist/offload.py)."""
+
+import pytest
+
+from hybrid_rl.config import load_config
+from hybrid_rl.model.memory_plan import DeviceSpec
+from hybrid_rl.planner import plan_for
+
+
+def _off(plan, phase: str, component: str) -> dict[str, str]:
+    """What of `component` is off the device in `phase`: item -> target."""
+    return {i.what.split(" (")[0]: i.offloaded for i in plan.phase(phase).items if i.component == component}
+
+
+@pytest.mark.parametrize("device, target", [("cuda", "cpu"), ("cpu", "disk")])
+def test_the_critic_leaves_with_its_optimizer_state_and_comes_back_for_its_pass_and_update(tiny_models, device,
+                                                                                            target):
+    cfg = load_config("ppo", [f"model.path={tiny_models['qwen2']}", "data.train_files=[/x.jsonl]",
+                              f"offload.critic={target}", f"offload.reference={target}"])
+    plan = plan_for(cfg, 2, device=DeviceSpec(device, 64 * 2**30))
+    for phase in ("sync", "rollout", "old_logp", "reference", "update"):
+        assert _off(plan, phase, "critic") == {"params": target, "AdamW states": target}, phase
+    assert _off(plan, "critic", "critic")["params"] == "" and _off(plan, "critic", "critic")["AdamW states"] == target
+    assert set(_off(plan, "critic_update", "critic").values()) == {""}  # everything in for the update
+    assert _off(plan, "update", "reference") == {"params": target}
+
+
+def test_cpu_offload_frees_nothing_on_a_cpu_device(tiny_models):
+    cfg = load_config("ppo", [f"model.path={tiny_models['qwen2']}", "data.train_files=[/x.jsonl]",
+                              "offload.critic=cpu"])
+    plan = plan_for(cfg, 2, device=DeviceSpec("cpu", 64 * 2**30))
+    assert set(_off(plan, "update", "critic").values()) == {""}
+    assert any("offload.critic=cpu frees nothing" in n for n in plan.notes)
