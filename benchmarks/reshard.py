@@ -106,7 +106,7 @@ def _engine(model: str, *, tp: int, dtype: str, verify: bool | None = None, prob
     `verify` and `probe_cols` override the defaults when given."""
     import torch
 
-    from hybrid_rl.config import OffloadConfig, RolloutConfig
+    from hybrid_rl.config import OffloadConfig, RolloutConfig, resolve_rollout
     from hybrid_rl.dist.fsdp import shard_model
     from hybrid_rl.dist.mesh import device, fsdp_mesh, init_distributed
     from hybrid_rl.dist.offload import OffloadManager
@@ -114,18 +114,21 @@ def _engine(model: str, *, tp: int, dtype: str, verify: bool | None = None, prob
     from hybrid_rl.engine.layout import Layout, ModelDims
     from hybrid_rl.engine.vllm_engine import EngineSpec, VLLMEngine
     from hybrid_rl.model.loading import DTYPES, load_causal_lm
+    from hybrid_rl.model.memory_plan import sync_reserve_bytes
 
     r, o = RolloutConfig(), OffloadConfig()
     dims = init_distributed(tp)
     module = load_causal_lm(model)
     shard_model(module, fsdp_mesh(dims), param_dtype=DTYPES[dtype])
     opt = torch.optim.AdamW(module.parameters(), lr=1e-5)
-    cuda = torch.cuda.is_available()
-    spec = EngineSpec(model_path=model, tp=tp, dtype=dtype, max_model_len=512, seed=0, enforce_eager=r.enforce_eager,
-                      kv_cache_gb=r.kv_cache_gb or (None if cuda else 0.5))
+    d = resolve_rollout(r, "cuda" if torch.cuda.is_available() else "cpu")
+    spec = EngineSpec(model_path=model, tp=tp, dtype=dtype, max_model_len=512, seed=0, enforce_eager=d.enforce_eager,
+                      gpu_memory_utilization=d.gpu_memory_utilization,
+                      sync_reserve_bytes=sync_reserve_bytes(int(r.bucket_mb * 2**20)), kv_cache_gb=d.kv_cache_gb,
+                      sleep_mode=d.release == "sleep")
     options = SwitchOptions(bucket_bytes=int(r.bucket_mb * 2**20), verify=r.verify if verify is None else verify,
                             probe_cols=probe_cols or r.verify_probe_cols,
-                            release="sleep" if cuda else "keep", offload_params=o.actor_params,
+                            release=d.release, offload_params=o.actor_params,
                             offload_grads=o.actor_grads, offload_optim=o.actor_optim)
     engine = HybridEngine(module, optimizer=opt, dims=dims, vllm=VLLMEngine(spec),
                           layout=Layout(ModelDims.from_hf_config(module.config), tp),
@@ -295,7 +298,8 @@ def worker_standalone(a) -> None:
 def _measure_standalone(engine, cfg: dict, a) -> dict:
     from vllm import LLM, SamplingParams
 
-    from hybrid_rl.engine.vllm_engine import Sampling, _shutdown_keeping_default_group
+    from hybrid_rl.engine.vllm_compat import shutdown_keeping_default_group
+    from hybrid_rl.engine.vllm_engine import Sampling
 
     s = engine.vllm.spec
     standalone = LLM(model=cfg["model"], dtype=cfg["dtype"], seed=0, max_model_len=s.max_model_len,
@@ -327,8 +331,8 @@ def _measure_standalone(engine, cfg: dict, a) -> dict:
 
     in_engine(), alone()  # warm-up
     runs = common.alternate({"engine": in_engine, "standalone": alone}, a.repeats)  # tokens/s
-    # vLLM's own shutdown would destroy torch's default process group (see vllm_engine.py).
-    _shutdown_keeping_default_group(standalone)
+    # vLLM's own shutdown would destroy torch's default process group (see vllm_compat.py).
+    shutdown_keeping_default_group(standalone)
     e, sa = common.median(runs["engine"]), common.median(runs["standalone"])
     per_round = sorted(x / y for x, y in zip(runs["engine"], runs["standalone"], strict=True))
     return dict(cfg, engine_tok_s=e, standalone_tok_s=sa, ratio=e / sa, same_tokens=last["engine"] == last["standalone"],

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from hybrid_rl.config import Config, ConfigError
+from hybrid_rl.config import Config, ConfigError, resolve_rollout
 from hybrid_rl.data import PromptLoader, load_preference_dataset, load_prompt_dataset
 from hybrid_rl.dist.fsdp import shard_model
 from hybrid_rl.dist.mesh import ParallelDims, device, fsdp_mesh, init_distributed
@@ -26,6 +26,7 @@ from hybrid_rl.model.handle import Model
 from hybrid_rl.model.loading import DTYPES, empty_model, enable_activation_checkpointing, load_config, load_tokenizer
 from hybrid_rl.model.lora import LoraWeights, apply_lora, is_lora
 from hybrid_rl.model.materialize import materialize
+from hybrid_rl.model.memory_plan import sync_reserve_bytes
 from hybrid_rl.model.param_count import Head
 from hybrid_rl.rewards import RewardPool, Rubric, RubricItem, resolve_reward
 from hybrid_rl.rollout.sampler import Sampler, SamplingSettings
@@ -57,6 +58,7 @@ def check_inputs(cfg: Config, world: int) -> None:
     arch = (getattr(hf, "architectures", None) or [type(hf).__name__])[0]
     check_architecture(arch)
     ParallelDims(world, 0, 0, cfg.rollout.tp)
+    resolve_rollout(cfg.rollout, "cuda" if torch.cuda.is_available() else "cpu")  # what this platform cannot do
     for name in (cfg.reward.model_path, cfg.critic.path):
         if name and not Path(name).is_dir():
             raise ConfigError(f"{name!r} (reward.model_path / critic.path) is not a model folder")
@@ -168,18 +170,18 @@ def _frozen(path: str, head: Head, cfg: Config, dims: ParallelDims) -> Model:
 
 
 def _engine(cfg: Config, dims: ParallelDims, actor: Model, offload: OffloadManager) -> HybridEngine:
-    r, cuda = cfg.rollout, torch.cuda.is_available()
-    release = r.release if r.release != "auto" else ("sleep" if cuda else "keep")
-    if release == "sleep" and not cuda:
-        raise ConfigError("rollout.release=sleep needs CUDA (vLLM refuses sleep mode on CPU); use keep or restart")
-    kv = r.kv_cache_gb or (None if cuda else 0.5)
+    r = cfg.rollout
+    d = resolve_rollout(r, "cuda" if torch.cuda.is_available() else "cpu")  # as the memory planner resolves it
+    bucket_bytes = int(r.bucket_mb * 2**20)
     spec = EngineSpec(model_path=cfg.model.path, tp=r.tp, dtype=r.dtype,
                       max_model_len=r.max_model_len or cfg.data.max_prompt_tokens + r.max_new_tokens,
-                      seed=cfg.trainer.seed, enforce_eager=r.enforce_eager,
-                      gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_gb=kv, sleep_mode=release == "sleep")
+                      seed=cfg.trainer.seed, enforce_eager=d.enforce_eager,
+                      gpu_memory_utilization=d.gpu_memory_utilization,
+                      sync_reserve_bytes=sync_reserve_bytes(bucket_bytes), kv_cache_gb=d.kv_cache_gb,
+                      sleep_mode=d.release == "sleep", shm_ledger_dir=str(Path(cfg.trainer.output_dir) / "vllm_shm"))
     o = cfg.offload
-    options = SwitchOptions(bucket_bytes=int(r.bucket_mb * 2**20), verify=r.verify, probe_cols=r.verify_probe_cols,
-                            release=release, offload_params=o.actor_params, offload_grads=o.actor_grads,
+    options = SwitchOptions(bucket_bytes=bucket_bytes, verify=r.verify, probe_cols=r.verify_probe_cols,
+                            release=d.release, offload_params=o.actor_params, offload_grads=o.actor_grads,
                             offload_optim=o.actor_optim)
     layout = Layout(ModelDims.from_hf_config(actor.module.config), r.tp)
     weights = LoraWeights(actor.module) if is_lora(actor.module) else None

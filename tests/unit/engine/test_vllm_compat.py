@@ -1,0 +1,54 @@
+"""The installed vLLM still has what this project relies on: the private internals in `vllm_compat.py`
+(each named in the failure when it changed) and the public weight-transfer API our backend plugs into."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import vllm
+
+from hybrid_rl.engine import vllm_compat
+from tests.unit.engine.test_vllm_weights import tp_local_model
+
+
+def test_vllm_is_the_pinned_version():
+    assert vllm.__version__.startswith(vllm_compat.PINNED + "."), (
+        f"vLLM is {vllm.__version__}; hybrid_rl/engine/vllm_compat.py is pinned to {vllm_compat.PINNED}: check each "
+        "entry there (the test below names what changed), then bump PINNED")
+
+
+def test_private_internals_used_by_vllm_compat_are_unchanged():
+    problems = vllm_compat.problems()
+    assert not problems, "vLLM changed under hybrid_rl/engine/vllm_compat.py:\n" + "\n".join(problems)
+
+
+def test_the_check_names_the_entry_whose_internal_changed(monkeypatch):
+    monkeypatch.setattr(vllm_compat, "CPU_SHM_MARKER", "renamed")
+    assert [p[:2] for p in vllm_compat.problems()] == ["3."]
+
+
+def test_transfer_backend_lands_slices_in_place_through_vllms_session_api():
+    from vllm.config import WeightTransferConfig
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+
+    from hybrid_rl.engine.vllm_transfer import BACKEND, register
+    from hybrid_rl.engine.vllm_weights import model_params, storage_ptrs
+
+    register()
+    register()  # engines restart in one process: registering again is a no-op
+    full, slices, model, stream = tp_local_model(tp=2, t=1)
+    cfg = SimpleNamespace(parallel_config=SimpleNamespace(), model_config=SimpleNamespace())
+    engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend=BACKEND), cfg, torch.device("cpu"),
+                                                       model)
+    with pytest.raises(RuntimeError, match="init_weight_transfer_engine"):
+        engine.start_weight_update()
+    with pytest.raises(ValueError, match="sync path"):
+        engine.parse_init_info({"path": "sideways"})
+    engine.init_transfer_engine(engine.parse_init_info({"path": "inplace"}))
+    ptrs = storage_ptrs(model)
+    engine.start_weight_update()
+    engine.update_weights({"stream": iter(stream)})  # a dict, as the worker's update_weights passes it on
+    engine.finish_weight_update()
+    assert storage_ptrs(model) == ptrs
+    down = model_params(model)["model.layers.0.mlp.down_proj.weight"]
+    assert torch.equal(down, full["model.layers.0.mlp.down_proj.weight"][:, 48:])
