@@ -94,8 +94,7 @@ def worker(shapes: list[tuple[int, int]], model: str, steps: int) -> None:
                      "trainer.micro_batch_tokens=65536", "model.dtype=float32", "data.max_prompt_tokens=128"]
         c = build(load_config("grpo", overrides))
         engine = SyntheticEngine(tokens, c.actor.module.config.vocab_size, seed=c.dims.rank)
-        c.engine = engine
-        c.sampler.engine = engine
+        c.rollout.engine = engine  # the colocated worker (rollout.Sampler) generates with it
         g = torch.Generator().manual_seed(0)
         records = [PromptRecord(i, "", tuple(torch.randint(4, 500, (PROMPT_TOKENS,), generator=g).tolist()),
                                 ReadOnlyFields({})) for i in range(4 * prompts)]

@@ -29,6 +29,7 @@ from hybrid_rl.model.materialize import materialize
 from hybrid_rl.model.memory_plan import sync_reserve_bytes
 from hybrid_rl.model.param_count import Head
 from hybrid_rl.rewards import RewardPool, Rubric, RubricItem, resolve_reward
+from hybrid_rl.rollout.base import RolloutWorker
 from hybrid_rl.rollout.sampler import Sampler, SamplingSettings
 from hybrid_rl.utils.schedule import lr_multiplier
 
@@ -41,8 +42,7 @@ class Components:
     dims: ParallelDims
     tokenizer: object
     actor: Model
-    engine: HybridEngine
-    sampler: Sampler
+    rollout: RolloutWorker
     train_loader: PromptLoader
     val_records: list
     rewards: RewardPool | None
@@ -75,17 +75,14 @@ def build(cfg: Config) -> Components:
 
     actor = _actor(cfg, dims)
     offload = OffloadManager(cfg.offload.dir or Path(cfg.trainer.output_dir) / "offload", rank=dims.rank)
-    engine = _engine(cfg, dims, actor, offload)
-    settings = SamplingSettings(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p,
-                                cfg.rollout.top_k)
-    sampler = Sampler(engine, tokenizer, dims, settings, seed=cfg.trainer.seed)
+    rollout = ROLLOUT_MODES[cfg.rollout.mode](cfg, dims, actor, offload, tokenizer)
     a = cfg.algorithm
     # With LoRA the reference is the actor's own frozen base (adapter disabled): no second copy.
     reference = _frozen(cfg.model.path, "lm", cfg, dims) if a.use_reference and not cfg.model.lora.rank else None
     critic = _critic(cfg, dims) if a.use_critic else None
     rm = _frozen(cfg.reward.model_path, "score", cfg, dims) if cfg.reward.model_path else None
-    return Components(cfg, dims, tokenizer, actor, engine, sampler, loader, val_records, rewards, reference,
-                      critic, rm, offload)
+    return Components(cfg, dims, tokenizer, actor, rollout, loader, val_records, rewards, reference, critic, rm,
+                      offload)
 
 
 def _seed_everything(seed: int) -> None:
@@ -167,6 +164,20 @@ def _frozen(path: str, head: Head, cfg: Config, dims: ParallelDims) -> Model:
     module = empty_model(path, head, dtype=DTYPES[cfg.model.frozen_storage_dtype])
     module.requires_grad_(False)
     return Model(_shard(module, path, cfg, dims))
+
+
+def sampling_settings(cfg: Config) -> SamplingSettings:
+    r = cfg.rollout
+    return SamplingSettings(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
+
+
+def _colocated(cfg: Config, dims: ParallelDims, actor: Model, offload: OffloadManager, tokenizer) -> Sampler:
+    """The hybrid engine: vLLM in-process on the training ranks."""
+    return Sampler(_engine(cfg, dims, actor, offload), tokenizer, dims, sampling_settings(cfg), seed=cfg.trainer.seed)
+
+
+# rollout.mode -> builder of the rollout worker (one signature: cfg, dims, actor, offload, tokenizer)
+ROLLOUT_MODES = {"colocated": _colocated}
 
 
 def _engine(cfg: Config, dims: ParallelDims, actor: Model, offload: OffloadManager) -> HybridEngine:

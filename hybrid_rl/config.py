@@ -61,6 +61,7 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
+    mode: str = "colocated"  # colocated: vLLM in-process on the training ranks (the hybrid engine)
     tp: int = 1
     n: int = 8  # samples per prompt
     max_new_tokens: int = 256
@@ -316,6 +317,7 @@ CHOICES = {
     "model.frozen_dtype": ("auto", "float32", "bfloat16", "float16"),
     "rollout.dtype": ("float32", "bfloat16", "float16"),
     "rollout.release": ("auto", "keep", "sleep", "restart"),
+    "rollout.mode": ("colocated",),
     "algorithm.advantage": ("gae", "grpo", "rloo", "reinforce_pp"),
     "algorithm.objective": ("ppo_clip", "dpo"),
     "algorithm.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),

@@ -139,8 +139,8 @@ class Trainer:
         if a.offline_pairs:
             rollout = preference_rollout(records, self.dims)
             return rollout, Ready(Scores(torch.zeros(rollout.index.size))), fields, {}
-        with self._phase("rollout"), self.c.engine.rollout_mode():
-            rollout = self.c.sampler.generate(records, n=n, step=step, group_base=0)
+        with self._phase("rollout"), self.c.rollout.session():
+            rollout = self.c.rollout.generate(records, n=n, step=step, group_base=0)
             metrics = self._engine_metrics()
             if not a.dynamic_sampling:
                 return rollout, self.scorer.submit(rollout.held, rollout.index.size), fields, metrics
@@ -152,7 +152,7 @@ class Trainer:
                     break
                 more = next(self.c.train_loader)
                 fields.update({r.index: r.fields for r in more})
-                rollout = self.c.sampler.generate(more, n=n, step=step * 1000 + len(rounds),
+                rollout = self.c.rollout.generate(more, n=n, step=step * 1000 + len(rounds),
                                                   group_base=len(rounds) * 10**6)
         rollout, scored = dynamic.merge_rounds(rounds, len(records) * n)
         if rollout.index.size == 0:
@@ -251,11 +251,10 @@ class Trainer:
                                 f"Last good checkpoint: {last or 'none yet'}. Lower optim.lr or check the data.")
 
     def _engine_metrics(self) -> dict[str, float]:
-        rep = self.c.engine.report
-        switch = sum(v for k, v in rep.seconds.items() if k != "sync_weights")
-        self.timer.add("sync", rep.seconds.get("sync_weights", 0.0))
-        self.timer.add("switch", switch)
-        return {"sync/bytes_per_rank": float(rep.bytes_received)}
+        rep = self.c.rollout.last_sync()
+        self.timer.add("sync", rep.sync_s)
+        self.timer.add("switch", rep.switch_s)
+        return {"sync/bytes_per_rank": float(rep.bytes_per_rank)}
 
     def _timings(self, step_s: float, rollout: Rollout) -> dict[str, float]:
         times = self.timer.pop()
@@ -281,8 +280,8 @@ class Trainer:
 
     def _validate(self, step: int) -> float:
         """Mean reward of one greedy response per held-out prompt."""
-        with self.c.engine.rollout_mode():
-            rollout = self.c.sampler.generate(self.c.val_records, n=1, step=-1, group_base=0,
+        with self.c.rollout.session():
+            rollout = self.c.rollout.generate(self.c.val_records, n=1, step=-1, group_base=0,
                                               greedy=self.cfg.rollout.val_greedy)
         mean = float(self.scorer.score(rollout.held, rollout.index.size).total.mean())
         self.val_history.append((step, mean))
@@ -360,7 +359,7 @@ class Trainer:
             self.metrics.close()
         if self.c.rewards is not None:
             self.c.rewards.close()
-        self.c.engine.close()
+        self.c.rollout.close()
 
 
 def _mkdir(path: Path) -> Path:

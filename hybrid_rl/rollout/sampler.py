@@ -17,6 +17,7 @@ from hybrid_rl.data import PromptRecord
 from hybrid_rl.dist.mesh import ParallelDims
 from hybrid_rl.engine.hybrid import HybridEngine
 from hybrid_rl.engine.vllm_engine import Generation, Sampling
+from hybrid_rl.rollout.base import SyncReport
 from hybrid_rl.rollout.exchange import gather_index
 from hybrid_rl.types import Rollout, Sample
 
@@ -30,11 +31,24 @@ class SamplingSettings:
 
 
 class Sampler:
-    """Turns a batch of prompt records into samples, `n` per prompt, generated data-parallel."""
+    """The colocated rollout worker (`rollout.mode=colocated`): prompt records in, samples out, `n` per prompt,
+    generated data-parallel by the hybrid engine on the training ranks."""
 
     def __init__(self, engine: HybridEngine, tokenizer, dims: ParallelDims, settings: SamplingSettings, *, seed: int):
         self.engine, self.dims, self.settings, self.seed = engine, dims, settings, seed
         self.stop_ids = tuple(sorted({tokenizer.eos_token_id} | set(_generation_eos(tokenizer))))
+
+    def session(self):
+        """Rollout mode: train state offloaded, weights synced into vLLM; back to train mode after."""
+        return self.engine.rollout_mode()
+
+    def last_sync(self) -> SyncReport:
+        seconds = self.engine.report.seconds
+        return SyncReport(seconds.get("sync_weights", 0.0), sum(v for k, v in seconds.items() if k != "sync_weights"),
+                          self.engine.report.bytes_received)
+
+    def close(self) -> None:
+        self.engine.close()
 
     def generate(self, records: list[PromptRecord], *, n: int, step: int, group_base: int,
                  greedy: bool = False) -> Rollout:
