@@ -8,6 +8,7 @@ in seconds with a message that names it.
 from __future__ import annotations
 
 import logging
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +27,9 @@ from hybrid_rl.model.handle import Model
 from hybrid_rl.model.loading import DTYPES, empty_model, enable_activation_checkpointing, load_config, load_tokenizer
 from hybrid_rl.model.lora import LoraWeights, apply_lora, is_lora
 from hybrid_rl.model.materialize import materialize
-from hybrid_rl.model.memory_plan import sync_reserve_bytes
+from hybrid_rl.model.memory_plan import MemoryPlan, sync_reserve_bytes
 from hybrid_rl.model.param_count import Head
+from hybrid_rl.planner import detect_device, plan_for
 from hybrid_rl.rewards import RewardPool, Rubric, RubricItem, resolve_reward
 from hybrid_rl.rollout.base import RolloutWorker
 from hybrid_rl.rollout.sampler import Sampler, SamplingSettings
@@ -50,6 +52,7 @@ class Components:
     critic: Model | None
     reward_model: Model | None
     offload: OffloadManager
+    plan: MemoryPlan
 
 
 def check_inputs(cfg: Config, world: int) -> None:
@@ -71,6 +74,7 @@ def build(cfg: Config) -> Components:
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"the tokenizer in model.path={cfg.model.path!r} has no EOS token: generation cannot stop")
     loader, val_records = _datasets(cfg, tokenizer)
+    plan = _check_memory(cfg, dims, [len(r.prompt_ids) for r in loader.dataset])
     rewards = None if cfg.algorithm.offline_pairs else _rewards(cfg)
 
     actor = _actor(cfg, dims)
@@ -82,7 +86,19 @@ def build(cfg: Config) -> Components:
     critic = _critic(cfg, dims) if a.use_critic else None
     rm = _frozen(cfg.reward.model_path, "score", cfg, dims) if cfg.reward.model_path else None
     return Components(cfg, dims, tokenizer, actor, rollout, loader, val_records, rewards, reference, critic, rm,
-                      offload)
+                      offload, plan)
+
+
+def _check_memory(cfg: Config, dims: ParallelDims, prompt_lengths: list[int]) -> MemoryPlan:
+    """The memory plan of this run, printed (rank 0) before any weight loads; one that does not fit stops here."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dims.world))
+    plan = plan_for(cfg, dims.world, device=detect_device(local_ranks=local_ranks), prompt_lengths=prompt_lengths)
+    if dims.is_main:
+        print(plan.table(), flush=True)
+    if not plan.fits and cfg.trainer.memory_check == "error":
+        raise ConfigError(f"the memory plan above does not fit (trainer.memory_check=error): {plan.verdict()}\n"
+                          "Apply the settings it lists, or start anyway with trainer.memory_check=warn.")
+    return plan
 
 
 def _seed_everything(seed: int) -> None:

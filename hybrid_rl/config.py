@@ -189,6 +189,7 @@ class TrainerConfig:
     max_bad_steps: int = 3  # consecutive NaN/Inf steps before the run stops
     export: bool = True
     show_progress: bool = True
+    memory_check: str = "error"  # the memory plan at start-up does not fit: error (stop before loading) | warn
 
 
 @dataclass
@@ -326,6 +327,7 @@ CHOICES = {
     "algorithm.old_logp_pass": ("auto", "always"),
     "optim.schedule": ("constant", "cosine", "linear"),
     "trainer.resume": ("auto", "never"),
+    "trainer.memory_check": ("error", "warn"),
     **{f"offload.{k}": ("none", "cpu", "disk")
        for k in ("actor_params", "actor_grads", "actor_optim", "reference", "critic", "reward_model")},
 }

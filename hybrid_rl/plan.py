@@ -3,12 +3,13 @@
     python -m hybrid_rl.plan --config-name=<recipe> key=value ... [--world N] [--device-gib G]
         [--device auto|cuda|cpu] [--local-ranks N] [--attention auto|sdpa|flash]
 
-Takes the same recipe and overrides as `hybrid_rl.train`, reads only `config.json` of the models
-(no weights, no GPU, no data files) and prints a table: phases (startup, sync, rollout, old_logp,
+Takes the same recipe and overrides as `hybrid_rl.train`, reads the models' `config.json` and the
+training prompts' lengths (tokenized as training would; no weights, no GPU) and prints a table: phases (startup, sync, rollout, old_logp,
 reference, critic, reward_model, update, critic_update) by items (params, AdamW states, grads,
 compute copies, activations, vLLM weights and KV cache), offloaded items marked, then whether the
-peak fits the device and, if not, the settings that would save the most in each phase that
-overflows.
+peak fits the device and, if not, the settings that together make it fit, cheapest in speed first.
+`hybrid_rl.train` computes the same plan before it loads any weight and stops when it does not fit
+(`trainer.memory_check`).
 
 --world: ranks in the run (default $WORLD_SIZE or 1). --device-gib: plan for a device of this
 size (e.g. `--device cuda --device-gib 80` for an H100 from any machine); without it, CUDA device
@@ -24,10 +25,11 @@ import os
 import sys
 
 from hybrid_rl.config import ConfigError, split_command_line
-from hybrid_rl.planner import detect_device, plan_for
+from hybrid_rl.planner import detect_device, plan_for, prompt_lengths
 
 EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT = 0, 1, 2
 FLAGS = ("--world", "--device-gib", "--device", "--local-ranks", "--attention")
+
 
 def split_flags(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     """The planner's own `--flag value` / `--flag=value` arguments, and the rest (the recipe and its overrides)."""
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--device must be auto, cuda or cpu; --attention auto, sdpa or flash")
         device = detect_device(kind, gib=_number(flags, "--device-gib", float, None), local_ranks=local)
         cfg = load_config(name, overrides)
-        plan = plan_for(cfg, world, device=device, attention=attention)
+        plan = plan_for(cfg, world, device=device, attention=attention, prompt_lengths=prompt_lengths(cfg))
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
+from pathlib import Path
 
 from hybrid_rl.config import Config, ConfigError, resolve_rollout
 from hybrid_rl.model.memory_plan import (
@@ -28,8 +30,14 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}  # of one decoder block
 
 
-def plan_for(cfg: Config, world: int, *, device: DeviceSpec | None = None, attention: str = "auto") -> MemoryPlan:
-    """The memory plan of `cfg` on `world` ranks (per rank). Reads the models' config.json only."""
+def plan_for(cfg: Config, world: int, *, device: DeviceSpec | None = None, attention: str = "auto",
+             prompt_lengths: Sequence[int] | None = None) -> MemoryPlan:
+    """The memory plan of `cfg` on `world` ranks (per rank). Reads the models' config.json only.
+
+    `prompt_lengths`: the training prompts' token counts (the trainer passes its dataset's); micro-batches
+    are then sized from them, else every prompt counts as `data.max_prompt_tokens` long (an upper bound).
+    Responses always count as `rollout.max_new_tokens` (`data.max_response_tokens` for offline pairs).
+    """
     device = device or detect_device()
     actor, lora = _spec(cfg.model.path, "lm"), cfg.model.lora
     if lora.rank:  # build.py wraps the actor with peft: the base freezes, the adapters train
@@ -38,7 +46,7 @@ def plan_for(cfg: Config, world: int, *, device: DeviceSpec | None = None, atten
     a, frozen = cfg.algorithm, DTYPE_BYTES[cfg.model.frozen_storage_dtype]
     inputs = PlanInputs(
         actor=actor, world=world, device=device, compute_bytes=DTYPE_BYTES[cfg.model.dtype],
-        **_tokens(cfg, world), rollout=_rollout(cfg, device), offload=OffloadSpec(**_offload(cfg)),
+        **_tokens(cfg, world, prompt_lengths), rollout=_rollout(cfg, device), offload=OffloadSpec(**_offload(cfg)),
         reference=_spec(cfg.model.path, "lm", frozen) if a.use_reference and not lora.rank else None,
         reference_from_actor=a.use_reference and bool(lora.rank),
         critic=_spec(cfg.critic.path or cfg.model.path, "value") if a.use_critic else None,
@@ -48,7 +56,30 @@ def plan_for(cfg: Config, world: int, *, device: DeviceSpec | None = None, atten
         old_logp_pass=not a.old_logp_from_update,
     )
     plan = estimate(inputs)
-    return dataclasses.replace(plan, notes=plan.notes + tuple(_config_notes(cfg, actor, device)))
+    notes = tuple(_config_notes(cfg, actor, device))
+    if prompt_lengths is None:
+        notes += (f"prompts counted as data.max_prompt_tokens={cfg.data.max_prompt_tokens} long (an upper bound: the "
+                  "training files were not read)",)
+    return dataclasses.replace(plan, notes=plan.notes + notes)
+
+
+def prompt_lengths(cfg: Config) -> list[int] | None:
+    """Token counts of the training prompts, read and tokenized as `build.py` reads them; None when the files
+    are not on this machine (planning a run elsewhere: prompts then count as `data.max_prompt_tokens`)."""
+    from hybrid_rl.data import load_preference_dataset, load_prompt_dataset
+    from hybrid_rl.model.loading import load_tokenizer
+
+    if not all(Path(f).is_file() for f in cfg.data.train_files):
+        return None
+    d, tokenizer = cfg.data, load_tokenizer(cfg.model.path)
+    if cfg.algorithm.offline_pairs:
+        rows = load_preference_dataset(d.train_files, tokenizer, max_prompt_tokens=d.max_prompt_tokens,
+                                       max_response_tokens=d.max_response_tokens, prompt_key=d.prompt_key,
+                                       apply_chat_template=d.apply_chat_template)
+    else:
+        rows = load_prompt_dataset(d.train_files, tokenizer, max_prompt_tokens=d.max_prompt_tokens,
+                                   prompt_key=d.prompt_key, apply_chat_template=d.apply_chat_template)
+    return [len(r.prompt_ids) for r in rows]
 
 
 def detect_device(kind: str = "auto", *, gib: float | None = None, local_ranks: int = 1) -> DeviceSpec:
@@ -79,22 +110,36 @@ def _needs_rollout(cfg: Config) -> bool:
     return not cfg.algorithm.offline_pairs or bool(cfg.data.val_files)  # validation generates with vLLM too
 
 
-def _max_sequence(cfg: Config) -> int:
+def _lengths(cfg: Config, prompt_lengths: Sequence[int] | None) -> tuple[float, int, int]:
+    """(mean prompt, longest prompt, response) token counts of one sample."""
     d, r = cfg.data, cfg.rollout
-    if cfg.algorithm.offline_pairs:
-        return d.max_prompt_tokens + d.max_response_tokens
-    longest = d.max_prompt_tokens + r.max_new_tokens
-    return min(longest, r.max_model_len) if r.max_model_len else longest
+    response = d.max_response_tokens if cfg.algorithm.offline_pairs else r.max_new_tokens
+    if prompt_lengths:
+        mean, longest = sum(prompt_lengths) / len(prompt_lengths), max(prompt_lengths)
+    else:
+        mean = longest = d.max_prompt_tokens
+    if r.max_model_len:  # vLLM never produces longer sequences
+        response = min(response, max(r.max_model_len - longest, 1))
+    return mean, longest, response
 
 
-def _tokens(cfg: Config, world: int) -> dict[str, int]:
-    """Tokens of one micro-batch: the budget, unless this rank's share is smaller; never under one sample."""
-    seq, budget, a = _max_sequence(cfg), cfg.trainer.micro_batch_tokens, cfg.algorithm
+def _tokens(cfg: Config, world: int, prompt_lengths: Sequence[int] | None) -> dict[str, int]:
+    """Tokens of the largest micro-batch (and its response tokens): this rank's share packed up to the budget,
+    never less than the longest sample."""
+    mean, longest, response = _lengths(cfg, prompt_lengths)
+    budget, a = cfg.trainer.micro_batch_tokens, cfg.algorithm
     per_prompt = 2 if a.offline_pairs else cfg.rollout.n
     share = -(-cfg.data.prompts_per_step * per_prompt // world)
     mini = -(-share // a.mini_batches)
-    return dict(pass_tokens=max(seq, min(budget, share * seq)), update_tokens=max(seq, min(budget, mini * seq)),
-                micro_batch_tokens=budget, max_sequence_tokens=seq)
+    seq, longest_seq = mean + response, longest + response
+
+    def micro(samples: int) -> tuple[int, int]:
+        tokens = max(longest_seq, min(budget, int(samples * seq)))
+        return tokens, min(tokens, int(tokens * response / seq) + response)
+
+    (pass_tokens, pass_responses), (update_tokens, update_responses) = micro(share), micro(mini)
+    return dict(pass_tokens=pass_tokens, update_tokens=update_tokens, pass_responses=pass_responses,
+                update_responses=update_responses, micro_batch_tokens=budget, max_sequence_tokens=longest_seq)
 
 
 def _rollout(cfg: Config, device: DeviceSpec) -> RolloutSpec:

@@ -11,11 +11,10 @@ the next rollout.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -33,8 +32,7 @@ from hybrid_rl.experience.passes import PassOutputs, logprobs_pass, scores_pass,
 from hybrid_rl.experience.scoring import Pending, Ready, Scorer
 from hybrid_rl.metrics import MetricsLogger
 from hybrid_rl.model.lora import adapter_disabled, is_lora, merge_full_state_dict, save_adapter
-from hybrid_rl.model.phase_peaks import PhasePeaks
-from hybrid_rl.planner import detect_device, plan_for
+from hybrid_rl.model.phase_peaks import PhasePeaks, peak_reading
 from hybrid_rl.rollout.offline import preference_rollout
 from hybrid_rl.types import Rollout, Scores, TrainBatch
 from hybrid_rl.updates import UpdateSettings, update_actor, update_critic
@@ -53,8 +51,8 @@ class Trainer:
         a, t, r = c.cfg.algorithm, c.cfg.trainer, c.cfg.rollout
         self.out = Path(t.output_dir)
         self.timer, self.peaks = PhaseTimer(), PhasePeaks()
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", c.dims.world))
-        self.plan = plan_for(c.cfg, c.dims.world, device=detect_device(local_ranks=local_ranks))
+        self.plan = c.plan
+        self.startup_peak_gib: float | None = peak_reading() / 2**30  # building the models: reported with step 1
         self.kl_ctl = AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon) if a.kl_target > 0 \
             else FixedKLController(a.kl_coef)
         self.checkpointer = Checkpointer(self.out / "checkpoints", keep_last=t.keep_last, rank=c.dims.rank,
@@ -84,7 +82,6 @@ class Trainer:
                                      start_step=start + 1 if start else 0, show_progress=t.show_progress)
         signal.signal(signal.SIGTERM, self._request_stop)
         signal.signal(signal.SIGINT, self._request_stop)
-        self._say(self.plan.table())
         if start == 0 and self.c.val_records:
             self._validate(0)
         step = start
@@ -139,7 +136,7 @@ class Trainer:
         if a.offline_pairs:
             rollout = preference_rollout(records, self.dims)
             return rollout, Ready(Scores(torch.zeros(rollout.index.size))), fields, {}
-        with self._phase("rollout"), self.c.rollout.session():
+        with self.timer.phase("rollout"), self._session():
             rollout = self.c.rollout.generate(records, n=n, step=step, group_base=0)
             metrics = self._engine_metrics()
             if not a.dynamic_sampling:
@@ -269,6 +266,8 @@ class Trainer:
     def _memory_metrics(self) -> dict[str, float]:
         """Each planned phase's measured peak (max over ranks) beside its prediction, and the step's peak."""
         measured, step_peak = self.peaks.pop()
+        if self.startup_peak_gib is not None:
+            measured["startup"], self.startup_peak_gib = self.startup_peak_gib, None
         names = [p.name for p in self.plan.phases]
         peaks = all_reduce_max([measured.get(n, -1.0) for n in names] + [step_peak])
         out = {"memory/peak_gib": peaks[-1]}
@@ -343,6 +342,15 @@ class Trainer:
 
     def _request_stop(self, signum, frame) -> None:
         self._stop = True
+
+    @contextmanager
+    def _session(self) -> Iterator[None]:
+        """A rollout session, its start (the weight sync) and its body measured as the plan's sync and rollout."""
+        with ExitStack() as stack:
+            with self.peaks.phase("sync"):
+                stack.enter_context(self.c.rollout.session())
+            with self.peaks.phase("rollout"):
+                yield
 
     @contextmanager
     def _phase(self, name: str) -> Iterator[None]:

@@ -248,16 +248,19 @@ def stream_slices(
                     cols = probe_columns(pc.slice_ncols, probe_cols, sync_index)
                     partial[d, pc.index] += block_checksum(view[:, cols], row0=pc.slice_row0, col_ids=cols)
                 off += pc.numel
-        recv = torch.empty(sum(recv_splits), dtype=plan.dtype, device=device)
         if world > 1:
+            recv = torch.empty(sum(recv_splits), dtype=plan.dtype, device=device)
             dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
         else:
-            recv.copy_(send)
+            recv = send  # one rank sends to itself
         stats.peak_buffer_bytes = max(stats.peak_buffer_bytes, (send.numel() + recv.numel()) * send.element_size())
         del send
         stats.bytes_received += recv.numel() * recv.element_size()
         stats.buckets += 1
-        yield from _assemble(plan, bucket, recv, device)
+        out = _assemble(plan, bucket, recv)
+        del recv  # freed before vLLM gets the slices: at most two buckets' bytes are alive at any moment
+        for i in bucket.indices:
+            yield plan.slices[i], out.pop(i)
     if world > 1:
         # Row s of `partial` goes to rank s; what comes back is what every sender computed for me.
         received = torch.empty_like(partial)
@@ -273,14 +276,13 @@ def _source_block(p: SourceParam, pc: Piece) -> torch.Tensor:
     return block
 
 
-def _assemble(plan: ReshardPlan, bucket: Bucket, recv: torch.Tensor, device) -> Iterator[tuple[TPSlice, torch.Tensor]]:
-    """Place the received pieces into one tensor per TP slice, in source order."""
-    out = {i: torch.empty(plan.slices[i].shape, dtype=plan.dtype, device=device) for i in bucket.indices}
+def _assemble(plan: ReshardPlan, bucket: Bucket, recv: torch.Tensor) -> dict[int, torch.Tensor]:
+    """The received pieces placed into one tensor per TP slice: {weight index: slice}."""
+    out = {i: torch.empty(plan.slices[i].shape, dtype=plan.dtype, device=recv.device) for i in bucket.indices}
     off = 0
     for s in range(plan.world):
         for pc in bucket.recvs[s]:
             dst = out[pc.index]
             dst[pc.slice_row0 : pc.slice_row0 + pc.shape[0]].copy_(recv[off : off + pc.numel].view(pc.shape))
             off += pc.numel
-    for i in bucket.indices:
-        yield plan.slices[i], out.pop(i)
+    return out

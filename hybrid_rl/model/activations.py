@@ -87,15 +87,15 @@ def _block_backward(d: ArchDims, tokens: int, b: int) -> int:
 
 def _logits_grad(d: ArchDims, tokens: int, responses: int, b: int, entropy: bool) -> int:
     """Peak of the head under autograd: in backward, the saved response logits and their gradient (both
-    `b`) plus one chunk's float32 working set (scaled logits, log-probs, softmax, gradient)."""
+    `b`) plus one chunk's float32 working set (two buffers, updated in place)."""
     v, chunk = d.vocab_size, min(responses, LOGITS_CHUNK)
-    return 2 * responses * v * b + 4 * chunk * v * 4
+    return 2 * responses * v * b + 2 * chunk * v * 4
 
 
 def _logits_no_grad(d: ArchDims, tokens: int, responses: int, b: int, entropy: bool) -> int:
-    """The response logits (`b`) + one chunk's float32 copy, softmax and product."""
+    """The response logits (`b`) + one chunk's float32 working set (scaled log-probs, their exponent)."""
     v, chunk = d.vocab_size, min(responses, LOGITS_CHUNK)
-    return responses * v * b + 3 * chunk * v * 4
+    return responses * v * b + 2 * chunk * v * 4
 
 
 def train_activations(d: ArchDims, tokens: int, *, b: int, attention: Attention, checkpointing: bool,

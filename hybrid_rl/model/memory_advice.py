@@ -24,66 +24,118 @@ from hybrid_rl.model.memory_plan import (
     vllm_utilization,
 )
 
-MAX_FIXES = 4  # per phase
-
 
 def fmt(n: float) -> str:
     """Bytes as GiB (or MiB below 1 GiB): '12.30 GiB', '45.6 MiB'."""
     return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / 2**20:.1f} MiB"
 
 
-def _candidates(x: PlanInputs) -> Iterator[tuple[str, PlanInputs]]:
-    """(setting, inputs after it) for every change that can lower some phase."""
+# What each kind of change costs in speed, cheapest first (the order fixes are tried and listed in).
+COST = {
+    "offload.reference": (1, "moves the reference to {target} and back around its pass"),
+    "offload.reward_model": (1, "moves the reward model to {target} and back around its pass"),
+    "offload.critic": (2, "moves the critic and its AdamW state to {target} and back around its pass and update"),
+    "trainer.micro_batch_tokens": (2, "more, smaller micro-batches"),
+    "rollout.kv_cache_gb": (3, "fewer sequences decoded at once"),
+    "rollout.gpu_memory_utilization": (3, "fewer sequences decoded at once"),
+    "offload.actor_optim": (3, "moves the AdamW state to {target} and back around every rollout"),
+    "model.activation_checkpointing": (4, "recomputes every block in backward (about a third more update compute)"),
+    "offload.actor_params": (5, "moves the policy's shards to {target} and back around every rollout"),
+    "rollout.tp": (5, "tensor-parallel decoding: fewer vLLM replicas, an all-reduce per layer"),
+    "rollout.release": (6, "releases vLLM in every train phase ({release}: restart rebuilds it every step)"),
+    "shard": (9, "needs twice the ranks"),
+}
+MAX_FIXES = 8
+MIN_SAVING = 0.01  # of the device: changes that save less are not worth listing
+
+
+def _candidates(x: PlanInputs) -> Iterator[tuple[str, str, PlanInputs]]:
+    """(setting, its COST key, inputs after it) for every change that can lower some phase."""
     target = "cpu" if x.device.kind == "cuda" else "disk"
     o = x.offload
     for name in ("actor_optim", "actor_params", *OFFLOADABLE):
         present = name.startswith("actor") or getattr(x, name) is not None
         if present and not frees_device(getattr(o, name), x.device):
-            yield f"offload.{name}={target}", _with(x, offload=dataclasses.replace(o, **{name: target}))
+            yield (f"offload.{name}={target}", f"offload.{name}",
+                   _with(x, offload=dataclasses.replace(o, **{name: target})))
     r = x.rollout
     if r.enabled and r.release == "keep":
         release = "sleep" if x.device.kind == "cuda" else "restart"
-        yield f"rollout.release={release}", _with(x, rollout=dataclasses.replace(r, release=release))
+        yield f"rollout.release={release}", "rollout.release", _with(x, rollout=dataclasses.replace(r, release=release))
     if not x.activation_checkpointing:
-        yield "model.activation_checkpointing=true", _with(x, activation_checkpointing=True)
+        yield "model.activation_checkpointing=true", "model.activation_checkpointing", \
+            _with(x, activation_checkpointing=True)
     half = x.micro_batch_tokens // 2
     if half >= x.max_sequence_tokens and half < x.update_tokens:
-        yield (f"trainer.micro_batch_tokens={half}",
+        yield (f"trainer.micro_batch_tokens={half}", "trainer.micro_batch_tokens",
                _with(x, micro_batch_tokens=half, update_tokens=min(x.update_tokens, half),
-                     pass_tokens=min(x.pass_tokens, half)))
+                     pass_tokens=min(x.pass_tokens, half), update_responses=_scaled(x.update_responses, half,
+                                                                                     x.update_tokens),
+                     pass_responses=_scaled(x.pass_responses, min(x.pass_tokens, half), x.pass_tokens)))
     if r.enabled:
         d = x.actor.dims
         if d.num_heads % (2 * r.tp) == 0 and x.world % (2 * r.tp) == 0:
-            yield f"rollout.tp={2 * r.tp}", _with(x, rollout=dataclasses.replace(r, tp=2 * r.tp))
+            yield f"rollout.tp={2 * r.tp}", "rollout.tp", _with(x, rollout=dataclasses.replace(r, tp=2 * r.tp))
         kv = kv_cache_bytes(x)
-        if r.kv_cache_bytes is not None and kv > 0:
-            yield (f"rollout.kv_cache_gb={kv / 2 / GIB:.3g}",
+        if r.kv_cache_bytes is not None and kv > 2**27:
+            yield (f"rollout.kv_cache_gb={kv / 2 / GIB:.3g}", "rollout.kv_cache_gb",
                    _with(x, rollout=dataclasses.replace(r, kv_cache_bytes=kv // 2)))
         elif r.kv_cache_bytes is None and r.gpu_memory_utilization is not None and r.gpu_memory_utilization > 0.2:
             util = round(r.gpu_memory_utilization - 0.1, 2)
-            yield (f"rollout.gpu_memory_utilization={util}",
+            yield (f"rollout.gpu_memory_utilization={util}", "rollout.gpu_memory_utilization",
                    _with(x, rollout=dataclasses.replace(r, gpu_memory_utilization=util)))
-    yield f"shard over {2 * x.world} ranks instead of {x.world}", _with(x, world=2 * x.world)
+    yield f"shard over {2 * x.world} ranks instead of {x.world}", "shard", _with(x, world=2 * x.world)
+
+
+def _scaled(responses: int | None, tokens: int, old_tokens: int) -> int | None:
+    return None if responses is None else max(1, responses * tokens // max(old_tokens, 1))
 
 
 def _with(x: PlanInputs, **changes) -> PlanInputs:
     return dataclasses.replace(x, **changes)
 
 
-def fixes_for(plan: MemoryPlan) -> Iterator[Fix]:
-    """For each phase over the device's memory: the changes that lower it most, largest first."""
-    over = [p for p in plan.phases if p.total > plan.device_bytes]
-    if not over:
-        return
-    after = [(setting, estimate(x, with_fixes=False)) for setting, x in _candidates(plan.inputs)]
-    for phase in over:
-        found = []
-        for setting, new in after:
-            same = [p for p in new.phases if p.name == phase.name]
-            saves = phase.total - (same[0].total if same else 0)
-            if saves > 0:
-                found.append(Fix(phase.name, setting, saves))
-        yield from sorted(found, key=lambda f: -f.saves)[:MAX_FIXES]
+def _peak(x: PlanInputs) -> int:
+    return max(p.total for p in estimate(x, with_fixes=False).phases)
+
+
+def fixes_for(plan: MemoryPlan) -> list[Fix]:
+    """When the plan does not fit: changes that together make it fit, listed cheapest in speed first.
+
+    Each round tries every change on the configuration so far (each a re-run of the estimator): if some
+    change alone makes it fit, the cheapest of those (`COST`) ends the search; otherwise the change that
+    lowers the peak most is applied and the search goes on. Each `Fix` says what its change saved on top of
+    the ones before it; the same knob changed twice is one line.
+    """
+    x, device = plan.inputs, plan.device_bytes
+    peak, applied = _peak(x), []
+    for _ in range(MAX_FIXES):
+        if peak <= device:
+            break
+        options = [(COST[kind][0], _peak(after), setting, kind, after) for setting, kind, after in _candidates(x)]
+        options = [o for o in options if o[1] < peak - MIN_SAVING * device]
+        if not options:
+            break
+        fitting = [o for o in options if o[1] <= device]
+        rank, new_peak, setting, kind, x = min(fitting, key=lambda o: (o[0], o[1])) if fitting else \
+            min(options, key=lambda o: o[1])
+        phase = max(estimate(x, with_fixes=False).phases, key=lambda p: p.total).name
+        cost = COST[kind][1].format(target="cpu" if device_kind(plan) == "cuda" else "disk",
+                                    release="sleep" if device_kind(plan) == "cuda" else "restart")
+        if applied and applied[-1][1].setting.split("=")[0] == setting.split("=")[0]:  # the same knob again
+            prev = applied.pop()[1]
+            applied.append((rank, Fix(prev.phase, setting, prev.saves + peak - new_peak, cost)))
+        else:
+            applied.append((rank, Fix(phase, setting, peak - new_peak, cost)))
+        peak = new_peak
+    fixes = [f for _, f in sorted(applied, key=lambda a: a[0])]
+    if fixes and peak <= device:
+        fixes[-1] = dataclasses.replace(fixes[-1], fits=True)
+    return fixes
+
+
+def device_kind(plan: MemoryPlan) -> str:
+    return plan.inputs.device.kind
 
 
 def notes_for(plan: MemoryPlan, first_rollout: Phase | None) -> Iterator[str]:
@@ -107,10 +159,12 @@ def _activation_note(x: PlanInputs) -> Iterator[str]:
 
     a = x.actor
     plain, ckpt = (train_activations(a.dims, x.update_tokens, b=x.compute_bytes, attention=x.attention,
-                                     checkpointing=c, entropy=x.entropy).total for c in (False, True))
+                                     checkpointing=c, entropy=x.entropy, responses=x.update_responses).total
+                   for c in (False, True))
+    responses = "every token" if x.update_responses is None else f"{x.update_responses} tokens"
     yield (f"actor activations of one {x.update_tokens}-token micro-batch ({x.attention} attention): "
-           f"{fmt(plain)} without, {fmt(ckpt)} with activation checkpointing; every token is counted as a "
-           f"response token (upper bound of the vocabulary-sized log-prob tensors)")
+           f"{fmt(plain)} without, {fmt(ckpt)} with activation checkpointing ({responses} counted as response "
+           f"tokens, the ones with vocabulary-sized log-prob tensors)")
 
 
 def _kv_note(x: PlanInputs) -> Iterator[str]:
@@ -133,9 +187,8 @@ def _kv_note(x: PlanInputs) -> Iterator[str]:
 def unlisted(kind: str) -> str:
     """What the plan leaves out, so a measured peak above it is not a surprise."""
     if kind == "cuda":
-        return ("not counted: CUDA context, NCCL buffers and vLLM's own workspace (typically 1-3 GiB), "
-                "allocator fragmentation")
-    return ("not counted: the process itself (torch + transformers alone: ~0.4 GiB RSS; vLLM adds more) and memory "
-            "glibc keeps after frees (peak RSS can run well above the plan; MALLOC_MMAP_THRESHOLD_=65536 makes "
-            "it track the plan)")
+        return ("not counted: allocator fragmentation; the CUDA context and NCCL buffers are a typical figure "
+                "(not measured: no GPU was lent to this project)")
+    return ("measured on CPU as each rank's peak RSS; not counted: small allocations glibc keeps after frees "
+            "(hybrid_rl sets malloc to return every freed buffer of 1 MiB or more at once)")
 

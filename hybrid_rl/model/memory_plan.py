@@ -37,6 +37,16 @@ from hybrid_rl.model.activations import Attention, forward_activations, train_ac
 from hybrid_rl.model.param_count import ArchDims, Head, ParamShape
 
 GIB = 2**30
+# Host memory of a rank's process before any model (CPU plans count RSS): python, torch and transformers,
+# and what importing and starting vLLM adds beyond its weights and KV cache (CPU kernels' packed-weight
+# workspace, sampler). Measured on this project's 2-core machine (benchmarks/scale.py: RSS of a rank
+# after `build` less its shards; vLLM built alone at 0.5B, 1.5B and 3B: 0.75, 0.91, 0.99 GiB over weights
+# + KV cache, fitted as a constant plus a share of the weights).
+CPU_PROCESS_BYTES = int(0.43 * GIB)
+CPU_VLLM_IMPORT_BYTES = int(0.18 * GIB)
+CPU_VLLM_RUNTIME_BYTES = int(0.71 * GIB)
+CPU_VLLM_RUNTIME_PER_WEIGHT_BYTE = 0.046
+CUDA_CONTEXT_BYTES = int(0.5 * GIB)  # CUDA context + NCCL buffers per GPU: typical, not measured here
 MAX_AUTO_UTILIZATION = 0.9  # the most of a GPU `rollout.gpu_memory_utilization=auto` gives vLLM
 VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this before splitting it over TP ranks
 OFFLOADABLE = ("reference", "critic", "reward_model")  # offloaded after their pass / update (`offload.<name>`)
@@ -140,6 +150,8 @@ class PlanInputs:
     micro_batch_tokens: int  # trainer.micro_batch_tokens (the budget the two above come from)
     max_sequence_tokens: int  # the longest sample: a micro-batch never holds less than one
     rollout: RolloutSpec
+    pass_responses: int | None = None  # response tokens among pass_tokens (None: all of them, an upper bound)
+    update_responses: int | None = None  # response tokens among update_tokens
     offload: OffloadSpec = OffloadSpec()
     reference: ModelSpec | None = None
     critic: ModelSpec | None = None
@@ -176,9 +188,11 @@ class Phase:
 
 @dataclass(frozen=True)
 class Fix:
-    phase: str
+    phase: str  # the phase that peaked before this change
     setting: str  # what to change, as a command-line override where there is one
-    saves: int
+    saves: int  # off the peak, on top of the fixes listed before it
+    cost: str = ""  # what it costs in speed
+    fits: bool = False  # the plan fits once this and the fixes before it are applied
 
 
 @dataclass(frozen=True)
@@ -255,7 +269,9 @@ def _copies(spec: ModelSpec, b: int, *, train: bool) -> int:
     fwd = (spec.root_numel() + 2 * spec.block_numel()) * b
     if not train:
         return fwd
-    return fwd + spec.block_numel(trainable=True) * (b + 4) + spec.root_numel(trainable=True) * b
+    # The root's grads wait unsharded (compute dtype) with their float32 reduce-scatter input until the
+    # end of backward: with a 150k vocabulary that is the largest single buffer of a small model.
+    return fwd + spec.block_numel(trainable=True) * (b + 4) + spec.root_numel(trainable=True) * (b + 4)
 
 
 def _model_items(name: str, spec: ModelSpec, x: PlanInputs, *, active: str, phase: str) -> list[Item]:
@@ -298,7 +314,7 @@ def _startup(x: PlanInputs) -> Phase:
         largest = max([largest] + [shard_rows(p.shape[0], x.world, 0)[0] * (p.numel // p.shape[0]) * 4
                                    for p in spec.params if p.shape])
     items.append(Item("loading", "checkpoint read (rows + mapped pages)", 2 * min(x.load_chunk_bytes, largest)))
-    return Phase("startup", tuple(items))
+    return Phase("startup", tuple(_process_items(x, "startup") + items))
 
 
 def _activations(name: str, spec: ModelSpec, x: PlanInputs, *, train: bool) -> Item:
@@ -306,13 +322,14 @@ def _activations(name: str, spec: ModelSpec, x: PlanInputs, *, train: bool) -> I
     if train:
         ckpt = x.activation_checkpointing and name == "actor"  # build.py checkpoints the actor only
         a = train_activations(d, x.update_tokens, b=b, attention=x.attention, checkpointing=ckpt, head=spec.head,
-                              entropy=x.entropy)
+                              entropy=x.entropy, responses=x.update_responses)
         # LoRA: each adapted linear also keeps its [T, rank] down-projection for lora_B's backward.
         extra = 0 if ckpt else d.num_layers * spec.lora_targets * x.update_tokens * spec.lora_rank * b
         what = f"activations, {x.update_tokens} tok{' (ckpt)' if ckpt else ''}"
         return Item(name, what, a.total + extra)
     else:
-        a = forward_activations(d, x.pass_tokens, b=b, attention=x.attention, head=spec.head)
+        a = forward_activations(d, x.pass_tokens, b=b, attention=x.attention, head=spec.head,
+                                responses=x.pass_responses)
         what = f"activations, {x.pass_tokens} tok (no grad)"
     return Item(name, what, a.total)
 
@@ -342,7 +359,7 @@ def vllm_utilization(x: PlanInputs) -> float:
     r = x.rollout
     if r.gpu_memory_utilization is not None:
         return r.gpu_memory_utilization
-    held = sum(i.on_device for i in _trainer_items(x, "sync", first_step=True))
+    held = sum(i.on_device for i in _process_items(x, "sync") + _trainer_items(x, "sync", first_step=True))
     total = x.device.total_bytes
     return max(0.0, auto_gpu_memory_utilization(total - held, total, sync_reserve_bytes(r.bucket_bytes)))
 
@@ -363,16 +380,46 @@ def _vllm_items(x: PlanInputs, phase: str) -> list[Item]:
     weights = vllm_weight_bytes(x.actor, r.tp, r.dtype_bytes)
     items = [Item("vllm", f"weights ({_dtype(r.dtype_bytes)}, 1/{r.tp} TP)", weights, released),
              Item("vllm", "KV cache", kv_cache_bytes(x), kv_off)]
+    if x.device.kind == "cpu":  # on CUDA vLLM's workspace is inside its share (gpu_memory_utilization)
+        runtime = CPU_VLLM_RUNTIME_BYTES + int(CPU_VLLM_RUNTIME_PER_WEIGHT_BYTE * weights)
+        items.append(Item("vllm", "runtime (CPU kernels' workspace, sampler)", runtime, released))
     if phase == "sync":
-        # One bucket out, one in; a bucket never holds more than the weights this rank receives.
-        items.append(Item("vllm", "weight sync buckets (send + receive)", 2 * min(r.bucket_bytes, weights)))
+        items.append(Item("vllm", "weight sync in flight", sync_transient_bytes(x)))
     return items
+
+
+def sync_transient_bytes(x: PlanInputs) -> int:
+    """Extra memory while the weights stream into vLLM (`engine/reshard.py`, `engine/vllm_weights.py`).
+
+    A bucket holds at least its largest weight. While a bucket moves, its send and receive buffers are
+    alive (2 buckets); while vLLM takes its slices, the assembled slices (1 bucket) and, on the CPU reload
+    path, vLLM's own copies of the weight it is processing (2 x the largest weight: the original layout it
+    rebuilds and the repacked result). The in-place path (CUDA) copies straight into vLLM's parameters.
+    """
+    r = x.rollout
+    largest = max((vllm_weight_bytes(ModelSpec((p,), x.actor.dims), r.tp, r.dtype_bytes) for p in x.actor.params
+                   if "lora_" not in p.name), default=0)
+    bucket = min(max(r.bucket_bytes, largest), vllm_weight_bytes(x.actor, r.tp, r.dtype_bytes))
+    if x.device.kind == "cuda":
+        return 2 * bucket
+    return max(2 * bucket, bucket + 2 * largest)
+
+
+def _process_items(x: PlanInputs, phase: str) -> list[Item]:
+    """The rank's process itself: on CPU its host memory before any model (and vLLM's import once started),
+    on CUDA the context and NCCL buffers."""
+    if x.device.kind == "cuda":
+        return [Item("process", "CUDA context + NCCL buffers (typical)", CUDA_CONTEXT_BYTES)]
+    vllm = x.rollout.enabled and phase != "startup"
+    what = "python, torch, transformers" + (", vllm" if vllm else "")
+    return [Item("process", what, CPU_PROCESS_BYTES + (CPU_VLLM_IMPORT_BYTES if vllm else 0))]
 
 
 def _phase(x: PlanInputs, name: str, *, first_step: bool = False) -> Phase:
     if name == "startup":
         return _startup(x)
-    return Phase(name, tuple(_trainer_items(x, name, first_step=first_step) + _vllm_items(x, name)))
+    return Phase(name, tuple(_process_items(x, name) + _trainer_items(x, name, first_step=first_step)
+                             + _vllm_items(x, name)))
 
 
 def _trainer_items(x: PlanInputs, name: str, *, first_step: bool = False) -> list[Item]:

@@ -46,8 +46,8 @@ def render(plan: MemoryPlan, measured: dict[str, float] | None = None) -> str:
     return "\n".join(lines)
 
 
-COMPONENTS = ("actor", "reference", "critic", "reward_model", "vllm", "loading")
-ITEMS = ("params", "grads", "AdamW", "compute", "activations", "weights", "KV", "weight sync")
+COMPONENTS = ("process", "actor", "reference", "critic", "reward_model", "vllm", "loading")
+ITEMS = ("params", "grads", "AdamW", "compute", "activations", "weights", "KV", "runtime", "weight sync")
 
 
 def _order(component: str, what: str) -> tuple[int, int]:
@@ -72,9 +72,17 @@ def verdict(plan: MemoryPlan) -> str:
     for p in plan.phases:
         if p.total <= device:
             continue
-        fixes = [f for f in plan.fixes if f.phase == p.name]
-        what = "; ".join(f"{f.setting} saves {fmt(f.saves)}" for f in fixes) or "no single setting helps"
         largest = max((i for i in p.items if i.on_device), key=lambda i: i.bytes)
         lines.append(f"  {p.name} needs {fmt(p.total)} ({fmt(p.total - device)} over; largest item "
-                     f"{largest.component} {largest.what} {fmt(largest.bytes)}): {what}")
+                     f"{largest.component} {largest.what} {fmt(largest.bytes)})")
+    if plan.fixes:
+        fits = plan.fixes[-1].fits
+        lines.append("  to fit, cheapest in speed first:" if fits else
+                     "  these help, cheapest in speed first, but even all together it does not fit:")
+        lines += [f"    {f.setting}  (saves {fmt(f.saves)}; {f.cost})" for f in plan.fixes]
+        if fits:
+            lines.append("    all on one command line: " + " ".join(f.setting for f in plan.fixes
+                                                                     if not f.setting.startswith("shard")))
+    else:
+        lines.append("  no setting this planner knows lowers it: use more ranks or larger devices")
     return f"DOES NOT FIT in {fmt(device)} per rank:\n" + "\n".join(lines)

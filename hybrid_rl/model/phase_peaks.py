@@ -18,7 +18,8 @@ from hybrid_rl.utils import memory
 GIB = 2**30
 
 
-def _reading() -> int:
+def peak_reading() -> int:
+    """The high-water mark now, in bytes: CUDA's peak allocation, or the process's peak RSS on CPU."""
     return memory.device_bytes()[1] if torch.cuda.is_available() else memory.peak_rss_bytes()
 
 
@@ -38,18 +39,18 @@ class PhasePeaks:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        self.step_peak = max(self.step_peak, _reading() / GIB)  # what came before this phase
+        self.step_peak = max(self.step_peak, peak_reading() / GIB)  # what came before this phase
         _reset()
         try:
             yield
         finally:
-            peak = _reading() / GIB
+            peak = peak_reading() / GIB
             self.peaks[name] = max(self.peaks.get(name, 0.0), peak)
             self.step_peak = max(self.step_peak, peak)
 
     def pop(self) -> tuple[dict[str, float], float]:
         """(phase -> peak GiB, the step's peak GiB including what ran outside the phases); then clears."""
-        out, step_peak = dict(self.peaks), max(self.step_peak, _reading() / GIB)
+        out, step_peak = dict(self.peaks), max(self.step_peak, peak_reading() / GIB)
         self.peaks.clear()
         self.step_peak = 0.0
         return out, step_peak

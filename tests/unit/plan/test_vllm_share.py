@@ -6,6 +6,7 @@ import pytest
 
 from hybrid_rl.config import load_config
 from hybrid_rl.model.memory_plan import (
+    CUDA_CONTEXT_BYTES,
     GIB,
     DeviceSpec,
     _trainer_items,
@@ -37,6 +38,7 @@ def test_planner_gives_vllm_what_the_trainer_leaves_at_the_first_sync(tiny_model
     assert x.rollout.gpu_memory_utilization is None and x.rollout.release == "sleep"
     held = sum(i.on_device for i in _trainer_items(x, "sync", first_step=True))
     assert held > 0  # actor shards + AdamW + the reference and critic, resident until their first pass
+    held += CUDA_CONTEXT_BYTES  # and the CUDA context, which vLLM's start-up check also sees as used
     share = vllm_utilization(x)
     assert share == auto_gpu_memory_utilization(2 * GIB - held, 2 * GIB, 3 * 16 * 2**20 + GIB) > 0
     assert kv_cache_bytes(x) == int(share * 2 * GIB) - vllm_weight_bytes(x.actor, 1, 2)

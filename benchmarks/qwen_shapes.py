@@ -1,0 +1,84 @@
+"""Qwen2.5-shaped model folders: the published configs, random weights saved in bf16 as real checkpoints are.
+
+    folder("0.5B") -> benchmarks/.cache/models/qwen2.5-0.5b-shape   (built once, offline; a tiny tokenizer)
+
+Weights are written in safetensors shards of at most ~1 GiB with an index, one tensor at a time, so
+building the 7B folder needs ~1 GiB of memory, not 15. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import common
+
+# Published config.json values of Qwen2.5-{0.5B,1.5B,3B,7B}(-Instruct).
+SHAPES = {
+    "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, tie_word_embeddings=True, max_window_layers=21),
+    "1.5B": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, tie_word_embeddings=True, max_window_layers=21),
+    "3B": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+               num_key_value_heads=2, tie_word_embeddings=True, max_window_layers=70),
+    "7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, tie_word_embeddings=False, max_window_layers=28),
+}
+COMMON = dict(vocab_size=151936, rope_theta=1e6, max_position_embeddings=32768, rms_norm_eps=1e-6,
+              use_sliding_window=False, sliding_window=32768)
+SHARD_BYTES = 1 << 30
+
+
+def config(size: str):
+    from transformers import Qwen2Config
+
+    from hybrid_rl.model.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    cfg = Qwen2Config(**SHAPES[size], **COMMON, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      bos_token_id=tok.eos_token_id, dtype="bfloat16")
+    cfg.architectures = ["Qwen2ForCausalLM"]
+    return cfg, tok
+
+
+def folder(size: str) -> Path:
+    """The model folder of `size` (one of SHAPES), built on first use."""
+    path = common.CACHE / "models" / f"qwen2.5-{size.lower()}-shape"
+    if (path / "config.json").exists():
+        return path
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    cfg, tok = config(size)
+    with torch.device("meta"):
+        shapes = {n: p.shape for n, p in AutoModelForCausalLM.from_config(cfg).named_parameters()}
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(0)
+    index, shard, shard_bytes, files = {}, {}, 0, 0
+
+    def flush() -> None:
+        nonlocal shard, shard_bytes, files
+        files += 1
+        name = f"model-{files:05d}.safetensors"
+        save_file(shard, str(tmp / name), metadata={"format": "pt"})
+        index.update(dict.fromkeys(shard, name))
+        shard, shard_bytes = {}, 0
+
+    for name, shape in shapes.items():  # a tied head is listed once (as embed_tokens)
+        t = torch.ones(shape) if "norm" in name else torch.randn(shape, generator=g) * 0.02
+        shard[name] = t.to(torch.bfloat16)
+        shard_bytes += shard[name].numel() * 2
+        if shard_bytes >= SHARD_BYTES:
+            flush()
+    if shard:
+        flush()
+    total = sum(torch.Size(s).numel() * 2 for s in shapes.values())
+    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                  "weight_map": index}, indent=1))
+    cfg.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(path)
+    return path
