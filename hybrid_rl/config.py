@@ -96,6 +96,11 @@ class AlgorithmConfig:
     ppo_epochs: int = 1
     mini_batches: int = 1  # optimizer steps per epoch
     old_logp_pass: str = "auto"  # auto: skipped when the update's own forward gives the same numbers | always
+    # Rollout correction of the policy gradient for sampler/trainer mismatch (algos/correction.py): none | tis | mis
+    rollout_correction: str = "none"
+    rollout_correction_level: str = "token"  # token | sequence (one ratio per sequence: the product of its tokens')
+    rollout_correction_low: float = 0.5  # mis: ratios below are masked out of the loss
+    rollout_correction_high: float = 2.0  # tis: ratios above are truncated to it; mis: masked
     use_reference: bool = True
     kl_coef: float = 0.001
     kl_estimator: str = "low_var_kl"
@@ -325,6 +330,8 @@ CHOICES = {
     "algorithm.kl_estimator": ("k1", "abs", "k2", "k3", "low_var_kl"),
     "algorithm.dpo_kind": ("sigmoid", "ipo", "hinge"),
     "algorithm.old_logp_pass": ("auto", "always"),
+    "algorithm.rollout_correction": ("none", "tis", "mis"),
+    "algorithm.rollout_correction_level": ("token", "sequence"),
     "optim.schedule": ("constant", "cosine", "linear"),
     "trainer.resume": ("auto", "never"),
     "trainer.memory_check": ("error", "warn"),
@@ -365,6 +372,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"algorithm.clip_low={a.clip_low} must be in [0, 1) and clip_high={a.clip_high} >= 0")
     if a.dual_clip and a.dual_clip <= 1:
         raise ConfigError(f"algorithm.dual_clip={a.dual_clip} must be 0 (off) or > 1")
+    _validate_correction(a)
     if a.advantage == "gae" and not a.use_critic:
         raise ConfigError("algorithm.advantage=gae needs a critic: set algorithm.use_critic=true")
     if a.advantage in ("grpo", "rloo") and a.objective == "ppo_clip" and cfg.rollout.n < 2:
@@ -385,6 +393,17 @@ def validate(cfg: Config) -> None:
     if not (isinstance(util, int | float) and 0 <= util <= 1):
         raise ConfigError(f"rollout.gpu_memory_utilization={util!r} must be in (0, 1], or 0 for auto (the GPU memory "
                           "free when vLLM starts, less a reserve for the weight sync)")
+
+
+def _validate_correction(a: AlgorithmConfig) -> None:
+    low, high = a.rollout_correction_low, a.rollout_correction_high
+    if not (isinstance(low, int | float) and isinstance(high, int | float) and 0 <= low <= 1 <= high < math.inf):
+        raise ConfigError(f"algorithm.rollout_correction_low={low!r} and rollout_correction_high={high!r} must satisfy "
+                          "0 <= low <= 1 <= high (finite): a ratio of 1, no mismatch, is never corrected")
+    if a.rollout_correction != "none" and a.objective != "ppo_clip":
+        raise ConfigError(f"algorithm.rollout_correction={a.rollout_correction} reweights the ppo_clip policy gradient; "
+                          f"algorithm.objective={a.objective} has none to reweight (DPO trains on whole pairs, and "
+                          "offline pairs have no rollout log-probs): set algorithm.rollout_correction=none")
 
 
 # ---------------------------------------------------------------------------------------------

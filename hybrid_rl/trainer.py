@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from hybrid_rl.algos import AdaptiveKLController, FixedKLController
+from hybrid_rl.algos.correction import CorrectionSettings
 from hybrid_rl.algos.estimators import AdvantageSettings
 from hybrid_rl.algos.objectives import ObjectiveSettings, get_objective
 from hybrid_rl.build import Components
@@ -58,9 +59,11 @@ class Trainer:
         self.checkpointer = Checkpointer(self.out / "checkpoints", keep_last=t.keep_last, rank=c.dims.rank,
                                          world=c.dims.world)
         self.objective = get_objective(a.objective)
+        self.correction = CorrectionSettings(a.rollout_correction, a.rollout_correction_level,
+                                             a.rollout_correction_low, a.rollout_correction_high)
         self.loss_settings = ObjectiveSettings(a.loss_agg, a.clip_low, a.clip_high, a.dual_clip or None,
                                                0.0 if a.kl_in_reward else a.kl_coef, a.kl_estimator, a.entropy_coef,
-                                               a.dpo_beta, a.dpo_kind, a.dpo_label_smoothing)
+                                               a.dpo_beta, a.dpo_kind, a.dpo_label_smoothing, self.correction)
         self.updates = UpdateSettings(a.ppo_epochs, a.mini_batches, t.micro_batch_tokens, r.temperature,
                                       c.cfg.optim.grad_clip, r.max_new_tokens, c.dims.world)
         self.batch_settings = exp_batch.BatchSettings(
@@ -217,7 +220,7 @@ class Trainer:
                 finite &= cfinite
         old = batch.old_logp if seen is None else seen
         if not self.cfg.algorithm.offline_pairs:
-            stats.update(exp_batch.logprob_diff_metrics(batch, old))
+            stats.update(exp_batch.mismatch_metrics(batch, old, self.correction))
         kl_mean = None
         if batch.ref_logp is not None:
             kl_mean = exp_batch.kl_to_reference(batch, old, self.cfg.algorithm.kl_estimator)

@@ -109,6 +109,7 @@ class TrainBatch:
     values: torch.Tensor | None = None  # [B, T] critic values before the update
     returns: torch.Tensor | None = None  # [B, T] value targets
     paired: bool = False  # rows (2k, 2k + 1) are preference pair k: (chosen, rejected)
+    rollout_logp: torch.Tensor | None = None  # [B, T] the sampler's log-probs, 0-padded (None: offline pairs)
 
     @property
     def units(self) -> list[list[int]]:
@@ -120,4 +121,5 @@ class TrainBatch:
         t = torch.tensor(idx, dtype=torch.long)
         pick = lambda x: None if x is None else x[t]  # noqa: E731
         return TrainBatch([self.samples[i] for i in idx], self.mask[t], self.scores[t], pick(self.old_logp),
-                          self.advantages[t], pick(self.ref_logp), pick(self.values), pick(self.returns), self.paired)
+                          self.advantages[t], pick(self.ref_logp), pick(self.values), pick(self.returns), self.paired,
+                          pick(self.rollout_logp))

@@ -125,7 +125,7 @@ def update_actor(actor: Model, batch: TrainBatch, objective: Objective, settings
                     seen[mb.indices, :w] = logp.detach().float().cpu()
                 old = logp.detach() if reuse else rows(sub.old_logp, mb, w, dev)
                 x = MicroInputs(logp, ent, rows(sub.mask, mb, w, dev), old, rows(sub.advantages, mb, w, dev),
-                                rows(sub.ref_logp, mb, w, dev), _mb_pairs(sub, mb))
+                                rows(sub.ref_logp, mb, w, dev), _mb_pairs(sub, mb), rows(sub.rollout_logp, mb, w, dev))
                 loss, s = objective.loss(x, settings, d)
                 (loss * u.world).backward()
                 stats.add(s)

@@ -4,6 +4,11 @@ An objective is a pure function of tensors; the trainer runs the model and passe
 denominators (whole mini-batch, all ranks) so micro-batching never changes the result. Adding an
 objective is one function plus one line in `OBJECTIVES`, saying whether it trains on preference
 pairs (then a pair is one unit for packing, micro-batching and rank balancing).
+
+Rollout correction (`correction.py`) reweights `ppo_clip`'s per-token surrogate. It is refused for
+the DPO objective (a config error): DPO's loss is a function of whole (chosen, rejected) pairs under
+the training model and the reference, not a policy-gradient estimate over sampled tokens, so there
+is no sampler's distribution to correct for (and offline pairs have no rollout log-probs at all).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .correction import CorrectionInputs, CorrectionSettings, rollout_correction
 from .losses import aggregate, clipped_surrogate, dpo_loss, kl
 from .masked import masked_sum
 from .registry import lookup
@@ -31,6 +37,7 @@ class ObjectiveSettings:
     dpo_beta: float
     dpo_kind: str
     dpo_label_smoothing: float
+    correction: CorrectionSettings | None = None  # rollout correction of the policy gradient (None: off, as `none`)
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,7 @@ class MicroInputs:
     advantages: Tensor
     ref_logp: Tensor | None
     pairs: Tensor | None  # [p, 2] local (chosen, rejected) rows, DPO only
+    rollout_logp: Tensor | None = None  # the sampler's log-probs (None: offline pairs)
 
 
 StatSums = dict[str, tuple[Tensor, Tensor]]  # name -> (sum, count) of one micro-batch, 0-d tensors
@@ -69,16 +77,23 @@ def _token_stat(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
 def ppo_clip(x: MicroInputs, s: ObjectiveSettings, d: Denominators) -> tuple[Tensor, StatSums]:
     """PPO clipped surrogate (+ KL to the reference as a loss term, - entropy bonus).
 
-    The loss uses the mini-batch's global denominators. Stats are (sum, count) over this
-    micro-batch's tokens, so that the trainer reports exact token means over all micro-batches and
-    ranks with one reduction at the end (no host sync per micro-batch).
+    The loss uses the mini-batch's global denominators. With `s.correction`, each token's surrogate
+    is multiplied by its rollout-correction weight (detached; `correction.py`), the denominators
+    unchanged. Stats are (sum, count) over this micro-batch's tokens, so that the trainer reports
+    exact token means over all micro-batches and ranks with one reduction at the end (no host sync
+    per micro-batch).
     """
     denoms = d.aggregate_kwargs()
     t = clipped_surrogate(x.logp, x.old_logp, x.advantages, x.mask, s.clip_low, s.clip_high, s.dual_clip)
-    loss = aggregate(t.per_token, x.mask, s.loss_agg, **denoms)
+    pg = t.per_token
+    if s.correction is not None and s.correction.reweights:
+        assert x.rollout_logp is not None, "rollout correction needs the sampler's log-probs"
+        c = rollout_correction(CorrectionInputs(x.old_logp, x.rollout_logp, x.mask), s.correction)
+        pg = pg * c.weight.to(pg.dtype)
+    loss = aggregate(pg, x.mask, s.loss_agg, **denoms)
     count = x.mask.float().sum()
     stats = {k: (v * count, count) for k, v in t.stats(x.mask).items()}
-    stats["pg_loss"] = _token_stat(t.per_token, x.mask)
+    stats["pg_loss"] = _token_stat(pg, x.mask)
     if x.ref_logp is not None:
         k = kl(x.logp, x.ref_logp, s.kl_estimator, mask=x.mask)
         stats["kl"] = _token_stat(k, x.mask)

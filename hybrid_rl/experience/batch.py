@@ -1,4 +1,4 @@
-"""Advantages and the `TrainBatch` of this rank's share, and the step's reward / response metrics.
+"""Advantages and the `TrainBatch` of this rank's share, and the step's reward / response / sampler-mismatch metrics.
 
 Outcome scores are per sample and known on every rank (`[N]`), so group estimators see the whole
 batch; token-level inputs (KL in the reward, critic values) exist only for the share, and token
@@ -12,12 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid_rl.algos import kl, overlong_penalty
+from hybrid_rl.algos import kl, masked_sum, overlong_penalty
+from hybrid_rl.algos.correction import CorrectionInputs, CorrectionSettings, rollout_correction, token_log_ratio
 from hybrid_rl.algos.estimators import AdvantageInputs, AdvantageSettings, get_estimator
-from hybrid_rl.dist.collectives import all_reduce, all_reduce_max, all_reduce_sum
+from hybrid_rl.dist.collectives import all_reduce, all_reduce_sum
 from hybrid_rl.experience.passes import PassOutputs, width_of
 from hybrid_rl.experience.share import Share
-from hybrid_rl.types import BatchIndex, Scores, TrainBatch
+from hybrid_rl.types import BatchIndex, Sample, Scores, TrainBatch
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,17 @@ def train_batch(share: Share, scores: torch.Tensor, passes: PassOutputs, s: Batc
                             kl_coef if kl_tok is not None else 0.0, reduce=all_reduce)
         adv, returns = get_estimator(s.estimator)(x, s.advantage)
     return TrainBatch(samples, mask, scores[share.rows], passes.old_logp, adv, passes.ref_logp, passes.values,
-                      returns, share.paired)
+                      returns, share.paired, sampler_logprobs(samples, width))
+
+
+def sampler_logprobs(samples: list[Sample], width: int) -> torch.Tensor | None:
+    """The sampler's log-probs `[B, width]`, 0-padded; None when the samples have none (offline pairs)."""
+    if any(s.rollout_logprobs.shape[0] != s.response_len for s in samples):
+        return None
+    out = torch.zeros(len(samples), width)
+    for i, s in enumerate(samples):
+        out[i, : s.response_len] = s.rollout_logprobs
+    return out
 
 
 def reward_metrics(scored: Scores) -> dict[str, float]:
@@ -85,17 +96,30 @@ def rollout_metrics(index: BatchIndex, scores: torch.Tensor) -> dict[str, float]
     return {k: v for k, v in out.items() if math.isfinite(v)}
 
 
-def logprob_diff_metrics(batch: TrainBatch, old_logp: torch.Tensor) -> dict[str, float]:
-    """How far the training model's log-probs (this share) are from the sampler's. Collective."""
-    total = count = peak = 0.0
-    if batch.samples:
-        sampled = torch.nn.utils.rnn.pad_sequence([s.rollout_logprobs for s in batch.samples], batch_first=True)
-        width = min(sampled.shape[1], old_logp.shape[1])
-        mask = batch.mask[:, :width]
-        diff = torch.where(mask, (old_logp[:, :width] - sampled[:, :width]).abs(), 0)
-        total, count, peak = float(diff.sum()), float(mask.sum()), float(diff.max()) if diff.numel() else 0.0
-    total, count = all_reduce_sum([total, count])
-    out = {"rollout/logprob_diff_mean": total / max(count, 1), "rollout/logprob_diff_max": all_reduce_max([peak])[0]}
+def mismatch_metrics(batch: TrainBatch, old_logp: torch.Tensor, correction: CorrectionSettings) -> dict[str, float]:
+    """How far the training model's pre-update log-probs are from the sampler's, and what the rollout
+    correction did about it: token means and maxima over the whole batch (all ranks). Collective.
+
+    `rollout/logprob_diff_{mean,max}`: |old - rollout| per token. `rollout_correction/`:
+    `is_ratio_{mean,max}`: the ratio at the correction's level, before truncation or masking (under
+    `none`, at its level too); `truncated_frac`, `masked_frac`: shares of the tokens; `kl_k1`,
+    `kl_k3`: KL(rollout || train) estimated on the sampled tokens, mean(rollout - old) and
+    mean(rho - 1 - log rho) (>= 0, each token's term clamped as `algos.kl` does).
+    """
+    mask = batch.mask
+    assert batch.rollout_logp is not None, "mismatch metrics need the sampler's log-probs"
+    x = CorrectionInputs(old_logp, batch.rollout_logp, mask)
+    c, log_rho = rollout_correction(x, correction), token_log_ratio(x)
+    k3 = kl(torch.zeros_like(log_rho), log_rho, "k3", mask=mask)  # estimator of d = -log rho: rho - 1 - log rho
+    means = {"rollout/logprob_diff_mean": log_rho.abs(), "rollout_correction/is_ratio_mean": c.ratio,
+             "rollout_correction/truncated_frac": c.truncated.float(), "rollout_correction/masked_frac":
+             c.masked.float(), "rollout_correction/kl_k1": -log_rho, "rollout_correction/kl_k3": k3}
+    sums = torch.stack([masked_sum(v.double(), mask) for v in means.values()] + [mask.double().sum()])
+    *totals, count = all_reduce(sums).tolist()
+    out = {k: t / max(count, 1.0) for k, t in zip(means, totals, strict=True)}
+    peaks = {"rollout/logprob_diff_max": log_rho.abs(), "rollout_correction/is_ratio_max": c.ratio}
+    local = torch.stack([torch.where(mask, v, 0).amax() if v.numel() else v.new_zeros(()) for v in peaks.values()])
+    out.update(zip(peaks, all_reduce(local.double(), "max").tolist(), strict=True))
     return {k: v for k, v in out.items() if math.isfinite(v)}
 
 

@@ -6,6 +6,7 @@ target of every component at `cpu`, then at `disk`; the numbers and final weight
 """
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -21,10 +22,13 @@ COMMON_KEYS = {
     "actor/grad_norm", "actor/lr", "timing/step_s", "timing/update_s", "throughput/tokens_per_s",
     "memory/peak_gib", "train/skipped_steps", "memory/update/peak_gib", "memory/update/plan_gib",
 }
+CORRECTION_KEYS = tuple(f"rollout_correction/{k}" for k in ("is_ratio_mean", "is_ratio_max", "truncated_frac",
+                                                              "masked_frac", "kl_k1", "kl_k3"))
 ROLLOUT_KEYS = {
     "response/length_mean", "response/length_max", "response/clip_ratio", "rollout/logprob_diff_mean",
     "rollout/logprob_diff_max", "timing/rollout_s", "timing/sync_s", "timing/switch_s",
     "sync/bytes_per_rank", "throughput/generated_tokens_per_s", "memory/rollout/peak_gib", "memory/rollout/plan_gib",
+    *CORRECTION_KEYS,
 }
 REWARD_KEYS = {"reward/mean", "reward/std", "reward/min", "reward/max", "reward/math/mean", "reward/timeouts",
                "reward/errors", "timing/reward_overlap_saved_s"}
@@ -63,8 +67,11 @@ def test_every_recipe_runs_two_steps_and_logs_its_metrics(tiny_models, task_file
         return tiny_overrides(model, data, tmp_path / name, fp32=False, **extra)
 
     runs = []
+    # RLOO with truncated IS (its old log-probs come from the update's own forward; PPO's from a separate pass),
+    # truncating at 1.001 so that bf16's mismatch (ratios within ~2% of 1 here) gets truncated somewhere.
+    correction = {"rloo": {"algorithm.rollout_correction": "tis", "algorithm.rollout_correction_high": 1.001}}
     for recipe in ("grpo", "dr_grpo", "rloo", "reinforce_pp"):
-        runs.append({"name": recipe, "recipe": recipe, "overrides": overrides(recipe)})
+        runs.append({"name": recipe, "recipe": recipe, "overrides": overrides(recipe, **correction.get(recipe, {}))})
     # Online DPO pairs best against worst by reward: a reward whose scores vary gives it pairs to train.
     runs.append({"name": "online_dpo", "recipe": "online_dpo", "overrides": overrides(
         "online_dpo", **{"reward.fn": "tests.e2e.rewards:length_parity"})})
@@ -115,9 +122,23 @@ def test_every_recipe_runs_two_steps_and_logs_its_metrics(tiny_models, task_file
         assert not missing, f"{name}: metrics missing {sorted(missing)}"
         if name not in WITH_OLD_LOGP_PASS:
             assert not OLD_LOGP_PASS & set(steps[2]), f"{name}: ran an old-log-prob pass it did not need"
+        if expected & set(CORRECTION_KEYS):
+            _check_correction(name, steps, applied=name == "rloo")
         assert (out / "checkpoints" / "step_2" / "COMPLETE").exists(), f"{name}: no final checkpoint"
         assert (out / "export" / "config.json").exists(), f"{name}: no export"
         assert any((out / "tensorboard").iterdir()), f"{name}: no TensorBoard events"
+
+
+def _check_correction(name: str, steps: dict[int, dict], *, applied: bool) -> None:
+    """Rollout-correction metrics are finite and in range every step; without a correction nothing is cut."""
+    for step, m in steps.items():
+        if CORRECTION_KEYS[0] not in m:  # a validation line
+            continue
+        c = {k.split("/")[1]: m[k] for k in CORRECTION_KEYS}
+        assert all(math.isfinite(v) for v in c.values()), (name, step, c)
+        assert 0 < c["is_ratio_mean"] <= c["is_ratio_max"] and c["kl_k3"] >= 0, (name, step, c)
+        assert 0 <= c["truncated_frac"] <= 1 and c["masked_frac"] == 0, (name, step, c)  # tis truncates, never masks
+        assert (c["truncated_frac"] > 0) == applied, (name, step, c)
 
 
 def _check_pairs(root: Path) -> None:
