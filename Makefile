@@ -8,6 +8,16 @@ STAMP     := $(VENV)/.installed
 # CUDA machines get the CUDA stack; everything else the pinned CPU lock.
 HAS_CUDA  := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 LOCK      := $(if $(HAS_CUDA),requirements/cuda.txt,requirements/cpu.lock)
+ifeq ($(HAS_CUDA),1)
+# flash-attn builds against the torch just installed (no build isolation); it fetches a prebuilt wheel when one
+# matches torch/CUDA/Python, else compiles (about an hour, needs nvcc). Without it packing still works (slower).
+FLASH_ATTN := $(BIN)/python -m pip install -q --no-build-isolation "flash-attn>=2.8" || echo "WARNING: flash-attn did not install (README: Running a real recipe on GPUs); packed sequences fall back to per-sequence SDPA (correct and slower)" >&2
+DROP_CUDA_EXTRAS := true
+else
+FLASH_ATTN := true
+# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports beside the CPU torch.
+DROP_CUDA_EXTRAS := $(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+endif
 NPROC     ?= 2
 ALGO      ?= grpo
 PYTEST_ARGS ?=
@@ -32,10 +42,10 @@ install: $(STAMP)
 $(STAMP): pyproject.toml $(LOCK) scripts/install_sandbox.sh
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check $(if $(HAS_CUDA),,--no-deps) -r $(LOCK)
+	@$(FLASH_ATTN)
 	@# The repo itself goes on the path with a .pth file: no build step, edits take effect at once.
 	$(BIN)/python -c "import sysconfig, pathlib; pathlib.Path(sysconfig.get_paths()['purelib'], 'hybrid_rl.pth').write_text('$(CURDIR)\\n')"
-	@# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports beside the CPU torch.
-	@$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	@$(DROP_CUDA_EXTRAS)
 	@bash scripts/install_sandbox.sh $(BIN)/python $(SANDBOX)
 	@$(BIN)/python -c "import torch, vllm, transformers; print(f'installed: torch {torch.__version__}, vllm {vllm.__version__}, transformers {transformers.__version__}')" 2>&1 | tail -1
 	@touch $(STAMP)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -96,7 +97,8 @@ def worker(shapes: list[tuple[int, int]], model: str, steps: int) -> None:
         engine = SyntheticEngine(tokens, c.actor.module.config.vocab_size, seed=c.dims.rank)
         c.rollout.engine = engine  # the colocated worker (rollout.Sampler) generates with it
         g = torch.Generator().manual_seed(0)
-        records = [PromptRecord(i, "", tuple(torch.randint(4, 500, (PROMPT_TOKENS,), generator=g).tolist()),
+        vocab = c.actor.module.config.vocab_size
+        records = [PromptRecord(i, "", tuple(torch.randint(4, vocab, (PROMPT_TOKENS,), generator=g).tolist()),
                                 ReadOnlyFields({})) for i in range(4 * prompts)]
         c.train_loader = PromptLoader(records, prompts, seed=0)
         trainer = Trainer(c)
@@ -104,7 +106,14 @@ def worker(shapes: list[tuple[int, int]], model: str, steps: int) -> None:
         try:
             for step in range(1, steps + 1):
                 engine.seconds = 0.0
-                m = trainer.step(step)
+                if os.environ.get("HR_PROFILE") and step == steps and c.dims.rank == 0:
+                    import cProfile
+
+                    prof = cProfile.Profile()
+                    m = prof.runcall(trainer.step, step)
+                    prof.dump_stats(str(common.CACHE / f"overhead_{samples}x{tokens}.prof"))
+                else:
+                    m = trainer.step(step)
                 subtracted = engine.seconds + sum(m.get(f"timing/{k}_s", 0.0) for k in SUBTRACTED)
                 per_step.append({"step_s": m["timing/step_s"], "generation_s": engine.seconds,
                                  "passes_update_sync_s": subtracted - engine.seconds,

@@ -159,11 +159,20 @@ def _actor(cfg: Config, dims: ParallelDims) -> Model:
     if lora.rank:
         module = apply_lora(module, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
                             target_modules=lora.target_modules)
+        _store_frozen_in(module, DTYPES[cfg.model.frozen_storage_dtype])
     _shard(module, cfg.model.path, cfg, dims)
     o = cfg.optim
     trainable = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
     return Model(module, opt, _scheduler(opt, cfg, o.warmup_steps))
+
+
+def _store_frozen_in(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """A LoRA actor's frozen base is stored like the frozen models (`model.frozen_dtype`); the adapters keep
+    float32 master weights. (FSDP2 wants one dtype among a unit's trainable parameters only.)"""
+    for p in module.parameters():
+        if not p.requires_grad:
+            p.data = p.data.to(dtype)
 
 
 def _critic(cfg: Config, dims: ParallelDims) -> Model:

@@ -42,7 +42,8 @@ def plan_for(cfg: Config, world: int, *, device: DeviceSpec | None = None, atten
     actor, lora = _spec(cfg.model.path, "lm"), cfg.model.lora
     if lora.rank:  # build.py wraps the actor with peft: the base freezes, the adapters train
         actor = ModelSpec(tuple(lora_params(list(actor.params), rank=lora.rank, target_modules=lora.target_modules)),
-                          actor.dims, "lm", lora.rank, len(set(lora.target_modules) & LINEARS))
+                          actor.dims, "lm", lora.rank, len(set(lora.target_modules) & LINEARS),
+                          frozen_param_bytes=DTYPE_BYTES[cfg.model.frozen_storage_dtype])
     a, frozen = cfg.algorithm, DTYPE_BYTES[cfg.model.frozen_storage_dtype]
     inputs = PlanInputs(
         actor=actor, world=world, device=device, compute_bytes=DTYPE_BYTES[cfg.model.dtype],

@@ -91,7 +91,7 @@ class Trainer:
         for step in range(start + 1, t.total_steps + 1):
             metrics = self.step(step)
             self.metrics.log(step, metrics)
-            if step == start + 1:  # the first step's measured peaks, beside the prediction
+            if step == min(start + 2, t.total_steps):  # measured peaks beside the prediction, once AdamW's state exists
                 self._say(self.plan.table(measured=_measured(metrics)))
             stopping = bool(all_reduce_max([float(self._stop)])[0])
             if stopping or step == t.total_steps or (t.save_every and step % t.save_every == 0):

@@ -8,8 +8,7 @@ bytes (FSDP mixed precision computes in `model.dtype`):
   in `b` (its output is kept by the next linear layer);
 * attention keeps q, k, v and the output (plus a float32 log-sum-exp per head), k and v at their
   own head count: flash-attn varlen on CUDA, and `model/attention.py`'s per-sequence SDPA ("sdpa"
-  here) elsewhere, which also has transformers build one T x T bool mask per forward (unused, never
-  saved);
+  here) elsewhere (which builds no mask);
 * the SwiGLU MLP keeps gate, act(gate), up and their product: 4 x intermediate x b.
 
 The LM head runs only at the positions that predict response tokens (`logits_to_keep`), and
@@ -59,7 +58,7 @@ def _norm(n: int, rows: int, b: int) -> int:
 
 
 def layer_saved_per_token(d: ArchDims, tokens: int, b: int, attention: Attention) -> int:
-    """Bytes one decoder block saves for backward, per token (the SDPA mask included, spread over tokens)."""
+    """Bytes one decoder block saves for backward, per token."""
     h, q = d.hidden_size, d.num_heads * d.head_dim
     kv = _kv_width(d, attention)
     attn = b * (2 * q + 2 * kv) + 4 * d.num_heads  # q, k, v, output (the o_proj input) and log-sum-exp
@@ -75,9 +74,8 @@ def _kv_width(d: ArchDims, attention: Attention) -> int:
 
 
 def _model_level(d: ArchDims, tokens: int, b: int, attention: Attention) -> int:
-    """Input ids, rotary cos/sin, the final norm, the head's input and (SDPA) the bool mask."""
-    mask = tokens * tokens if attention == "sdpa" else 0
-    return tokens * (8 + 2 * d.head_dim * b + _norm(d.hidden_size, 1, b) + b * d.hidden_size) + mask
+    """Input ids, rotary cos/sin, the final norm and the head's input."""
+    return tokens * (8 + 2 * d.head_dim * b + _norm(d.hidden_size, 1, b) + b * d.hidden_size)
 
 
 def _block_backward(d: ArchDims, tokens: int, b: int) -> int:
@@ -120,8 +118,7 @@ def forward_activations(d: ArchDims, tokens: int, *, b: int, attention: Attentio
     """Peak activation memory of one no-grad forward (old log-probs, reference, critic values, reward scores).
 
     Nothing is saved: the residual stream and one block's intermediates are alive at a time, the
-    larger of its attention (q, k, v, output) and its MLP (gate, act, up and their product), plus
-    (SDPA) the bool mask transformers builds once per forward.
+    larger of its attention (q, k, v, output) and its MLP (gate, act, up and their product).
     """
     responses = tokens if responses is None else responses
     h, q = d.hidden_size, d.num_heads * d.head_dim
@@ -129,5 +126,4 @@ def forward_activations(d: ArchDims, tokens: int, *, b: int, attention: Attentio
     attn = tokens * b * (2 * q + 2 * _kv_width(d, attention))
     block = max(attn, tokens * 4 * d.intermediate_size * b)
     logits = _logits_no_grad(d, tokens, responses, b, entropy) if head == "lm" else tokens * 8
-    mask = tokens * tokens if attention == "sdpa" else 0
-    return ActivationBytes(residual + tokens * 2 * d.head_dim * b + mask, logits, block)
+    return ActivationBytes(residual + tokens * 2 * d.head_dim * b, logits, block)

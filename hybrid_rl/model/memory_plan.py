@@ -62,6 +62,7 @@ class ModelSpec:
     lora_rank: int = 0  # > 0: a peft LoRA model (only the adapters train)
     lora_targets: int = 0  # adapted linear layers per block
     param_bytes: int = 4  # stored shards: float32 master weights (trained), model.frozen_dtype (frozen)
+    frozen_param_bytes: int | None = None  # LoRA: the frozen base's storage (model.frozen_dtype); None = param_bytes
 
     @property
     def numel(self) -> int:
@@ -96,18 +97,19 @@ def shard_rows(dim0: int, world: int, rank: int) -> tuple[int, int]:
 
 
 def shard_bytes(params: tuple[ParamShape, ...] | list[ParamShape], world: int, rank: int = 0, *,
-                param_bytes: int = 4) -> ShardBytes:
-    padded = trained_padded = trained_local = 0
+                param_bytes: int = 4, frozen_bytes: int | None = None) -> ShardBytes:
+    """`frozen_bytes`: storage of the parameters that do not train (a LoRA base); None = `param_bytes`."""
+    stored = trained_padded = trained_local = 0
     for p in params:
         dim0 = p.shape[0] if p.shape else 1
         rest = p.numel // dim0 if dim0 else 0
         pad_rows, real_rows = shard_rows(dim0, world, rank)
-        padded += pad_rows * rest
+        stored += pad_rows * rest * (param_bytes if p.trainable or frozen_bytes is None else frozen_bytes)
         if p.trainable:
             trained_padded += pad_rows * rest
             trained_local += real_rows * rest
     steps = sum(p.trainable for p in params)
-    return ShardBytes(params=param_bytes * padded, grads=4 * trained_padded, optim=8 * trained_local + 4 * steps)
+    return ShardBytes(params=stored, grads=4 * trained_padded, optim=8 * trained_local + 4 * steps)
 
 
 @dataclass(frozen=True)
@@ -220,7 +222,8 @@ class MemoryPlan:
     def memory(self, component: str, rank: int = 0) -> ShardBytes:
         """Exact per-rank params / grads / optimizer bytes of one model."""
         spec = getattr(self.inputs, component)
-        return shard_bytes(spec.params, self.inputs.world, rank, param_bytes=spec.param_bytes)
+        return shard_bytes(spec.params, self.inputs.world, rank, param_bytes=spec.param_bytes,
+                           frozen_bytes=spec.frozen_param_bytes)
 
     def table(self, measured: dict[str, float] | None = None) -> str:
         """The plan as text; `measured` (phase -> peak GiB) adds a row beside the prediction."""
@@ -276,7 +279,8 @@ def _copies(spec: ModelSpec, b: int, *, train: bool) -> int:
 
 def _model_items(name: str, spec: ModelSpec, x: PlanInputs, *, active: str, phase: str) -> list[Item]:
     """The items of model `name` in `phase`; `active` = "" (idle), "pass" or "train"."""
-    s, b = shard_bytes(spec.params, x.world, param_bytes=spec.param_bytes), x.compute_bytes
+    s, b = shard_bytes(spec.params, x.world, param_bytes=spec.param_bytes,
+                       frozen_bytes=spec.frozen_param_bytes), x.compute_bytes
     out = []
     target = getattr(x.offload, name) if name in OFFLOADABLE else "none"
     idle_off = target if not active and frees_device(target, x.device) else ""
@@ -298,6 +302,8 @@ def _model_items(name: str, spec: ModelSpec, x: PlanInputs, *, active: str, phas
 
 
 def _params_label(spec: ModelSpec) -> str:
+    if spec.frozen_param_bytes not in (None, spec.param_bytes):
+        return f"params ({_dtype(spec.frozen_param_bytes)} base + {_dtype(spec.param_bytes)} adapters, shard)"
     return f"params ({_dtype(spec.param_bytes)} shard)"
 
 
@@ -310,7 +316,8 @@ def _startup(x: PlanInputs) -> Phase:
         if spec is None:
             continue
         items.append(Item(comp, _params_label(spec), shard_bytes(spec.params, x.world,
-                                                                  param_bytes=spec.param_bytes).params))
+                                                                  param_bytes=spec.param_bytes,
+                                                                  frozen_bytes=spec.frozen_param_bytes).params))
         largest = max([largest] + [shard_rows(p.shape[0], x.world, 0)[0] * (p.numel // p.shape[0]) * 4
                                    for p in spec.params if p.shape])
     items.append(Item("loading", "checkpoint read (rows + mapped pages)", 2 * min(x.load_chunk_bytes, largest)))
