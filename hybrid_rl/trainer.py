@@ -32,7 +32,7 @@ from hybrid_rl.experience import dynamic, share
 from hybrid_rl.experience.passes import PassOutputs, logprobs_pass, scores_pass, values_pass
 from hybrid_rl.experience.scoring import Pending, Ready, Scorer
 from hybrid_rl.metrics import MetricsLogger
-from hybrid_rl.model.lora import adapter_disabled, is_lora, merge_full_state_dict, save_adapter
+from hybrid_rl.model.lora import adapter_disabled, is_lora, merged_stream, save_adapter
 from hybrid_rl.model.phase_peaks import PhasePeaks, peak_reading
 from hybrid_rl.rollout.offline import preference_rollout
 from hybrid_rl.types import Rollout, Scores, TrainBatch
@@ -297,8 +297,10 @@ class Trainer:
         if not is_lora(model):
             export_hf(model, self.c.tokenizer, out, rank=self.dims.rank)
             return
-        export_hf(model, self.c.tokenizer, out, rank=self.dims.rank, transform=lambda full: merge_full_state_dict(
-            model, full), after=lambda full, tmp: save_adapter(model, full, _mkdir(tmp / "adapter")))
+        adapter: dict[str, torch.Tensor] = {}  # filled on rank 0 while the weights stream by
+        export_hf(model, self.c.tokenizer, out, rank=self.dims.rank,
+                  transform=lambda stream: merged_stream(model, stream, adapter),
+                  after=lambda tmp: save_adapter(model, adapter, _mkdir(tmp / "adapter")))
 
     def _components(self) -> dict:
         comps = {"actor": (self.c.actor.module, self.c.actor.optimizer)}

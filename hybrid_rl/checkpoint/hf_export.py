@@ -1,72 +1,126 @@
 """Export the (FSDP2-sharded) policy as a Hugging Face folder that `from_pretrained` and vLLM load.
 
-All ranks gather the full state dict to rank 0's CPU (one collective); rank 0 writes safetensors,
-config, generation config and tokenizer into `<out>.tmp/` and renames it to `<out>/` when done, so
-a crash never leaves a half-written model folder that looks loadable.
+The weights stream: one state-dict entry at a time is gathered in full (a collective; the largest
+single weight is the most any rank holds beyond its shards) and rank 0 appends it to the safetensors
+shard it is filling, writing each shard when it reaches `max_shard_bytes`. No rank ever holds the
+whole model (a 7B model on 8 ranks: rank 0 holds one shard, at most 2 GiB by default, plus one
+weight). Rank 0 writes into `<out>.tmp/` and renames it to `<out>/` when done, so a crash never
+leaves a half-written model folder that looks loadable.
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from hybrid_rl.checkpoint.collective import CAUGHT, raise_if_any_failed
 from hybrid_rl.checkpoint.files import fsync_tree, replace_dir
 from hybrid_rl.dist.collectives import world_size
 from hybrid_rl.dist.fsdp import hf_name
 
+# (name, the whole tensor on rank 0's CPU; None on the other ranks), one state-dict entry at a time.
+Stream = Iterator[tuple[str, torch.Tensor | None]]
+DEFAULT_SHARD_BYTES = 2 * 1024**3
+
+
+def full_tensors(model: nn.Module, *, rank: int) -> Stream:
+    """Collective: every state-dict entry gathered in full, in order; every rank must drain it."""
+    for name, t in model.state_dict().items():
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        yield name, full.detach().cpu() if rank == 0 else None
+        del full
+
 
 def export_hf(model: nn.Module, tokenizer: Any, out_dir: str | Path, *, rank: int, dtype: torch.dtype | None = None,
-              max_shard_bytes: int = 5 * 1024**3,
-              transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
-              after: Callable[[dict[str, torch.Tensor], Path], None] | None = None) -> Path:
+              max_shard_bytes: int = DEFAULT_SHARD_BYTES, transform: Callable[[Stream], Stream] | None = None,
+              after: Callable[[Path], None] | None = None) -> Path:
     """Collective: write `model` (+ `tokenizer`, if not None) as an HF folder at `out_dir`; returns it.
 
     `dtype` casts the weights (and the config's dtype), e.g. bfloat16 for serving; None keeps them as
-    trained. Weights over `max_shard_bytes` are split into indexed shards, as `save_pretrained` does.
-    `transform` maps the gathered state dict to the one written (e.g. merging a LoRA adapter), and
-    `after(full, tmp_dir)` may add files to the folder before it is published (rank 0 only).
+    trained. `transform` maps the stream of gathered weights to the one written (e.g. merging a LoRA
+    adapter; it runs on every rank, with None tensors off rank 0), and `after(tmp_dir)` may add files to
+    the folder before it is published (rank 0 only).
     """
     out = Path(out_dir)
     hf_model = _hf_model(model)  # a ValueError here is raised by every rank alike
-    world = world_size()
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    full = get_model_state_dict(model, options=options)  # rank 0 holds everything, on CPU; others nothing
+    stream = full_tensors(model, rank=rank)
+    if transform is not None:
+        stream = transform(stream)
     error = None
-    if rank == 0:
+    writer = _ShardWriter(out.with_name(out.name + ".tmp"), tied=_tied_names(hf_model), dtype=dtype,
+                          max_shard_bytes=max_shard_bytes) if rank == 0 else None
+    for name, tensor in stream:  # every rank drains the stream: each entry is a collective
+        if writer is None or error is not None:
+            continue
         try:
-            hook = functools.partial(after, full) if after else None
-            _write_folder(hf_model, tokenizer, transform(full) if transform else full, out, dtype=dtype,
-                          max_shard_bytes=max_shard_bytes, after=hook)
+            writer.add(name, tensor)
         except CAUGHT as e:
             error = e
-            shutil.rmtree(out.with_name(out.name + ".tmp"), ignore_errors=True)
-    del full
-    raise_if_any_failed(error, rank=rank, world=world, what="exporting the model to", path=out)
+    if writer is not None and error is None:
+        try:
+            writer.close()
+            _finish_folder(hf_model, tokenizer, writer.dir, out, dtype=dtype, after=after)
+        except CAUGHT as e:
+            error = e
+    if error is not None:
+        shutil.rmtree(out.with_name(out.name + ".tmp"), ignore_errors=True)
+    raise_if_any_failed(error, rank=rank, world=world_size(), what="exporting the model to", path=out)
     return out
 
 
-def _write_folder(hf_model: nn.Module, tokenizer: Any, full: dict[str, torch.Tensor], out: Path, *,
-                  dtype: torch.dtype | None, max_shard_bytes: int, after: Callable[[Path], None] | None = None) -> None:
+class _ShardWriter:
+    """Rank 0's side of the stream: HF names, tied copies dropped, cast, written shard by shard."""
+
+    def __init__(self, tmp: Path, *, tied: set[str], dtype: torch.dtype | None, max_shard_bytes: int):
+        if tmp.exists():  # left by an export that crashed
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        self.dir, self.tied, self.dtype, self.max_shard_bytes = tmp, tied, dtype, max_shard_bytes
+        self.shard: dict[str, torch.Tensor] = {}
+        self.shard_bytes = self.total_bytes = 0
+        self.files: list[tuple[str, list[str]]] = []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        for hf, t in hf_tensors({name: tensor}, tied=self.tied, dtype=self.dtype).items():
+            nbytes = t.numel() * t.element_size()
+            if self.shard and self.shard_bytes + nbytes > self.max_shard_bytes:
+                self._flush()
+            self.shard[hf] = t
+            self.shard_bytes += nbytes
+            self.total_bytes += nbytes
+
+    def _flush(self) -> None:
+        fname = f"model-{len(self.files) + 1:05d}.safetensors"
+        save_file(self.shard, self.dir / fname, metadata={"format": "pt"})  # transformers expects the format
+        self.files.append((fname, list(self.shard)))
+        self.shard, self.shard_bytes = {}, 0
+
+    def close(self) -> None:
+        """The last shard; one shard is `model.safetensors`, several are indexed (as `save_pretrained` does)."""
+        if self.shard or not self.files:
+            self._flush()
+        if len(self.files) == 1:
+            (self.dir / self.files[0][0]).rename(self.dir / "model.safetensors")
+            return
+        weight_map = {name: fname for fname, names in self.files for name in names}
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+        (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+
+
+def _finish_folder(hf_model: nn.Module, tokenizer: Any, tmp: Path, out: Path, *, dtype: torch.dtype | None,
+                   after: Callable[[Path], None] | None) -> None:
+    """Config, generation config, tokenizer and `after`'s files beside the weights; then publish `tmp` as `out`."""
     config = copy.deepcopy(hf_model.config)  # never mutate the live model's config
-    tensors = hf_tensors(full, tied=_tied_names(hf_model), dtype=dtype)
     if dtype is not None:
         config.dtype = dtype
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():  # left by an export that crashed
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    _write_safetensors(tensors, tmp, max_shard_bytes=max_shard_bytes)
     config.save_pretrained(tmp)
     generation = getattr(hf_model, "generation_config", None)
     if generation is None:
@@ -112,27 +166,3 @@ def _hf_model(model: nn.Module) -> nn.Module:
             return m
     raise ValueError(f"export_hf: {type(model).__name__} contains no Hugging Face model (no module with a "
                      "`config`); pass the transformers model (FSDP-wrapped is fine)")
-
-
-def _write_safetensors(tensors: dict[str, torch.Tensor], out: Path, *, max_shard_bytes: int) -> None:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-    meta = {"format": "pt"}  # transformers expects it in the safetensors header
-    if len(shards) == 1:
-        save_file(shards[0], out / "model.safetensors", metadata=meta)
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards, 1):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, out / fname, metadata=meta)
-        weight_map.update(dict.fromkeys(shard, fname))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))

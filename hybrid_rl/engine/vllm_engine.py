@@ -21,7 +21,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,8 +75,8 @@ class Generation:
     """One sampled response: token ids, the sampler's log-prob of each, and why it stopped."""
 
     prompt_index: int
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
+    token_ids: Sequence[int]  # as vLLM returns them (the sampler turns them into one tensor)
+    logprobs: Sequence[float]
     finish_reason: str  # "stop" | "length"
 
 
@@ -293,7 +293,7 @@ class VLLMEngine:
             SamplingParams(
                 n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                 max_tokens=sampling.max_tokens, logprobs=0, seed=seed + j, detokenize=False,
-                stop_token_ids=list(sampling.stop_token_ids),
+                stop_token_ids=list(sampling.stop_token_ids), flat_logprobs=True,
             )
             for seed in seeds
             for j in range(n)
@@ -304,8 +304,12 @@ class VLLMEngine:
 
 
 def _generation(index: int, c) -> Generation:
-    ids = tuple(c.token_ids)
-    lps = tuple(float(d[t].logprob) for t, d in zip(ids, c.logprobs or [], strict=True))
+    """One output as lists, no per-token Python work: `flat_logprobs` gives the sampled tokens' log-probs as one
+    list (with `logprobs=0`, one entry per position: the sampled token's)."""
+    ids, flat = list(c.token_ids), c.logprobs
+    lps = flat.logprobs if flat is not None else []
+    if len(lps) != len(ids):
+        raise RuntimeError(f"vLLM returned {len(lps)} log-probs for {len(ids)} tokens (expected one per token)")
     return Generation(index, ids, lps, "length" if c.finish_reason == "length" else "stop")
 
 

@@ -96,20 +96,48 @@ class LoraWeights:
 
 
 def merge_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A gathered peft state dict -> the merged base model's state dict (HF names), for export."""
+    """A gathered peft state dict -> the merged base model's state dict (HF names)."""
+    return dict(merged_stream(model, iter(full.items()), {}))
+
+
+def merged_stream(model: nn.Module, stream: Iterator[tuple[str, torch.Tensor | None]],
+                  adapter: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """A stream of gathered peft weights (in state-dict order) -> the merged base model's (HF names).
+
+    A LoRA layer's base weight waits for its `lora_A` and `lora_B`, which follow it, then comes out as
+    `W + scaling * B @ A`. The adapter's own tensors are also kept in `adapter` (for `save_adapter`).
+    Tensors may be None (ranks other than the writer): names still flow, so every rank iterates alike.
+    """
     scaling = {prefix: layer.scaling[ADAPTER] for prefix, layer in _lora_layers(model).items()}
-    out = {}
-    for name, t in full.items():
-        if ".lora_A." in name or ".lora_B." in name:
-            continue
-        hf = hf_name(name)
-        prefix = hf[: -len("weight")] if hf.endswith(".weight") else None
-        if prefix in scaling:
-            a = full[name.replace(".base_layer.weight", f".lora_A.{ADAPTER}.weight")]
-            b = full[name.replace(".base_layer.weight", f".lora_B.{ADAPTER}.weight")]
-            t = (t.float() + scaling[prefix] * (b.float() @ a.float())).to(t.dtype)
-        out[hf] = t
-    return out
+    pending: dict[str, dict[str, torch.Tensor | None]] = {}
+    for name, t in stream:
+        module, part = _lora_part(name)
+        if part is None:
+            hf = hf_name(name)
+            prefix = hf[: -len("weight")] if hf.endswith(".weight") else None
+            if prefix not in scaling:
+                yield hf, t
+                continue
+            module, part = name[: -len(".base_layer.weight")], "w"
+        elif t is not None:
+            adapter[name] = t
+        slot = pending.setdefault(module, {})
+        slot[part] = t
+        if len(slot) == 3:
+            del pending[module]
+            w, a, b = slot["w"], slot["a"], slot["b"]
+            hf = hf_name(module + ".base_layer.weight")
+            merged = None if w is None else (w.float() + scaling[hf[: -len("weight")]] * (b.float() @ a.float()))
+            yield hf, None if merged is None else merged.to(w.dtype)
+    assert not pending, f"LoRA layers without all their parts: {sorted(pending)[:3]}"
+
+
+def _lora_part(name: str) -> tuple[str, str | None]:
+    """(module, "a" | "b") for an adapter tensor's name, else (name, None)."""
+    for marker, part in ((f".lora_A.{ADAPTER}.weight", "a"), (f".lora_B.{ADAPTER}.weight", "b")):
+        if name.endswith(marker):
+            return name[: -len(marker)], part
+    return name, None
 
 
 def save_adapter(model: nn.Module, full: dict[str, torch.Tensor], out_dir) -> None:

@@ -1,0 +1,181 @@
+"""Real scale on one box: Qwen2.5-shaped models through `hybrid_rl.train`, each phase's measured peak beside the plan.
+
+    python benchmarks/scale.py [--runs full_0.5B lora_3B largest_lora] [--nproc 2] [--steps 2]
+
+* `full_0.5B`: Qwen2.5-0.5B's shape, full fine-tuning, GRPO as shipped (`recipes/grpo.yaml`) with 4 prompts x 4
+  samples x 32 new tokens, every other setting the recipe's default.
+* `lora_3B`: Qwen2.5-3B's shape, `model.lora.rank=16`, the same batch, plus exactly the settings the memory
+  planner recommends for this machine (`python -m hybrid_rl.plan ...`, its "all on one command line" line).
+* `largest_lora`: from the largest Qwen2.5 shape (7B, 3B, 1.5B, 0.5B) down, the first that the planner says
+  fits (with its recommended settings) and that then trains a LoRA step; a shape trained by `lora_3B` in the
+  same run counts.
+
+Weights are random, saved in bf16 as real checkpoints are (`qwen_shapes.py`; nothing is downloaded). Per phase
+the measured peak is the largest over steps and ranks of the trainer's own `memory/<phase>/peak_gib` (each
+rank's VmHWM, reset at each phase; start-up from process start), compared with `memory/<phase>/plan_gib`: the
+target is every phase within 15% of its plan. Step 1 has no AdamW state yet (the optimizer creates it at its
+first step), so the comparison uses steps 2 and later, where the plan's steady state holds; step 1's figures are
+in the JSON too. Not in `make bench --quick` (these runs take minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+import qwen_shapes  # noqa: E402
+
+BATCH = ["data.prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=32"]
+TOLERANCE = 0.15
+PHASE_TIMES = ("rollout", "sync", "switch", "old_logp", "reference", "update")
+
+
+def task_file() -> str:
+    from hybrid_rl.demo.task import write_task
+
+    root = common.CACHE / "task"
+    if not (root / "train.jsonl").exists():
+        write_task(root, n_train=2048, n_val=64)
+    return str(root / "train.jsonl")
+
+
+def base_overrides(model: Path, out: Path, steps: int) -> list[str]:
+    return [f"model.path={model}", f"data.train_files=[{task_file()}]", *BATCH, f"trainer.total_steps={steps}",
+            f"trainer.output_dir={out}", "trainer.resume=never", "trainer.show_progress=false", "trainer.export=false"]
+
+
+def recommended(overrides: list[str], nproc: int) -> tuple[bool, list[str], str]:
+    """(fits as asked, the planner's settings that make it fit, its verdict text) for this machine."""
+    cmd = [sys.executable, "-m", "hybrid_rl.plan", "--config-name=grpo", *overrides, "--world", str(nproc)]
+    proc = subprocess.run(cmd, cwd=common.REPO, capture_output=True, text=True, timeout=600)
+    if proc.returncode not in (0, 1):
+        raise RuntimeError(f"planner failed: {proc.stderr[-2000:]}")
+    verdict = proc.stdout[proc.stdout.index("FITS") if proc.returncode == 0 else proc.stdout.index("DOES NOT FIT"):]
+    line = next((x for x in verdict.splitlines() if "all on one command line:" in x), "")
+    settings = line.split("all on one command line:", 1)[1].split() if line else []
+    return proc.returncode == 0, settings, verdict.split("\n  note:")[0]
+
+
+def train(name: str, overrides: list[str], nproc: int, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", "-m",
+           "hybrid_rl.train", "--config-name=grpo", *overrides]
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=common.REPO, capture_output=True, text=True, timeout=5400)
+    log = common.CACHE / "logs" / f"scale_{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(proc.stdout + proc.stderr)
+    steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()] if \
+        (out / "metrics.jsonl").exists() else []
+    steps = [s for s in steps if s.get("step", 0) > 0 and "timing/step_s" in s]
+    return {"name": name, "ok": proc.returncode == 0, "exit": proc.returncode, "wall_s": time.time() - t0,
+            "overrides": overrides, "steps": steps, "log": str(log)}
+
+
+def compare(run: dict) -> list[dict]:
+    """Per phase: plan, measured peak over steps >= 2 (steady state; start-up from step 1), and their ratio."""
+    rows = []
+    phases = sorted({k.split("/")[1] for s in run["steps"] for k in s if k.endswith("/plan_gib")})
+    for phase in phases:
+        key = f"memory/{phase}/peak_gib"
+        steady = [s for s in run["steps"] if s["step"] >= 2 or phase == "startup"]
+        measured = max((s[key] for s in steady if key in s), default=None)
+        plan = next(s[f"memory/{phase}/plan_gib"] for s in run["steps"] if f"memory/{phase}/plan_gib" in s)
+        step1 = next((s[key] for s in run["steps"] if s["step"] == 1 and key in s), None)
+        if measured is None:
+            continue
+        rows.append({"run": run["name"], "phase": phase, "plan_gib": plan, "measured_gib": measured,
+                     "step1_gib": step1, "ratio": measured / plan})
+    return rows
+
+
+def timings(run: dict) -> dict:
+    later = [s for s in run["steps"] if s["step"] >= 2] or run["steps"]
+    return {k: common.median([s.get(f"timing/{k}_s", 0.0) for s in later]) for k in ("step", *PHASE_TIMES)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", nargs="+", default=["full_0.5B", "lora_3B", "largest_lora"])
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--steps", type=int, default=2)
+    a = p.parse_args()
+    runs, plans, largest = [], {}, None
+    if "full_0.5B" in a.runs:
+        out = common.CACHE / "scale" / "full_0.5B"
+        runs.append(train("full_0.5B", base_overrides(qwen_shapes.folder("0.5B"), out, a.steps), a.nproc, out))
+    if "lora_3B" in a.runs:
+        runs.append(_lora("3B", a, plans))
+        if runs[-1]["ok"]:
+            largest = "3B"
+    if "largest_lora" in a.runs:
+        for size in ("7B", "3B", "1.5B", "0.5B"):
+            if size == largest:  # trained above, in this run
+                break
+            _, settings, _ = _plan_lora(size, a, plans)
+            if not _fits_after(size, settings, a, plans):
+                continue  # the planner says no: not run (a run would be killed by the kernel, or swap)
+            run = _lora(size, a, plans)
+            runs.append(run)
+            if run["ok"]:
+                largest = size
+                break
+    report(runs, plans, largest, a)
+
+
+def _lora_overrides(size: str, a, extra: list[str]) -> list[str]:
+    out = common.CACHE / "scale" / f"lora_{size}"
+    return base_overrides(qwen_shapes.folder(size), out, a.steps) + ["model.lora.rank=16", *extra]
+
+
+def _plan_lora(size: str, a, plans: dict) -> tuple[bool, list[str], str]:
+    fits, settings, verdict = recommended(_lora_overrides(size, a, []), a.nproc)
+    plans[size] = {"fits_as_shipped": fits, "recommended": settings, "verdict": verdict}
+    print(f"plan LoRA {size}: {verdict.splitlines()[0]}", flush=True)
+    return fits, settings, verdict
+
+
+def _fits_after(size: str, settings: list[str], a, plans: dict) -> bool:
+    """Does the plan fit once its recommended settings are applied?"""
+    if plans[size]["fits_as_shipped"]:
+        return True
+    fits, _, verdict = recommended(_lora_overrides(size, a, settings), a.nproc)
+    plans[size]["fits_with_recommended"] = fits
+    plans[size]["verdict_with_recommended"] = verdict
+    return fits
+
+
+def _lora(size: str, a, plans: dict) -> dict:
+    if size not in plans:
+        _plan_lora(size, a, plans)
+    settings = plans[size]["recommended"]
+    out = common.CACHE / "scale" / f"lora_{size}"
+    return train(f"lora_{size}", _lora_overrides(size, a, settings), a.nproc, out)
+
+
+def report(runs: list[dict], plans: dict, largest: str | None, a) -> None:
+    rows = [r for run in runs if run["ok"] for r in compare(run)]
+    print(common.table(rows, [("run", "run", "s"), ("phase", "phase", "s"), ("plan_gib", "plan GiB", ".2f"),
+                              ("measured_gib", "measured GiB", ".2f"), ("step1_gib", "step 1 GiB", ".2f"),
+                              ("ratio", "measured/plan", ".3f")]))
+    for run in runs:
+        status = "ok" if run["ok"] else f"FAILED (exit {run['exit']}; {run['log']})"
+        print(f"{run['name']}: {status}; " + ", ".join(f"{k} {v:.1f} s" for k, v in timings(run).items()))
+    targets = [common.check(f"{r['run']} {r['phase']}: |measured/plan - 1|", abs(r["ratio"] - 1), TOLERANCE,
+                            higher_is_better=False) for r in rows]
+    targets += [common.check(f"{run['name']} trains {a.steps} steps", float(run["ok"]), 1.0, higher_is_better=True,
+                             unit="") for run in runs]
+    print(f"largest Qwen2.5 shape that trains a LoRA step here: {largest or 'none'}")
+    common.write_result("scale", {"runs": [{**r, "timings": timings(r)} for r in runs], "phases": rows,
+                                  "plans": plans, "largest_lora": largest, "targets": targets,
+                                  "headline": [{"what": f"{r['run']} {r['phase']} measured/plan", "value": r["ratio"]}
+                                               for r in rows]}, quick=False)
+
+
+if __name__ == "__main__":
+    main()
