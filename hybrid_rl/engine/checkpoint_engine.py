@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -33,12 +32,12 @@ from hybrid_rl.engine.layout import Layout, TPSlice
 from hybrid_rl.engine.reshard import (
     ReshardPlan,
     SourceParam,
-    SyncStats,
     WeightSyncError,
     build_plan,
     checksums_match,
     stream_buckets,
 )
+from hybrid_rl.engine.server_update import ServerUpdate
 from hybrid_rl.engine.shm_ring import (
     Entry,
     Manifest,
@@ -77,11 +76,13 @@ class PushReport:
 class PodLink(Protocol):
     """Where a writer's published buckets also go: the receivers of other pods."""
 
-    def begin(self, update: int, version: str, manifest: Manifest) -> None: ...
+    def begin(self, update: int, version: str, manifest: Manifest, rank: int) -> None: ...
 
-    def send(self, tp_rank: int, slot: torch.Tensor) -> None: ...
+    def send(self, tp_rank: int, data: torch.Tensor) -> None: ...
 
-    def end(self, expected: torch.Tensor, tp_rank: int) -> bool: ...
+    def end(self, expected: torch.Tensor, rank: int) -> None: ...
+
+    def close(self, rank: int) -> None: ...
 
 
 class CheckpointEngine:
@@ -102,8 +103,7 @@ class CheckpointEngine:
         self.ring: ShmRing | None = None
         self.seq = 0  # buckets written over the ring's life
         self.updates = 0
-        self._inited_start = -1  # the server start whose transfer engine was initialised
-        self._http = ThreadPoolExecutor(1, thread_name_prefix="ckpt-http") if rank == 0 else None
+        self.http = ServerUpdate(namespace, timeout_s=options.timeout_s) if rank == 0 else None
         self._failed = ""  # this rank's reason the update in progress failed
 
     # -- one update ------------------------------------------------------------------------------
@@ -116,68 +116,54 @@ class CheckpointEngine:
         rep = PushReport(version)
         plan, buckets = self._plan(sources, sharded)
         update = self.updates
-        manifest = Manifest(update, self.options.probe_cols, buckets)
         self._failed = ""
         if self.writer:
             self._ring(buckets).reset()
-            write_manifest(self.ring, manifest)
+            write_manifest(self.ring, Manifest(update, self.options.probe_cols, buckets))
         if self.rank == 0:
             abort_path(self.namespace).unlink(missing_ok=True)
         if self.link is not None:
-            self.link.begin(update, version, manifest)
+            self.link.begin(update, version, Manifest(update, self.options.probe_cols, buckets), self.rank)
         barrier()  # every writer's manifest is in place before the server reads them
-        pending: list[Future] = []
         if self.rank == 0:
-            server = self.server()
-            pending.append(self._http.submit(self._start_update, server))
-        stats = SyncStats()
+            self.http.begin(self.server())
         for k, items in stream_buckets(plan, sources, device=self.device, probe_cols=self.options.probe_cols,
-                                       sync_index=update, stats=stats, alloc=self._alloc(rep, pending)):
+                                       sync_index=update, alloc=self._alloc(rep)):
             if self.writer and not self._failed:
                 self.ring.publish(self.seq)
+                nbytes = _bucket_bytes(buckets[k])
                 rep.bytes_written += sum(t.numel() * t.element_size() for _, t in items)
                 if self.link is not None:
-                    self.link.send(self.rank, self.ring.buffers[self.ring.slot_of(self.seq)])
+                    self.link.send(self.rank, self.ring.buffers[self.ring.slot_of(self.seq)][:nbytes])
             if self.rank == 0 and not self._failed:
-                pending.append(self._http.submit(server.post, "/update_weights",
-                                                 {"update_info": {"seq": self.seq, "bucket": k}},
-                                                 timeout_s=self.options.timeout_s))
+                self.http.bucket(self.seq, k)
             rep.buckets += 1
-            self._agree(pending)  # a failure on any rank stops every rank at the same bucket
+            self._agree()  # a failure on any rank stops every rank at the same bucket
         rep.phases["stream_s"] = time.perf_counter() - t0
         if self.rank == 0:
-            pending.append(self._http.submit(server.post, "/finish_weight_update", timeout_s=self.options.timeout_s))
-            self._failed = self._failed or _first_error(pending, wait=True)
-        self._agree(pending)
+            self._failed = self._failed or self.http.finish()
+        self._agree()
         ok = self._verified(plan)
         if self.link is not None:
-            ok = self.link.end(plan.expected, self.rank) and ok
+            self.link.end(plan.expected, self.rank)
         if not bool(all_reduce(torch.tensor([float(ok)]), "min")[0]):
             raise WeightSyncError(f"weight update {update} (version {version}) did not land in vLLM as sent; "
                                   "the server keeps its previous version stamp")
         if self.rank == 0:
-            server.post("/update_weight_version", {"new_version": version})
-            if (got := server.weight_version()) != version:
-                raise WeightSyncError(f"the vLLM server reports weight version {got!r} after stamping {version!r}")
+            self.http.stamp(version)
         self.updates += 1
         rep.seconds = time.perf_counter() - t0
         return rep
 
-    def _agree(self, pending: list[Future]) -> None:
+    def _agree(self) -> None:
         """Every rank learns whether any rank failed; all raise the same ServerError if so."""
         if self.rank == 0:
-            self._failed = self._failed or _first_error(pending, wait=False)
+            self._failed = self._failed or self.http.error()
             if self._failed:
                 abort_path(self.namespace).touch()  # writers waiting on the server stop waiting
         if bool(all_reduce(torch.tensor([float(bool(self._failed))]), "max")[0]):
             raise ServerError(f"weight update {self.updates} abandoned: the vLLM server failed"
                               f"{' (' + self._failed + ')' if self._failed else ' (see rank 0)'}")
-
-    def _start_update(self, server: VLLMServer) -> None:
-        self._init_transfer(server)
-        server.post("/start_weight_update", timeout_s=self.options.timeout_s)
-
-    # -- pieces ----------------------------------------------------------------------------------
 
     def _plan(self, sources: list[SourceParam], sharded: bool) -> tuple[ReshardPlan, list[list[Entry]]]:
         key = tuple(s.name for s in sources)
@@ -196,16 +182,17 @@ class CheckpointEngine:
                 self.ring.close()
             self.ring = ShmRing(self.namespace, self.rank, slots=self.options.slots, slot_bytes=need, create=True,
                                 pin=self.device.type == "cuda")
-            self._inited_start = -1  # the server must map the new files
+            if self.http is not None:
+                self.http.reinit()  # the server must map the new files
         return self.ring
 
-    def _alloc(self, rep: PushReport, pending: list[Future]):
+    def _alloc(self, rep: PushReport):
         """Bucket k's slices are assembled straight into the next free slot of this writer's ring (into scratch
         tensors once the update failed: the stream still runs to the end of the bucket on every rank)."""
         abort = abort_path(self.namespace)
 
         def aborted() -> bool:
-            return abort.exists() or (self.rank == 0 and bool(_first_error(pending, wait=False)))
+            return abort.exists() or (self.rank == 0 and bool(self.http.error()))
 
         def alloc(k: int, slices: list[TPSlice]) -> list[torch.Tensor]:
             if not self._failed:
@@ -220,13 +207,6 @@ class CheckpointEngine:
             return [torch.empty(ts.shape, dtype=self.dtype, device=self.device) for ts in slices]
         return alloc
 
-    def _init_transfer(self, server: VLLMServer) -> None:
-        """(Re)initialise the server's transfer backend after each start of the server or of the ring."""
-        if self._inited_start != server.starts:
-            server.post("/init_weight_transfer_engine",
-                        {"init_info": {"namespace": self.namespace, "timeout_s": self.options.timeout_s}})
-            self._inited_start = server.starts
-
     def _verified(self, plan: ReshardPlan) -> bool:
         if not self.writer:
             return True
@@ -240,8 +220,10 @@ class CheckpointEngine:
         return True
 
     def close(self) -> None:
-        if self._http is not None:
-            self._http.shutdown(wait=False, cancel_futures=True)
+        if self.link is not None:
+            self.link.close(self.rank)
+        if self.http is not None:
+            self.http.close()
         if self.ring is not None:
             self.ring.close()
             self.ring = None
@@ -249,11 +231,3 @@ class CheckpointEngine:
 
 def _bucket_bytes(entries: list[Entry]) -> int:
     return max((e.offset + e.nbytes for e in entries), default=0)
-
-
-def _first_error(pending: list[Future], *, wait: bool) -> str:
-    """The first failed request's error ("" when none failed; with `wait`, after all have finished)."""
-    for f in pending:
-        if (wait or f.done()) and f.exception() is not None:
-            return str(f.exception())
-    return ""

@@ -32,6 +32,8 @@ import requests
 
 from hybrid_rl.engine.vllm_plugin import BACKEND
 
+SERVED_MODEL = "policy"  # the name every sidecar serves its model under (requests name it)
+
 log = logging.getLogger(__name__)
 
 
@@ -67,6 +69,7 @@ class ServerSpec:
 def server_command(spec: ServerSpec) -> list[str]:
     s = spec
     cmd = [s.python, "-m", "vllm.entrypoints.openai.api_server", "--model", s.model_path, "--load-format", "dummy",
+           "--served-model-name", SERVED_MODEL,
            "--tensor-parallel-size", str(s.tp), "--dtype", s.dtype, "--host", s.host, "--port", str(s.port),
            "--max-model-len", str(s.max_model_len), "--seed", str(s.seed), "--max-num-seqs", str(s.max_num_seqs),
            "--weight-transfer-config", json.dumps({"backend": BACKEND}),
@@ -128,6 +131,8 @@ class VLLMServer:
         self.proc: subprocess.Popen | None = None
         self.starts = 0
         self.http = requests.Session()
+        self._spawned_at = 0.0
+        self._announced = False
 
     @property
     def url(self) -> str:
@@ -135,6 +140,11 @@ class VLLMServer:
 
     def start(self, *, timeout_s: float) -> None:
         """Start the server and wait until `/health` answers; ServerError (with its log's tail) otherwise."""
+        self.spawn()
+        self.wait_ready(timeout_s=timeout_s)
+
+    def spawn(self) -> None:
+        """Start the server process (it takes a minute to serve: `wait_ready`)."""
         assert self.proc is None or self.proc.poll() is not None, "server already running"
         if not port_free(self.spec.host, self.spec.port):
             raise ServerError(f"sidecar port {self.spec.port} on {self.spec.host} is taken by another process: "
@@ -147,18 +157,23 @@ class VLLMServer:
         finally:
             logf.close()
         self.starts += 1
-        t0 = time.monotonic()
+        self._spawned_at = time.monotonic()
+
+    def wait_ready(self, *, timeout_s: float) -> None:
         while not self.healthy():
-            if self.proc.poll() is not None:
-                raise ServerError(f"the vLLM server exited with code {self.proc.returncode} while starting "
+            if self.proc is None or self.proc.poll() is not None:
+                code = None if self.proc is None else self.proc.returncode
+                raise ServerError(f"the vLLM server exited with code {code} while starting "
                                   f"({' '.join(server_command(self.spec))}); its log ends:\n{self.log_tail()}")
-            if time.monotonic() - t0 > timeout_s:
+            if time.monotonic() - self._spawned_at > timeout_s:
                 self.stop()
                 raise ServerError(f"the vLLM server at {self.url} did not answer /health within {timeout_s:.0f} s; "
                                   f"its log ends:\n{self.log_tail()}")
             time.sleep(0.5)
-        log.info("vLLM server up at %s in %.1f s (start %d, pid %d)", self.url, time.monotonic() - t0, self.starts,
-                 self.proc.pid)
+        if not self._announced:
+            log.info("vLLM server up at %s in %.1f s (start %d, pid %d)", self.url,
+                     time.monotonic() - self._spawned_at, self.starts, self.proc.pid)
+            self._announced = True
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -184,6 +199,7 @@ class VLLMServer:
                 self.proc.wait()
         _signal_group(self.proc.pid, signal.SIGKILL)  # stragglers of the group (workers)
         self.proc = None
+        self._announced = False
 
     def log_tail(self, lines: int = 30) -> str:
         try:
