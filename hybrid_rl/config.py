@@ -100,6 +100,7 @@ class SidecarConfig:
     max_inflight: int = 64  # generation requests in flight per trainer rank
     max_restarts: int = 3  # server restarts (or lost servers) tolerated within one rollout before the run stops
     pods: int = 1  # pods that receive each update: this one plus those started with `python -m hybrid_rl.pod`
+    pod: int = 0  # `python -m hybrid_rl.pod` only: this pod's number, 1 .. pods-1 (0 is the trainer's)
     pod_wait_s: float = 900.0  # how long the trainer waits at start for the other pods to join
     sleep_level: int = 1  # CUDA: the server's sleep while the trainer trains (1: weights kept in host memory, 2: dropped)
 

@@ -122,8 +122,7 @@ class PodReceiver:
             expected = torch.empty(sum(len(b) for b in m.buckets), dtype=torch.float64)
             self.group.broadcast(r, expected)
             ok = ok and bool(checksums_match(expected, ring.read_report(update)).all())
-        self.group.all_values(float(ok))
-        if ok:
+        if ok:  # stamped and registered before the trainer hears back: its next dispatch sees this pod
             self.http.stamp(version)
             self.sidecar.loaded(version)
             log.info("pod %d: weights %s loaded and verified", self.sidecar.pod, version)
@@ -131,6 +130,7 @@ class PodReceiver:
             self.sidecar.withdraw()
             log.error("pod %d: update %s did not load (%s); withdrawn from dispatch", self.sidecar.pod, version,
                       failed or "checksum mismatch")
+        self.group.all_values(float(ok))
         self.updates += 1
         return ok
 

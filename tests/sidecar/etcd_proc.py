@@ -13,12 +13,15 @@ from hybrid_rl.dist.mesh import free_port
 
 
 class EtcdProcess:
-    def __init__(self, data_dir: Path):
+    """Any process may stop or restart the server: its pid is kept in `<data_dir>.pid`."""
+
+    def __init__(self, data_dir: Path, port: int = 0, peer_port: int = 0):
         binary = shutil.which("etcd")
         if binary is None:
             raise RuntimeError("etcd is not installed (Debian package etcd-server; `make install` installs it)")
         self.binary, self.data_dir = binary, Path(data_dir)
-        self.port, self.peer_port = free_port(), free_port()
+        self.port, self.peer_port = port or free_port(), peer_port or free_port()
+        self.pid_file = self.data_dir.with_suffix(".pid")
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -33,6 +36,7 @@ class EtcdProcess:
              "--advertise-client-urls", url, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
              "--initial-cluster", f"test={peer}"], stdout=log, stderr=subprocess.STDOUT)
         log.close()
+        self.pid_file.write_text(str(self.proc.pid))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
@@ -46,6 +50,7 @@ class EtcdProcess:
         raise RuntimeError(f"etcd did not answer on {url} within {timeout_s} s")
 
     def stop(self) -> None:
+        """Stop the server this data folder's pid file names (started by this process or another)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -53,4 +58,26 @@ class EtcdProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        elif self.pid_file.exists():
+            _stop_pid(int(self.pid_file.read_text()))
         self.proc = None
+        self.pid_file.unlink(missing_ok=True)
+
+
+def _stop_pid(pid: int) -> None:
+    """SIGTERM, then SIGKILL after 10 s, to a process this test did not start itself (an etcd a worker restarted)."""
+    import os
+    import signal
+
+    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
