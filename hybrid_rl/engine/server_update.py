@@ -20,21 +20,24 @@ class ServerUpdate:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="server-update")
         self.pending: list[Future] = []
         self.server: VLLMServer | None = None
-        self._inited = (-1, None)  # (server start, server) whose transfer backend maps the current ring
+        self._ring_files = 0  # bumped when the ring's files change: the server must map them again
 
     def reinit(self) -> None:
         """The ring's files changed: the server must map them again."""
-        self._inited = (-1, None)
+        self._ring_files += 1
 
     def begin(self, server: VLLMServer) -> None:
         self.server, self.pending = server, []
         self.pending.append(self.pool.submit(self._start, server))
 
     def _start(self, server: VLLMServer) -> None:
-        if self._inited != (server.starts, server):
+        # The server's backend maps one ring at a time: initialise it after each start of the server, change of
+        # the ring's files, or update from another writer (another namespace) in between.
+        key = (server.starts, self.namespace, id(self), self._ring_files)
+        if server.transfer_key != key:
             server.post("/init_weight_transfer_engine",
                         {"init_info": {"namespace": self.namespace, "timeout_s": self.timeout_s}})
-            self._inited = (server.starts, server)
+            server.transfer_key = key
         server.post("/start_weight_update", timeout_s=self.timeout_s)
 
     def bucket(self, seq: int, k: int) -> None:

@@ -133,6 +133,7 @@ class VLLMServer:
         self.http = requests.Session()
         self._spawned_at = 0.0
         self._announced = False
+        self.transfer_key: tuple | None = None  # which writer's ring the server's transfer backend maps now
 
     @property
     def url(self) -> str:
