@@ -47,12 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as e:  # DatasetError and the engine's layout errors are ValueErrors too
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
+    from hybrid_rl.rollout.base import RolloutError
     from hybrid_rl.trainer import Trainer, TrainingError
 
     trainer = Trainer(components)
     try:
         trainer.fit()
-    except TrainingError as e:
+    except (TrainingError, RolloutError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     finally:

@@ -150,7 +150,11 @@ class CheckpointEngine:
             raise WeightSyncError(f"weight update {update} (version {version}) did not land in vLLM as sent; "
                                   "the server keeps its previous version stamp")
         if self.rank == 0:
-            self.http.stamp(version)
+            try:
+                self.http.stamp(version)
+            except (ServerError, WeightSyncError) as e:
+                self._failed = str(e)
+        self._agree()
         self.updates += 1
         rep.seconds = time.perf_counter() - t0
         return rep

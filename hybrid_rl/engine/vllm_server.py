@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -153,7 +154,7 @@ class VLLMServer:
         Path(self.spec.log_path).parent.mkdir(parents=True, exist_ok=True)
         logf = open(self.spec.log_path, "ab")  # noqa: SIM115 - the child keeps it
         try:
-            self.proc = subprocess.Popen(server_command(self.spec), env=server_env(), stdout=logf,
+            self.proc = subprocess.Popen(_die_with_parent(server_command(self.spec)), env=server_env(), stdout=logf,
                                          stderr=subprocess.STDOUT, start_new_session=True)
         finally:
             logf.close()
@@ -230,6 +231,14 @@ class VLLMServer:
 
     def weight_version(self) -> str | None:
         return self.get("/weight_info")["weight_version"]
+
+
+def _die_with_parent(cmd: list[str]) -> list[str]:
+    """`cmd` run so that it gets SIGTERM when the process that started it dies (Linux: util-linux `setpriv`, which
+    sets the parent-death signal and execs, keeping the pid): a trainer killed without a chance to stop its
+    server (SIGKILL, out of memory) leaves no server behind; vLLM's API server then stops its engine core."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", *cmd] if setpriv else cmd
 
 
 def _signal_group(pid: int, sig: int) -> None:

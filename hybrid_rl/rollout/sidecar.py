@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -42,16 +43,14 @@ from hybrid_rl.engine.hybrid import WeightSource
 from hybrid_rl.engine.reshard import SourceParam
 from hybrid_rl.engine.sidecar_server import Sidecar
 from hybrid_rl.engine.vllm_engine import Sampling
-from hybrid_rl.rollout.base import SyncReport
+from hybrid_rl.engine.vllm_server import ServerError
+from hybrid_rl.rollout.base import RolloutError, SyncReport
 from hybrid_rl.rollout.exchange import gather_index
 from hybrid_rl.rollout.sampler import SamplingSettings, generation_eos, request_seed, sample_of
 from hybrid_rl.types import Rollout
 
 log = logging.getLogger(__name__)
-
-
-class RolloutFailed(RuntimeError):
-    """Generation kept failing after `sidecar.max_restarts` recoveries."""
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -89,12 +88,9 @@ class SidecarRollout:
         self._offload("actor.optim", optimizer_tensors(self.optimizer) if self.optimizer else [], o.offload_optim)
         self._offload("actor.grads", grad_tensors(self.policy), o.offload_grads)
         try:
-            if self.sidecar is not None:
-                self.sidecar.ensure_running()
-                if o.sleep:
-                    self.sidecar.wake_up()
+            self._rank0("starting the pod's vLLM server", self._wake)
             self.versions += 1
-            push = self._push(f"v{self.versions}")
+            push = self._push_recovering(f"v{self.versions}")
             self._offload("actor.params", param_tensors(self.policy), o.offload_params)
             self._report = SyncReport(push.seconds, time.perf_counter() - t0 - push.seconds, push.bytes_written)
             self._active = True
@@ -109,16 +105,50 @@ class SidecarRollout:
     def _offload(self, name: str, tensors: list[torch.Tensor], target: str) -> None:
         self.offload.offload(name, tensors, target)
 
+    def _wake(self) -> None:
+        if self.sidecar is not None:
+            self.sidecar.ensure_running()
+            if self.options.sleep:
+                self.sidecar.wake_up()
+
+    def _push_recovering(self, version: str):
+        """`_push`, again after restarting the server when it failed during the update (every rank alike)."""
+        for attempt in range(self.options.max_restarts + 1):
+            try:
+                return self._push(version)
+            except ServerError as e:
+                if attempt == self.options.max_restarts:
+                    raise RolloutError(f"weight update {version} failed {attempt + 1} times: {e}") from None
+                log.warning("weight update %s failed (%s); restarting the server and updating again", version, e)
+                self._rank0("restarting the pod's vLLM server", self._wake)
+
     def _push(self, version: str):
         """Every rank: the checkpoint engine's update; rank 0 then marks its server and publishes the version."""
         sources = [SourceParam(name, local, shape) for name, local, shape in self.weights.weights()
                    if not self.engine.layout.skip(name)]
         rep = self.engine.push(sources, version, sharded=self.sharded)
+        self._rank0("publishing the weight version in etcd", lambda: self._publish(version))
+        self.version = version
+        return rep
+
+    def _publish(self, version: str) -> None:
         if self.sidecar is not None:
             self.sidecar.loaded(version)
             self.etcd.put("version", {"version": version, "update": self.engine.updates - 1})
-        self.version = version
-        return rep
+
+    def _rank0(self, what: str, fn: Callable[[], T]) -> T:
+        """`fn()` on rank 0 (it owns the server and talks to etcd), its result or its error on every rank: a
+        failure there stops every rank alike instead of leaving the others in a collective."""
+        result, error = None, None
+        if self.dims.rank == 0:
+            try:
+                result = fn()
+            except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+                error = f"{type(e).__name__}: {e}"
+        result, error = broadcast_object((result, error))
+        if error:
+            raise RolloutError(f"{what} failed on rank 0: {error}")
+        return result
 
     def last_sync(self) -> SyncReport:
         return self._report
@@ -144,7 +174,7 @@ class SidecarRollout:
             if not all_reduce_max([float(len(failed))])[0]:
                 break
             if attempt == self.options.max_restarts:
-                raise RolloutFailed(f"generation failed after {attempt} server restarts; last errors on rank "
+                raise RolloutError(f"generation failed after {attempt} server restarts; last errors on rank "
                                     f"{d.rank}: {list(failed.values())[:3]}")
             if failed:
                 log.warning("rank %d: %d of %d requests failed (%s); recovering the servers", d.rank, len(failed),
@@ -156,7 +186,7 @@ class SidecarRollout:
 
     def _router(self) -> Callable[[Request], str]:
         """Round robin over the servers etcd lists at the current version (the same list on every rank)."""
-        servers = broadcast_object(self._current_servers() if self.dims.rank == 0 else None)
+        servers = self._rank0("listing the servers in etcd", self._current_servers)
         if not servers:
             return lambda r: "http://server-unavailable.invalid"  # every request fails: the ranks recover
         return lambda r: servers[r.key % len(servers)]
@@ -167,10 +197,9 @@ class SidecarRollout:
 
     def _recover(self) -> None:
         """Every rank: restart this pod's server if it died, then push the current weights again (to every pod)."""
-        if self.sidecar is not None:
-            self.sidecar.ensure_running()
+        self._rank0("restarting the pod's vLLM server", self._wake)
         self.offload.reload("actor.params")
-        self._push(self.version)
+        self._push_recovering(self.version)
         self._offload("actor.params", param_tensors(self.policy), self.options.offload_params)
 
     def close(self) -> None:
