@@ -77,7 +77,7 @@ def _writers_only(rank: int, world: int, tp: int, full, sources, layout) -> dict
         return handed[-1]
 
     exact, items, sums = True, 0, []
-    for k, pairs in stream_buckets(plan, sources, device=torch.device("cpu"), probe_cols=16, alloc=alloc):
+    for _, pairs in stream_buckets(plan, sources, device=torch.device("cpu"), probe_cols=16, alloc=alloc):
         for (ts, tensor), given in zip(pairs, handed[-1] if pairs else [], strict=True):
             want = full[ts.hf_name] if ts.dim is None else full[ts.hf_name].narrow(ts.dim, ts.start, ts.stop - ts.start)
             exact &= torch.equal(tensor, want.to(torch.bfloat16)) and tensor.data_ptr() == given.data_ptr()
