@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     from hybrid_rl.build import server_spec, sidecar_namespace, sidecar_prefix
     from hybrid_rl.config import ConfigError, load_config, split_command_line
     from hybrid_rl.dist.etcd import Etcd, EtcdUnavailable
-    from hybrid_rl.train import setup_logging
+    from hybrid_rl.utils.logs import setup_logging
 
     setup_logging()
     try:
