@@ -34,12 +34,13 @@ import torch
 
 from hybrid_rl.data import PromptRecord
 from hybrid_rl.dist.collectives import all_reduce_max, broadcast_object
-from hybrid_rl.dist.etcd import Etcd
+from hybrid_rl.dist.etcd import Etcd, EtcdUnavailable
 from hybrid_rl.dist.mesh import ParallelDims
 from hybrid_rl.dist.offload import OffloadManager, grad_tensors, optimizer_tensors, param_tensors
 from hybrid_rl.engine.checkpoint_engine import CheckpointEngine
 from hybrid_rl.engine.completions import CompletionClient, Request
 from hybrid_rl.engine.hybrid import WeightSource
+from hybrid_rl.engine.pod_link import GROUP_KEY
 from hybrid_rl.engine.reshard import SourceParam
 from hybrid_rl.engine.sidecar_server import Sidecar
 from hybrid_rl.engine.vllm_engine import Sampling
@@ -207,5 +208,9 @@ class SidecarRollout:
         self.engine.close()
         if self.sidecar is not None:
             self.sidecar.close()
-            self.etcd.delete("version")
+            try:
+                self.etcd.delete("version")
+                self.etcd.delete(GROUP_KEY)
+            except EtcdUnavailable as e:  # stopping because etcd is gone: nothing to clean there
+                log.warning("%s", e)
 
