@@ -39,14 +39,17 @@ help:
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml $(LOCK) scripts/install_sandbox.sh
+$(STAMP): pyproject.toml $(LOCK) scripts/install_sandbox.sh scripts/install_etcd.sh scripts/write_dist_info.py
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check $(if $(HAS_CUDA),,--no-deps) -r $(LOCK)
 	@$(FLASH_ATTN)
 	@# The repo itself goes on the path with a .pth file: no build step, edits take effect at once.
 	$(BIN)/python -c "import sysconfig, pathlib; pathlib.Path(sysconfig.get_paths()['purelib'], 'hybrid_rl.pth').write_text('$(CURDIR)\\n')"
+	@# Package metadata beside it: vLLM finds the project's plugin (sidecar mode) through its entry point.
+	$(BIN)/python scripts/write_dist_info.py "$$($(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"
 	@$(DROP_CUDA_EXTRAS)
 	@bash scripts/install_sandbox.sh $(BIN)/python $(SANDBOX)
+	@bash scripts/install_etcd.sh
 	@$(BIN)/python -c "import torch, vllm, transformers; print(f'installed: torch {torch.__version__}, vllm {vllm.__version__}, transformers {transformers.__version__}')" 2>&1 | tail -1
 	@touch $(STAMP)
 

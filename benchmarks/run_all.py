@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 # Cheapest first: a broken environment shows up in seconds, not after the vLLM benchmarks.
-BENCHMARKS = ["rewards", "startup", "packing", "throughput", "reshard", "scaling", "vs_trl"]
+BENCHMARKS = ["rewards", "startup", "packing", "throughput", "reshard", "checkpoint_engine", "scaling", "vs_trl"]
 
 
 def main() -> None:

@@ -7,9 +7,11 @@ in seconds with a message that names it.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,12 +19,18 @@ import torch
 
 from hybrid_rl.config import Config, ConfigError, resolve_rollout
 from hybrid_rl.data import PromptLoader, load_preference_dataset, load_prompt_dataset
-from hybrid_rl.dist.fsdp import shard_model
+from hybrid_rl.dist.etcd import Etcd, EtcdUnavailable
+from hybrid_rl.dist.fsdp import is_sharded, shard_model
 from hybrid_rl.dist.mesh import ParallelDims, device, fsdp_mesh, init_distributed
 from hybrid_rl.dist.offload import OffloadManager
-from hybrid_rl.engine.hybrid import HybridEngine, SwitchOptions
+from hybrid_rl.engine.checkpoint_engine import CheckpointEngine, PushOptions
+from hybrid_rl.engine.completions import CompletionClient
+from hybrid_rl.engine.hybrid import HybridEngine, ModuleWeights, SwitchOptions
 from hybrid_rl.engine.layout import Layout, ModelDims, check_architecture
+from hybrid_rl.engine.pod_link import pod_link
+from hybrid_rl.engine.sidecar_server import Sidecar
 from hybrid_rl.engine.vllm_engine import EngineSpec, VLLMEngine
+from hybrid_rl.engine.vllm_server import ServerError, ServerSpec, check_python, port_free
 from hybrid_rl.model.handle import Model
 from hybrid_rl.model.loading import DTYPES, empty_model, enable_activation_checkpointing, load_config, load_tokenizer
 from hybrid_rl.model.lora import LoraWeights, apply_lora, is_lora
@@ -33,6 +41,7 @@ from hybrid_rl.planner import detect_device, plan_for
 from hybrid_rl.rewards import RewardPool, Rubric, RubricItem, resolve_reward
 from hybrid_rl.rollout.base import RolloutWorker
 from hybrid_rl.rollout.sampler import Sampler, SamplingSettings
+from hybrid_rl.rollout.sidecar import SidecarOptions, SidecarRollout
 from hybrid_rl.utils.schedule import lr_multiplier
 
 log = logging.getLogger(__name__)
@@ -60,15 +69,15 @@ def check_inputs(cfg: Config, world: int) -> None:
     hf = load_config(cfg.model.path)
     arch = (getattr(hf, "architectures", None) or [type(hf).__name__])[0]
     check_architecture(arch)
-    ParallelDims(world, 0, 0, cfg.rollout.tp)
     resolve_rollout(cfg.rollout, "cuda" if torch.cuda.is_available() else "cpu")  # what this platform cannot do
+    ROLLOUT_CHECKS[cfg.rollout.mode](cfg, world, hf)
     for name in (cfg.reward.model_path, cfg.critic.path):
         if name and not Path(name).is_dir():
             raise ConfigError(f"{name!r} (reward.model_path / critic.path) is not a model folder")
 
 
 def build(cfg: Config) -> Components:
-    dims = init_distributed(cfg.rollout.tp)
+    dims = init_distributed(cfg.rollout.tp if cfg.rollout.mode == "colocated" else 1)
     _seed_everything(cfg.trainer.seed)
     tokenizer = load_tokenizer(cfg.model.path)
     if tokenizer.eos_token_id is None:
@@ -201,8 +210,89 @@ def _colocated(cfg: Config, dims: ParallelDims, actor: Model, offload: OffloadMa
     return Sampler(_engine(cfg, dims, actor, offload), tokenizer, dims, sampling_settings(cfg), seed=cfg.trainer.seed)
 
 
+def _check_colocated(cfg: Config, world: int, hf_config) -> None:
+    ParallelDims(world, 0, 0, cfg.rollout.tp)
+
+
+def sidecar_prefix(cfg: Config) -> str:
+    """The run's etcd prefix (`sidecar.prefix`, or one named after the output folder)."""
+    return cfg.sidecar.prefix or f"/hybrid_rl/{Path(cfg.trainer.output_dir).resolve().name}"
+
+
+def sidecar_namespace(cfg: Config, pod: int) -> str:
+    """The pod's shared-memory namespace: unique per run (etcd endpoint and prefix) and pod."""
+    digest = hashlib.sha1(f"{cfg.sidecar.etcd}{sidecar_prefix(cfg)}".encode()).hexdigest()[:10]
+    return f"hrl-{digest}-pod{pod}"
+
+
+def _check_sidecar(cfg: Config, world: int, hf_config) -> None:
+    """Everything a sidecar run needs that can fail in seconds: TP vs heads and ranks, the server's interpreter,
+    its port (on the node that starts it) and etcd."""
+    sc, tp = cfg.sidecar, cfg.rollout.tp
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if tp > min(local, world):
+        raise ConfigError(f"rollout.tp={tp}: the vLLM sidecar's TP size must be at most the trainer ranks of its pod "
+                          f"({min(local, world)}): each server TP rank gets its weights from one trainer rank")
+    try:
+        Layout(ModelDims.from_hf_config(hf_config), tp)
+    except ValueError as e:
+        raise ConfigError(f"rollout.tp={tp} does not fit the model: {e}") from None
+    try:
+        check_python(sc.python or sys.executable)
+    except ServerError as e:
+        raise ConfigError(str(e)) from None
+    if int(os.environ.get("RANK", 0)) == 0 and not port_free(sc.host, sc.port):
+        raise ConfigError(f"sidecar.port={sc.port}: the port is taken on {sc.host}; choose a free one")
+    try:
+        Etcd(sc.etcd, sidecar_prefix(cfg), wait_s=0).check()
+    except (EtcdUnavailable, ValueError) as e:
+        raise ConfigError(str(e)) from None
+
+
+def _sidecar(cfg: Config, dims: ParallelDims, actor: Model, offload: OffloadManager, tokenizer) -> SidecarRollout:
+    """A vLLM server beside the trainer (started here by rank 0, serving after a minute), fed by the checkpoint
+    engine; other pods (`python -m hybrid_rl.pod`) get each update through the pod group."""
+    r, sc = cfg.rollout, cfg.sidecar
+    d = resolve_rollout(r, "cuda" if torch.cuda.is_available() else "cpu")
+    etcd = Etcd(sc.etcd, sidecar_prefix(cfg), wait_s=sc.etcd_wait_s)
+    sidecar = None
+    if dims.rank == 0:
+        sidecar = Sidecar(server_spec(cfg, port=sc.port, log_path=Path(cfg.trainer.output_dir) / "vllm_server.log"),
+                          etcd, pod=0, ttl_s=sc.lease_ttl_s, start_timeout_s=sc.start_timeout_s)
+        sidecar.start(wait=False)  # it loads while the trainer builds its models; the first session waits
+    layout = Layout(ModelDims.from_hf_config(actor.module.config), r.tp)
+    options = PushOptions(int(r.bucket_mb * 2**20), sc.slots, r.verify_probe_cols, sc.update_timeout_s)
+    link = pod_link(etcd, dims, host=sc.host, tp=r.tp, pods=sc.pods, wait_s=sc.pod_wait_s) if sc.pods > 1 else None
+    engine = CheckpointEngine(rank=dims.rank, world=dims.world, layout=layout, namespace=sidecar_namespace(cfg, 0),
+                              options=options, device=device(), dtype=DTYPES[r.dtype],
+                              server=(lambda: sidecar.server) if sidecar is not None else None, link=link)
+    o = cfg.offload
+    opts = SidecarOptions(o.actor_params, o.actor_grads, o.actor_optim, sc.max_restarts, sc.sleep_level,
+                          sleep=d.release == "sleep")
+    weights = LoraWeights(actor.module) if is_lora(actor.module) else ModuleWeights(actor.module)
+    return SidecarRollout(policy=actor.module, optimizer=actor.optimizer, dims=dims, weights=weights, engine=engine,
+                          sidecar=sidecar, etcd=etcd,
+                          client=CompletionClient(max_inflight=sc.max_inflight, timeout_s=sc.request_timeout_s),
+                          offload=offload, options=opts, tokenizer=tokenizer, settings=sampling_settings(cfg),
+                          seed=cfg.trainer.seed, sharded=any(is_sharded(p) for p in actor.module.parameters()))
+
+
+def server_spec(cfg: Config, *, port: int, log_path: Path) -> ServerSpec:
+    """The vLLM sidecar of one pod, from the rollout config (resolved for this platform)."""
+    r, sc = cfg.rollout, cfg.sidecar
+    cuda = torch.cuda.is_available()
+    d = resolve_rollout(r, "cuda" if cuda else "cpu")
+    return ServerSpec(model_path=cfg.model.path, tp=r.tp, dtype=r.dtype, port=port, host=sc.host,
+                      max_model_len=r.max_model_len or cfg.data.max_prompt_tokens + r.max_new_tokens,
+                      seed=cfg.trainer.seed, enforce_eager=d.enforce_eager, log_path=str(log_path),
+                      python=sc.python or sys.executable, kv_cache_gb=d.kv_cache_gb,
+                      gpu_memory_utilization=d.gpu_memory_utilization, sleep_mode=d.release == "sleep", cuda=cuda)
+
+
 # rollout.mode -> builder of the rollout worker (one signature: cfg, dims, actor, offload, tokenizer)
-ROLLOUT_MODES = {"colocated": _colocated}
+ROLLOUT_MODES = {"colocated": _colocated, "sidecar": _sidecar}
+# rollout.mode -> its cheap start-up checks (cfg, world, the model's HF config), run before any weight is loaded
+ROLLOUT_CHECKS = {"colocated": _check_colocated, "sidecar": _check_sidecar}
 
 
 def _engine(cfg: Config, dims: ParallelDims, actor: Model, offload: OffloadManager) -> HybridEngine:

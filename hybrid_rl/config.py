@@ -61,8 +61,10 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    mode: str = "colocated"  # colocated: vLLM in-process on the training ranks (the hybrid engine)
-    tp: int = 1
+    # colocated: vLLM in-process on the training ranks (the hybrid engine); sidecar: a vLLM server process beside
+    # the trainer on each pod, fed by the checkpoint engine (see `SidecarConfig`)
+    mode: str = "colocated"
+    tp: int = 1  # vLLM tensor parallelism (sidecar: the server's TP size, at most the pod's trainer ranks)
     n: int = 8  # samples per prompt
     max_new_tokens: int = 256
     temperature: float = 1.0
@@ -78,6 +80,29 @@ class RolloutConfig:
     verify: bool = True  # checksum every synced weight against what landed in vLLM
     verify_probe_cols: int = 32  # columns checked per 2-D weight (every row); they rotate with each sync
     val_greedy: bool = True
+
+
+@dataclass
+class SidecarConfig:
+    """`rollout.mode=sidecar`: vLLM servers beside the trainer, coordinated in etcd (README "Sidecar mode")."""
+
+    etcd: str = "http://127.0.0.1:2379"  # etcd's client URL (its v3 HTTP gateway)
+    prefix: str = ""  # the run's etcd key prefix; "" = /hybrid_rl/<trainer.output_dir's name>
+    etcd_wait_s: float = 300.0  # etcd unreachable mid-run: wait this long for it, then stop cleanly
+    lease_ttl_s: int = 10  # a pod whose supervisor stops refreshing its lease drops out after this long
+    host: str = "127.0.0.1"  # where this pod's server listens (other pods' trainers reach it there)
+    port: int = 8100  # this pod's server port
+    python: str = ""  # the interpreter that runs the vLLM server; "" = the trainer's own
+    start_timeout_s: float = 900.0  # the server's start, up to its first /health
+    update_timeout_s: float = 600.0  # a weight update step (a bucket, a request) before the update fails
+    request_timeout_s: float = 900.0  # one generation request
+    slots: int = 3  # shared-memory buckets in flight per server TP rank (memory: slots x rollout.bucket_mb)
+    max_inflight: int = 64  # generation requests in flight per trainer rank
+    max_restarts: int = 3  # server restarts (or lost servers) tolerated within one rollout before the run stops
+    pods: int = 1  # pods that receive each update: this one plus those started with `python -m hybrid_rl.pod`
+    pod: int = 0  # `python -m hybrid_rl.pod` only: this pod's number, 1 .. pods-1 (0 is the trainer's)
+    pod_wait_s: float = 900.0  # how long the trainer waits at start for the other pods to join
+    sleep_level: int = 1  # CUDA: the server's sleep while the trainer trains (1: weights kept in host memory, 2: dropped)
 
 
 @dataclass
@@ -208,6 +233,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sidecar: SidecarConfig = field(default_factory=SidecarConfig)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,7 +349,7 @@ CHOICES = {
     "model.frozen_dtype": ("auto", "float32", "bfloat16", "float16"),
     "rollout.dtype": ("float32", "bfloat16", "float16"),
     "rollout.release": ("auto", "keep", "sleep", "restart"),
-    "rollout.mode": ("colocated",),
+    "rollout.mode": ("colocated", "sidecar"),
     "algorithm.advantage": ("gae", "grpo", "rloo", "reinforce_pp"),
     "algorithm.objective": ("ppo_clip", "dpo"),
     "algorithm.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
@@ -341,10 +367,12 @@ CHOICES = {
 POSITIVE = ("rollout.n", "rollout.max_new_tokens", "rollout.bucket_mb", "data.prompts_per_step",
             "data.max_prompt_tokens", "trainer.total_steps", "trainer.micro_batch_tokens", "trainer.keep_last",
             "algorithm.ppo_epochs", "algorithm.mini_batches", "optim.lr", "rollout.tp", "trainer.max_bad_steps",
-            "algorithm.max_sampling_rounds")
+            "algorithm.max_sampling_rounds", "sidecar.port", "sidecar.lease_ttl_s", "sidecar.slots",
+            "sidecar.max_inflight", "sidecar.pods", "sidecar.etcd_wait_s", "sidecar.start_timeout_s",
+            "sidecar.update_timeout_s", "sidecar.request_timeout_s", "sidecar.pod_wait_s")
 NON_NEGATIVE = ("rollout.temperature", "rollout.kv_cache_gb", "algorithm.kl_coef", "algorithm.entropy_coef", "optim.grad_clip",
                 "optim.warmup_steps", "trainer.save_every", "trainer.val_every", "algorithm.overlong_buffer",
-                "reward.num_workers", "data.val_prompts")
+                "reward.num_workers", "data.val_prompts", "sidecar.max_restarts")
 
 
 def get(cfg: Config, key: str) -> Any:
@@ -389,6 +417,9 @@ def validate(cfg: Config) -> None:
                           "data.train_files=[/data/train.jsonl]")
     if cfg.model.lora.rank < 0:
         raise ConfigError(f"model.lora.rank={cfg.model.lora.rank} must be >= 0 (0 = full fine-tuning)")
+    if cfg.sidecar.sleep_level not in (1, 2):
+        raise ConfigError(f"sidecar.sleep_level={cfg.sidecar.sleep_level!r} is not allowed; choose 1 (weights kept in "
+                          "host memory) or 2 (weights dropped, reloaded by the next update)")
     util = cfg.rollout.gpu_memory_utilization
     if not (isinstance(util, int | float) and 0 <= util <= 1):
         raise ConfigError(f"rollout.gpu_memory_utilization={util!r} must be in (0, 1], or 0 for auto (the GPU memory "

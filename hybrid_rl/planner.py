@@ -146,7 +146,8 @@ def _tokens(cfg: Config, world: int, prompt_lengths: Sequence[int] | None) -> di
 def _rollout(cfg: Config, device: DeviceSpec) -> RolloutSpec:
     r, d = cfg.rollout, resolve_rollout(cfg.rollout, device.kind)  # as build.py resolves it
     return RolloutSpec(
-        enabled=_needs_rollout(cfg), tp=r.tp, dtype_bytes=DTYPE_BYTES[r.dtype],
+        # sidecar: vLLM runs in its own server process, outside the trainer ranks this plan is about (`_sidecar_notes`)
+        enabled=_needs_rollout(cfg) and r.mode == "colocated", tp=r.tp, dtype_bytes=DTYPE_BYTES[r.dtype],
         kv_cache_bytes=None if d.kv_cache_gb is None else int(d.kv_cache_gb * GIB),
         gpu_memory_utilization=d.gpu_memory_utilization, release=d.release, bucket_bytes=int(r.bucket_mb * 2**20),
         max_model_len=r.max_model_len or cfg.data.max_prompt_tokens + r.max_new_tokens,
@@ -180,7 +181,28 @@ def _config_notes(cfg: Config, actor: ModelSpec, device: DeviceSpec) -> list[str
     if actor.dims.architecture not in ARCHITECTURES:
         notes.append(f"{actor.dims.architecture} has no vLLM weight layout (engine/layout.py): hybrid_rl.train "
                      "refuses it; sizes come from a meta-device instance")
-    if device.kind == "cpu" and cfg.rollout.release in ("auto", "keep"):
+    if cfg.rollout.mode == "sidecar":
+        notes += _sidecar_notes(cfg, actor, device)
+    elif device.kind == "cpu" and cfg.rollout.release in ("auto", "keep"):
         notes.append("rollout.release=keep (the CPU default): vLLM's weights and KV cache stay in memory in every "
                      "phase")
     return notes
+
+
+def _sidecar_notes(cfg: Config, actor: ModelSpec, device: DeviceSpec) -> list[str]:
+    """What sidecar mode puts outside the trainer ranks' plan: said, with the numbers known from the config."""
+    r, sc = cfg.rollout, cfg.sidecar
+    weights = sum(p.numel for p in actor.params) * DTYPE_BYTES[r.dtype] / r.tp / GIB
+    d = resolve_rollout(r, device.kind)
+    kv = f"{d.kv_cache_gb:g} GiB" if d.kv_cache_gb is not None else \
+        f"what rollout.gpu_memory_utilization ({d.gpu_memory_utilization or 'auto'}) leaves"
+    ring = sc.slots * r.bucket_mb / 1024
+    where = "GPU memory while it is awake" if device.kind == "cuda" else "host RAM, always (no sleep mode on CPU)"
+    return [
+        "rollout.mode=sidecar: not counted above (the vLLM server is its own process): per server TP rank "
+        f"{weights:.2f} GiB of weights and a KV cache of {kv}, in {where}, plus the server process itself "
+        "(~1-2 GiB of host RAM for a tiny model on CPU)",
+        f"rollout.mode=sidecar: not counted above: the checkpoint engine's shared memory, {sc.slots} slots x "
+        f"{r.bucket_mb:g} MiB = {ring:.2f} GiB per server TP rank on each pod (in /dev/shm; pinned host memory on "
+        "CUDA), and one bucket of resharding buffers on each trainer rank during an update",
+    ]

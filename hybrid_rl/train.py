@@ -10,9 +10,10 @@ from hybrid_rl.utils.env import set_runtime_defaults
 
 set_runtime_defaults()
 
-import logging  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
+
+from hybrid_rl.utils.logs import setup_logging  # noqa: E402 - also imported from here by the test workers
 
 EXIT_BAD_INPUT = 2
 
@@ -24,14 +25,6 @@ def parse_args(argv: list[str]) -> tuple[str, list[str]]:
     from hybrid_rl.config import split_command_line
 
     return split_command_line(argv)
-
-
-def setup_logging() -> None:
-    main = int(os.environ.get("RANK", 0)) == 0
-    logging.basicConfig(level=logging.INFO if main else logging.WARNING, format="%(asctime)s %(levelname)s %(message)s",
-                        datefmt="%H:%M:%S")
-    for noisy in ("vllm", "transformers", "torch", "httpx", "urllib3"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,12 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as e:  # DatasetError and the engine's layout errors are ValueErrors too
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
+    from hybrid_rl.rollout.base import RolloutError
     from hybrid_rl.trainer import Trainer, TrainingError
 
     trainer = Trainer(components)
     try:
         trainer.fit()
-    except TrainingError as e:
+    except (TrainingError, RolloutError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     finally:

@@ -121,12 +121,14 @@ class ReshardPlan:
 
 def build_plan(
     params: list[SourceParam], layout: Layout, *, rank: int, world: int, tp_rank_of: Callable[[int], int],
-    bucket_bytes: int, dtype: torch.dtype, sharded: bool,
+    bucket_bytes: int, dtype: torch.dtype, sharded: bool, receives: Callable[[int], bool] | None = None,
 ) -> ReshardPlan:
     """Plan the pieces this rank sends and receives, grouped in buckets of about `bucket_bytes` received.
 
     Weights of one vLLM module (q/k/v -> qkv_proj, gate/up -> gate_up_proj) stay in one bucket: vLLM
-    processes a fused layer only once all its parts have arrived.
+    processes a fused layer only once all its parts have arrived. `receives(rank)` False: that rank
+    only sends (the sidecar's checkpoint engine: only one rank per server TP rank writes its slices);
+    None: every rank receives its TP slice (colocated).
     """
     elt = torch.empty((), dtype=dtype).element_size()
     slices = [layout.slice(p.name, p.shape, tp_rank_of(rank)) for p in params]
@@ -144,19 +146,20 @@ def build_plan(
     current: list[int] = []
     for g in groups:
         if current and sum(size[i] for i in current + g) * elt > bucket_bytes:
-            buckets.append(_bucket(current, params, layout, rank, world, tp_rank_of, sharded, elt))
+            buckets.append(_bucket(current, params, layout, rank, world, tp_rank_of, sharded, elt, receives))
             current = []
         current += g
     if current:
-        buckets.append(_bucket(current, params, layout, rank, world, tp_rank_of, sharded, elt))
+        buckets.append(_bucket(current, params, layout, rank, world, tp_rank_of, sharded, elt, receives))
     plan = ReshardPlan(slices, buckets, dtype, rank, world)
     plan.bytes_per_sync = sum(b.recv_bytes for b in buckets)
     return plan
 
 
-def _bucket(indices, params, layout, rank, world, tp_rank_of, sharded, elt) -> Bucket:
+def _bucket(indices, params, layout, rank, world, tp_rank_of, sharded, elt, receives) -> Bucket:
     sends: list[list[Piece]] = [[] for _ in range(world)]
     recvs: list[list[Piece]] = [[] for _ in range(world)]
+    receives = receives or (lambda r: True)
     # Unsharded weights are whole on every rank: each rank just takes its own slice locally.
     peers = range(world) if sharded else [rank]
     for i in indices:
@@ -165,9 +168,9 @@ def _bucket(indices, params, layout, rank, world, tp_rank_of, sharded, elt) -> B
         mine = layout.slice(p.name, p.shape, tp_rank_of(rank))
         for other in peers:
             theirs = layout.slice(p.name, p.shape, tp_rank_of(other))
-            if piece := _piece(i, theirs, rank, other, held[rank], sharded):  # my rows ∩ their slice
+            if receives(other) and (piece := _piece(i, theirs, rank, other, held[rank], sharded)):  # my rows ∩ theirs
                 sends[other].append(piece)
-            if piece := _piece(i, mine, other, rank, held[other], sharded):  # their rows ∩ my slice
+            if receives(rank) and (piece := _piece(i, mine, other, rank, held[other], sharded)):  # their rows ∩ mine
                 recvs[other].append(piece)
     recv_bytes = sum(pc.numel for per_src in recvs for pc in per_src) * elt
     return Bucket(list(indices), sends, recvs, recv_bytes)
@@ -229,10 +232,30 @@ def stream_slices(
     last item, `plan.expected` holds the senders' checksums of this rank's slices, taken over
     `probe_cols` columns of each 2-D slice (`rollout.verify_probe_cols`) that rotate with `sync_index`.
     """
+    for _, items in stream_buckets(plan, params, device=device, group=group, probe_cols=probe_cols,
+                                   sync_index=sync_index, stats=stats):
+        items.reverse()
+        while items:  # each slice is dropped here as soon as vLLM has taken it
+            yield items.pop()
+
+
+Alloc = Callable[[int, list[TPSlice]], list[torch.Tensor]]
+
+
+def stream_buckets(
+    plan: ReshardPlan, params: list[SourceParam], *, device: torch.device, group=None,
+    probe_cols: int, sync_index: int = 0, stats: SyncStats | None = None, alloc: Alloc | None = None,
+) -> Iterator[tuple[int, list[tuple[TPSlice, torch.Tensor]]]]:
+    """`stream_slices` one bucket at a time: (bucket number, its (slice, tensor) pairs on this rank).
+
+    `alloc(k, slices)` gives the tensors bucket k's slices are assembled into (e.g. views of a
+    shared-memory slot: the received pieces are then copied once, straight to their destination);
+    None: fresh tensors on `device`. A rank that receives nothing gets empty lists.
+    """
     stats = stats or SyncStats()
     world = plan.world
     partial = torch.zeros(world, len(plan.slices), dtype=torch.float64, device=device)
-    for bucket in plan.buckets:
+    for k, bucket in enumerate(plan.buckets):
         send_splits = [sum(pc.numel for pc in bucket.sends[d]) for d in range(world)]
         recv_splits = [sum(pc.numel for pc in bucket.recvs[s]) for s in range(world)]
         send = torch.empty(sum(send_splits), dtype=plan.dtype, device=device)
@@ -257,10 +280,9 @@ def stream_slices(
         del send
         stats.bytes_received += recv.numel() * recv.element_size()
         stats.buckets += 1
-        out = _assemble(plan, bucket, recv)
+        items = _assemble(plan, k, bucket, recv, device, alloc)
         del recv  # freed before vLLM gets the slices: at most two buckets' bytes are alive at any moment
-        for i in bucket.indices:
-            yield plan.slices[i], out.pop(i)
+        yield k, items
     if world > 1:
         # Row s of `partial` goes to rank s; what comes back is what every sender computed for me.
         received = torch.empty_like(partial)
@@ -276,13 +298,19 @@ def _source_block(p: SourceParam, pc: Piece) -> torch.Tensor:
     return block
 
 
-def _assemble(plan: ReshardPlan, bucket: Bucket, recv: torch.Tensor) -> dict[int, torch.Tensor]:
-    """The received pieces placed into one tensor per TP slice: {weight index: slice}."""
-    out = {i: torch.empty(plan.slices[i].shape, dtype=plan.dtype, device=recv.device) for i in bucket.indices}
+def _assemble(plan: ReshardPlan, k: int, bucket: Bucket, recv: torch.Tensor, device,
+              alloc: Alloc | None) -> list[tuple[TPSlice, torch.Tensor]]:
+    """Place the received pieces into one tensor per TP slice, in source order."""
+    if not any(bucket.recvs):
+        return []
+    slices = [plan.slices[i] for i in bucket.indices]
+    dest = alloc(k, slices) if alloc is not None else \
+        [torch.empty(ts.shape, dtype=plan.dtype, device=device) for ts in slices]
+    out = dict(zip(bucket.indices, dest, strict=True))
     off = 0
     for s in range(plan.world):
         for pc in bucket.recvs[s]:
             dst = out[pc.index]
             dst[pc.slice_row0 : pc.slice_row0 + pc.shape[0]].copy_(recv[off : off + pc.numel].view(pc.shape))
             off += pc.numel
-    return out
+    return [(plan.slices[i], out[i]) for i in bucket.indices]

@@ -40,7 +40,32 @@ class UpdateInfo:
     stream: Iterable[tuple[TPSlice, torch.Tensor]]
 
 
-class InProcessTransfer(WeightTransferEngine):
+class LandingEngine(WeightTransferEngine):
+    """What both of the project's backends share: the sync path (`self.path`: inplace | reload) decides whether
+    an update runs inside vLLM's layerwise reload, and no accelerator call is made on a CPU-only torch."""
+
+    path: str | None = None
+
+    def begin_landing(self) -> None:
+        if self.path == "reload":
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model)
+
+    def update_weights(self, update_info: dict) -> None:
+        # The base class ends with torch.accelerator.synchronize(), which raises on a CPU-only torch.
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def end_landing(self) -> None:
+        if self.path == "reload":
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)
+
+
+class InProcessTransfer(LandingEngine):
     """Lands the resharder's slices in vLLM's model, in place or through vLLM's layerwise reload."""
 
     init_info_cls = InitInfo
@@ -57,16 +82,7 @@ class InProcessTransfer(WeightTransferEngine):
     def start_weight_update(self) -> None:
         if self.path is None:
             raise RuntimeError("init_weight_transfer_engine must name the sync path before the first update")
-        if self.path == "reload":
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-            initialize_layerwise_reload(self.model)
-
-    def update_weights(self, update_info: dict) -> None:
-        # The base class ends with torch.accelerator.synchronize(), which raises on a CPU-only torch.
-        self.receive_weights(self.parse_update_info(update_info))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self.begin_landing()
 
     def receive_weights(self, update_info: UpdateInfo) -> None:
         if self.path == "inplace":
@@ -75,10 +91,7 @@ class InProcessTransfer(WeightTransferEngine):
             self.model.load_weights(staged(ts, t) for ts, t in update_info.stream)
 
     def finish_weight_update(self) -> None:
-        if self.path == "reload":
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-            finalize_layerwise_reload(self.model, self.model_config)
+        self.end_landing()
 
     def shutdown(self) -> None:
         self.path = None

@@ -17,6 +17,11 @@ from hybrid_rl.data import PromptRecord
 from hybrid_rl.types import Rollout
 
 
+class RolloutError(RuntimeError):
+    """The rollout backend cannot go on (servers lost, coordination lost past its timeout): raised on every rank
+    alike, so the run stops cleanly; the checkpoints written so far are intact."""
+
+
 @dataclass(frozen=True)
 class SyncReport:
     """What the last session's weight update cost: seconds syncing, seconds switching modes, bytes per rank."""

@@ -36,7 +36,7 @@ class Sampler:
 
     def __init__(self, engine: HybridEngine, tokenizer, dims: ParallelDims, settings: SamplingSettings, *, seed: int):
         self.engine, self.dims, self.settings, self.seed = engine, dims, settings, seed
-        self.stop_ids = tuple(sorted({tokenizer.eos_token_id} | set(_generation_eos(tokenizer))))
+        self.stop_ids = tuple(sorted({tokenizer.eos_token_id} | set(generation_eos(tokenizer))))
 
     def session(self):
         """Rollout mode: train state offloaded, weights synced into vLLM; back to train mode after."""
@@ -62,24 +62,30 @@ class Sampler:
         sampling = Sampling(max_tokens=s.max_new_tokens, temperature=0.0 if greedy else s.temperature,
                             top_p=1.0 if greedy else s.top_p, top_k=-1 if greedy else s.top_k, n=n,
                             stop_token_ids=self.stop_ids)
-        seeds = [hash((self.seed, step, group_base + i)) % (2**31) for i in mine]
+        seeds = [request_seed(self.seed, step, group_base + i) for i in mine]
         outs = self.engine.generate([list(records[i].prompt_ids) for i in mine], sampling, seeds)
         held = []
         for i, gens in zip(mine, outs, strict=True):
             prompt = torch.tensor(records[i].prompt_ids, dtype=torch.int64)
             for j, g in enumerate(gens):
                 if (i * n + j) % d.tp == d.tp_rank:
-                    held.append(_sample(i * n + j, prompt, g, group_base + i, records[i]))
+                    held.append(sample_of(i * n + j, records[i], g, group_base + i, prompt))
         return Rollout(held, gather_index(held, len(records) * n))
 
 
-def _sample(uid: int, prompt: torch.Tensor, g: Generation, group: int, record: PromptRecord) -> Sample:
+def request_seed(seed: int, step: int, group: int) -> int:
+    """The seed of a prompt's first sample (sample j: + j): the same whichever rank or server generates it."""
+    return hash((seed, step, group)) % (2**31)
+
+
+def sample_of(uid: int, record: PromptRecord, g: Generation, group: int, prompt: torch.Tensor | None = None) -> Sample:
+    prompt = torch.tensor(record.prompt_ids, dtype=torch.int64) if prompt is None else prompt
     return Sample(uid, prompt, torch.as_tensor(g.token_ids, dtype=torch.int64),
                   torch.as_tensor(g.logprobs, dtype=torch.float32), g.finish_reason == "length", group, record.index,
                   record.fields)
 
 
-def _generation_eos(tokenizer) -> list[int]:
+def generation_eos(tokenizer) -> list[int]:
     """Extra end-of-turn ids some chat tokenizers define besides eos (e.g. <|im_end|> vs <|endoftext|>)."""
     ids = []
     for tok in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):

@@ -15,6 +15,7 @@ from hybrid_rl.engine.reshard import (
     checksums_match,
     fsdp_row_ranges,
     probe_for,
+    stream_buckets,
     stream_slices,
 )
 
@@ -59,8 +60,32 @@ def _worker(rank: int, world: int, tp: int, port: int, results) -> None:
     sums = torch.stack([block_checksum(t if probe_for(ts, 16, 0) is None else t[:, probe_for(ts, 16, 0)], row0=0,
                                        col_ids=probe_for(ts, 16, 0)) for ts, t in got.values()])
     results[rank] = dict(exact=exact, checksums_ok=bool(checksums_match(plan.expected, sums).all()),
-                         buckets=len(plan.buckets), received=plan.bytes_per_sync)
+                         buckets=len(plan.buckets), received=plan.bytes_per_sync, **_writers_only(rank, world, tp, full,
+                                                                                                   sources, layout))
     dist.destroy_process_group()
+
+
+def _writers_only(rank: int, world: int, tp: int, full, sources, layout) -> dict:
+    """The sidecar's plan: only ranks < tp receive (server TP rank r <- trainer rank r), straight into the buffers
+    `alloc` hands out (a shared-memory slot in the checkpoint engine); the other ranks only send."""
+    plan = build_plan(sources, layout, rank=rank, world=world, tp_rank_of=lambda r: r % tp,
+                      bucket_bytes=8 * 1024, dtype=torch.bfloat16, sharded=True, receives=lambda r: r < tp)
+    handed = []
+
+    def alloc(k, slices):
+        handed.append([torch.empty(ts.shape, dtype=torch.bfloat16) for ts in slices])
+        return handed[-1]
+
+    exact, items, sums = True, 0, []
+    for _, pairs in stream_buckets(plan, sources, device=torch.device("cpu"), probe_cols=16, alloc=alloc):
+        for (ts, tensor), given in zip(pairs, handed[-1] if pairs else [], strict=True):
+            want = full[ts.hf_name] if ts.dim is None else full[ts.hf_name].narrow(ts.dim, ts.start, ts.stop - ts.start)
+            exact &= torch.equal(tensor, want.to(torch.bfloat16)) and tensor.data_ptr() == given.data_ptr()
+            cols = probe_for(ts, 16, 0)
+            sums.append(block_checksum(tensor if cols is None else tensor[:, cols], row0=0, col_ids=cols))
+            items += 1
+    ok = rank >= tp or bool(checksums_match(plan.expected, torch.stack(sums)).all())
+    return dict(w_exact=exact, w_items=items, w_allocs=len(handed), w_received=plan.bytes_per_sync, w_checksums=ok)
 
 
 def test_every_rank_receives_exactly_its_tp_slice_from_fsdp_shards():
@@ -74,3 +99,9 @@ def test_every_rank_receives_exactly_its_tp_slice_from_fsdp_shards():
         assert results[r]["buckets"] > 3  # bucketed, not one transfer
         # Only the TP slice arrives (about half the model at tp=2; KV head and norms are replicated).
         assert results[r]["received"] < 0.62 * full_bytes
+        # Writers only (sidecar): ranks 0..tp-1 get their slice, assembled in the buffers handed out; the rest nothing.
+        writer = r < tp
+        assert results[r]["w_exact"] and results[r]["w_checksums"], f"rank {r}: writers-only plan"
+        assert (results[r]["w_items"] == len(full_weights())) == writer and (results[r]["w_items"] == 0) != writer
+        assert (results[r]["w_allocs"] > 0) == writer
+        assert results[r]["w_received"] == (results[r]["received"] if writer else 0)

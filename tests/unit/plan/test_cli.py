@@ -50,3 +50,14 @@ def test_lora_plan_has_no_reference_copy(tiny_models, capsys):
 def test_bad_flags_and_keys_exit_2_with_a_message(tiny_models, capsys, bad):
     assert main(_args(tiny_models["qwen2"], *bad)) == EXIT_BAD_INPUT
     assert "error:" in capsys.readouterr().err
+
+
+def test_sidecar_plan_leaves_vllm_out_of_the_trainer_ranks_and_says_so(tiny_models, capsys):
+    args = ["--config-name=grpo", f"model.path={tiny_models['qwen2']}", "data.train_files=[/x.jsonl]", "--world", "2",
+            "--device-gib", "64"]
+    assert main([*args, "rollout.mode=sidecar", "sidecar.slots=4", "rollout.bucket_mb=64"]) == EXIT_FITS
+    out = capsys.readouterr().out
+    table = out.split("total (predicted)")[0]
+    assert "KV cache" not in table and "vllm" not in table, "the server's memory is not in the trainer ranks"
+    assert "rollout.mode=sidecar: not counted above (the vLLM server is its own process)" in out
+    assert "4 slots x 64 MiB = 0.25 GiB per server TP rank" in out

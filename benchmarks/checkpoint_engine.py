@@ -1,0 +1,227 @@
+"""Sidecar mode's weight update (the checkpoint engine) per GiB, against a copy, the colocated sync, and 2 pods.
+
+    python benchmarks/checkpoint_engine.py [--quick] [--size 25M] [--dtype bfloat16] [--repeats 5]
+
+One 2-rank torchrun launch on one model (FSDP shards over both ranks), a private etcd, and a second
+pod (`python -m hybrid_rl.pod`, its own vLLM server and shared-memory namespace) started beside it:
+
+1. colocated: the hybrid engine's `sync_weights` into the in-process vLLM of each rank (then shut down);
+2. sidecar, each timed as the slowest rank, the sides alternating (A B C A B C ...):
+   * `push_1pod`: the checkpoint engine's update of pod 0's server (reshard, shared-memory ring,
+     the server's transfer backend, verification, version stamp);
+   * `push_2pods`: the same update with pod 1 receiving it through the pod group's broadcast and
+     loading it into its own server (verified and stamped there too);
+   * `copy`: a plain `copy_` of the same bytes into a shared-memory (/dev/shm) mapping on rank 0.
+
+Figures per GiB of weights in the rollout dtype (what each server TP rank receives). Targets: the second
+pod adds <= 20% (`push_2pods / push_1pod <= 1.2`). Reported without a target: `push_1pod / copy` and
+`push_1pod / colocated sync` (per GiB). Writes benchmarks/results/checkpoint_engine.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+
+SECOND_POD_TARGET = 1.2
+
+
+def _overrides(model: str, a, etcd: str, prefix: str, out: Path, train_file: Path) -> list[str]:
+    return [f"model.path={model}", f"data.train_files=[{train_file}]", f"rollout.dtype={a.dtype}",
+            "rollout.tp=1", "rollout.mode=sidecar", f"rollout.bucket_mb={a.bucket_mb}", "rollout.kv_cache_gb=0.125",
+            f"sidecar.etcd={etcd}", f"sidecar.prefix={prefix}", "sidecar.pods=2", f"trainer.output_dir={out}"]
+
+
+# =================================================================================================
+# The worker (torchrun, 2 ranks)
+# =================================================================================================
+
+
+def worker(a) -> None:
+    import torch.distributed as dist
+
+    from hybrid_rl.config import load_config
+
+    cfg = load_config("grpo", json.loads(a.overrides))
+    colocated = _colocated(a)
+    sidecar = _sidecar(cfg, a)
+    if dist.get_rank() == 0:
+        common.worker_write({"colocated": colocated, **sidecar})
+    dist.destroy_process_group()
+
+
+def _colocated(a) -> dict:
+    """The hybrid engine's sync of the same model and dtype (median of `repeats`, slowest rank)."""
+    import reshard
+
+    from hybrid_rl.dist.collectives import all_reduce_max
+
+    engine, dims = reshard._engine(a.model, tp=1, dtype=a.dtype)
+    engine.enter_rollout()  # starts vLLM and plans the sync: not timed
+    engine.enter_train()
+    times = []
+    for _ in range(a.repeats):
+        engine.enter_rollout()
+        engine.enter_train()
+        times.append(all_reduce_max([engine.report.seconds["sync_weights"]])[0])
+    nbytes = engine.report.bytes_received  # per rank: each holds a whole copy (tp=1)
+    engine.close()
+    return {"sync_s": common.median(times), "samples": times, "bytes": nbytes}
+
+
+def _sidecar(cfg, a) -> dict:
+    import torch
+
+    from hybrid_rl.build import server_spec, sidecar_namespace, sidecar_prefix
+    from hybrid_rl.dist.collectives import all_reduce_max, barrier
+    from hybrid_rl.dist.etcd import Etcd
+    from hybrid_rl.dist.fsdp import shard_model
+    from hybrid_rl.dist.mesh import device, fsdp_mesh, init_distributed
+    from hybrid_rl.engine.checkpoint_engine import CheckpointEngine, PushOptions
+    from hybrid_rl.engine.hybrid import ModuleWeights
+    from hybrid_rl.engine.layout import Layout, ModelDims
+    from hybrid_rl.engine.pod_link import pod_link
+    from hybrid_rl.engine.reshard import SourceParam
+    from hybrid_rl.engine.shm_ring import ShmRing
+    from hybrid_rl.engine.sidecar_server import Sidecar
+    from hybrid_rl.model.loading import DTYPES, load_causal_lm
+
+    dims = init_distributed(1)
+    module = load_causal_lm(a.model)
+    shard_model(module, fsdp_mesh(dims), param_dtype=DTYPES[a.dtype])
+    etcd = Etcd(cfg.sidecar.etcd, sidecar_prefix(cfg), wait_s=60)
+    sidecar = None
+    if dims.rank == 0:
+        sidecar = Sidecar(server_spec(cfg, port=a.port, log_path=common.CACHE / "logs" / "ckpt_server_pod0.log"),
+                          etcd, pod=0, ttl_s=10, start_timeout_s=900)
+        sidecar.start()
+    layout = Layout(ModelDims.from_hf_config(module.config), 1)
+    options = PushOptions(int(a.bucket_mb * 2**20), cfg.sidecar.slots, 32, 600)
+    make = lambda ns, link: CheckpointEngine(  # noqa: E731
+        rank=dims.rank, world=dims.world, layout=layout, namespace=ns, options=options, device=device(),
+        dtype=DTYPES[a.dtype], server=(lambda: sidecar.server) if sidecar else None, link=link)
+    one = make(sidecar_namespace(cfg, 0) + "a", None)
+    two = make(sidecar_namespace(cfg, 0), pod_link(etcd, dims, host="127.0.0.1", tp=1, pods=2, wait_s=600))
+    sources = [SourceParam(n, t, s) for n, t, s in ModuleWeights(module).weights() if not layout.skip(n)]
+    pushes = {"n": 0}
+
+    def push(engine):
+        def run():
+            barrier()
+            t = time.perf_counter()
+            pushes["n"] += 1
+            engine.push(sources, f"bench{pushes['n']}", sharded=True)
+            return all_reduce_max([time.perf_counter() - t])[0]
+        return run
+
+    warm = one.push(sources, "bench0a", sharded=True)  # plans, rings, the servers' backends: not timed
+    two.push(sources, "bench0b", sharded=True)
+    nbytes = int(all_reduce_max([float(warm.bytes_written)])[0])  # what the server's TP rank receives
+    dst = ShmRing(f"hrl-bench-copy-{os.getpid()}", 0, slots=1, slot_bytes=nbytes, create=True) if dims.rank == 0 \
+        else None
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+
+    def copy():
+        barrier()
+        t = time.perf_counter()
+        if dst is not None:
+            dst.buffers[0].copy_(src)
+        return all_reduce_max([time.perf_counter() - t])[0]
+
+    samples = common.alternate({"push_1pod": push(one), "push_2pods": push(two), "copy": copy}, a.repeats)
+    for e in (one, two):
+        e.close()
+    if dst is not None:
+        dst.close()
+    if sidecar is not None:
+        sidecar.close()
+    return {"bytes": nbytes, "samples": samples, **{k: common.median(v) for k, v in samples.items()}}
+
+
+# =================================================================================================
+# The driver
+# =================================================================================================
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--size", default=None, choices=sorted(common.SIZES))
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--bucket-mb", type=float, default=8.0)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--overrides", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        from hybrid_rl.utils.env import set_runtime_defaults
+
+        set_runtime_defaults()
+        worker(a)
+        return
+    size, repeats = a.size or ("4M" if a.quick else "25M"), a.repeats or (3 if a.quick else 5)
+    print(f"checkpoint engine: {size} {a.dtype}, bucket {a.bucket_mb:g} MiB, {repeats} repeats", flush=True)
+    result = run(str(common.sized_model(size)), a, repeats)
+    result.update(size=size, dtype=a.dtype, bucket_mb=a.bucket_mb, repeats=repeats)
+    common.write_result("checkpoint_engine", result, quick=a.quick)
+
+
+def run(model: str, a, repeats: int) -> dict:
+    from hybrid_rl.dist.mesh import free_port
+    from tests.sidecar.etcd_proc import EtcdProcess
+
+    (common.CACHE / "logs").mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="ckpt_bench_", dir=common.CACHE))
+    train = root / "train.jsonl"
+    train.write_text('{"prompt": "x", "ground_truth": "1"}\n')
+    etcd = EtcdProcess(root / "etcd")
+    etcd.start()
+    overrides = _overrides(model, a, etcd.endpoint, f"/bench_{os.getpid()}", root / "run", train)
+    log = open(common.CACHE / "logs" / "ckpt_pod1.log", "w")  # noqa: SIM115
+    pod = subprocess.Popen([sys.executable, "-m", "hybrid_rl.pod", "--config-name=grpo", *overrides, "sidecar.pod=1",
+                            f"sidecar.port={free_port()}"], cwd=common.REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        r = common.torchrun(__file__, ["--worker", "--model", model, "--dtype", a.dtype, "--repeats", str(repeats),
+                                       "--bucket-mb", str(a.bucket_mb), "--overrides", json.dumps(overrides),
+                                       "--port", str(free_port())], nproc=2, timeout=1800, tag="checkpoint_engine")
+        pod.wait(120)
+    finally:
+        if pod.poll() is None:
+            pod.kill()
+            pod.wait()
+        log.close()
+        etcd.stop()
+    return _figures(r)
+
+
+def _figures(r: dict) -> dict:
+    gib = r["bytes"] / 2**30
+    per_gib = {k: r[k] / gib for k in ("push_1pod", "push_2pods", "copy")}
+    per_gib["colocated_sync"] = r["colocated"]["sync_s"] / (r["colocated"]["bytes"] / 2**30)
+    ratios = {"push_1pod/copy": per_gib["push_1pod"] / per_gib["copy"],
+              "push_1pod/colocated_sync": per_gib["push_1pod"] / per_gib["colocated_sync"],
+              "push_2pods/push_1pod": per_gib["push_2pods"] / per_gib["push_1pod"]}
+    print(common.table([{"what": k, "s_per_gib": v} for k, v in per_gib.items()],
+                       [("what", "seconds per GiB", "s"), ("s_per_gib", "", ".3f")]))
+    for k, v in ratios.items():
+        print(f"  {k}: {v:.3g}x")
+    targets = [common.check("second pod: push_2pods / push_1pod", ratios["push_2pods/push_1pod"], SECOND_POD_TARGET,
+                            higher_is_better=False)]
+    headline = [{"what": k, "value": round(v, 4)} for k, v in ratios.items() if not k.startswith("push_2pods")]
+    return {"seconds_per_gib": per_gib, "ratios": ratios, "targets": targets, "headline": headline, "raw": r}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""Coordination through etcd (v3, over its HTTP gateway, with the maintained `etcd3gw` client).
+
+Sidecar mode keeps three kinds of keys under one prefix per run:
+
+* `<prefix>/servers/<pod>`: each vLLM sidecar's endpoint, TP size and loaded weight version, under a
+  lease that its supervisor keeps alive (`Registration`): a dead pod's key expires and drops out;
+* `<prefix>/version`: the trainer's latest weight version and its shard manifest;
+* `<prefix>/pods/...`: where the pods' checkpoint engines meet (the broadcast group's address).
+
+etcd being unreachable is not fatal by itself: every call retries for `wait_s` seconds, logging
+what it waits for, and only then raises `EtcdUnavailable`, naming the endpoint. A lease that expired
+while etcd was away is granted again and its keys written again as soon as etcd answers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+from urllib.parse import urlparse
+
+import etcd3gw
+from etcd3gw import exceptions as etcd_errors
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_UNREACHABLE = (etcd_errors.ConnectionFailedError, etcd_errors.ConnectionTimeoutError)
+
+
+class EtcdUnavailable(RuntimeError):
+    """etcd did not answer within the configured wait."""
+
+
+class Etcd:
+    """A JSON key-value view of one etcd prefix, waiting out etcd outages of up to `wait_s` seconds."""
+
+    def __init__(self, endpoint: str, prefix: str, *, wait_s: float, request_timeout_s: float = 5.0):
+        url = urlparse(endpoint if "://" in endpoint else f"http://{endpoint}")
+        if not url.hostname or not url.port:
+            raise ValueError(f"etcd endpoint {endpoint!r}: expected http://HOST:PORT")
+        self.endpoint, self.prefix, self.wait_s = f"{url.scheme}://{url.hostname}:{url.port}", prefix.rstrip("/"), wait_s
+        self.client = etcd3gw.client(host=url.hostname, port=url.port, protocol=url.scheme,
+                                     timeout=request_timeout_s, api_path="/v3/")
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}/{name}"
+
+    def check(self) -> None:
+        """One quick call: EtcdUnavailable at once when nothing answers (used at start-up, before heavy work)."""
+        try:
+            self.client.status()
+        except _UNREACHABLE as e:
+            raise EtcdUnavailable(f"etcd at {self.endpoint} (sidecar.etcd) is unreachable ({_why(e)}). Start etcd there "
+                                  "(`etcd --listen-client-urls ... --advertise-client-urls ...`) or point "
+                                  "sidecar.etcd at a running one") from None
+
+    def call(self, what: str, fn: Callable[[], T]) -> T:
+        """`fn()`, retried while etcd is unreachable, for `wait_s` seconds at most."""
+        deadline, warned = time.monotonic() + self.wait_s, False
+        while True:
+            try:
+                result = fn()
+                if warned:
+                    log.warning("etcd at %s answers again; going on", self.endpoint)
+                return result
+            except _UNREACHABLE as e:
+                if time.monotonic() > deadline:
+                    raise EtcdUnavailable(f"etcd at {self.endpoint} unreachable for {self.wait_s:.0f} s "
+                                          f"(sidecar.etcd_wait_s) while {what} ({_why(e)})") from None
+                if not warned:
+                    log.warning("etcd at %s is unreachable (%s); waiting up to %.0f s for it to come back",
+                                self.endpoint, what, self.wait_s)
+                    warned = True
+                time.sleep(0.5)
+
+    # -- JSON values -----------------------------------------------------------------------------
+
+    def put(self, name: str, value: Any, *, lease=None) -> None:
+        self.call(f"writing {name}", lambda: self.client.put(self.key(name), json.dumps(value), lease=lease))
+
+    def get(self, name: str) -> Any | None:
+        values = self.call(f"reading {name}", lambda: self.client.get(self.key(name)))
+        return json.loads(values[0]) if values else None
+
+    def get_prefix(self, name: str) -> dict[str, Any]:
+        """Every key under `<prefix>/<name>/`, by the rest of its name."""
+        base = self.key(name) + "/"
+        rows = self.call(f"listing {name}", lambda: self.client.get_prefix(base))
+        return {_text(meta["key"])[len(base):]: json.loads(value) for value, meta in rows}
+
+    def delete(self, name: str) -> None:
+        self.call(f"deleting {name}", lambda: self.client.delete(self.key(name)))
+
+    def delete_all(self) -> None:
+        self.call("deleting the run's keys", lambda: self.client.delete_prefix(self.prefix + "/"))
+
+
+class Registration:
+    """A key kept alive under a lease by a background thread; `update` changes its value.
+
+    The thread refreshes the lease every `ttl/3` seconds. When etcd was away long enough for the lease
+    to expire (or etcd lost it), a new lease is granted and the key written again, so a pod reappears
+    on its own once etcd is back. `close` revokes the lease: the key goes at once.
+    """
+
+    def __init__(self, etcd: Etcd, name: str, value: Any, *, ttl_s: int):
+        self.etcd, self.name, self.ttl_s = etcd, name, ttl_s
+        self._value = value
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.lease = None
+        self._write()
+        self._thread = threading.Thread(target=self._keep_alive, name=f"etcd-lease-{name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def value(self) -> Any:
+        return self._value
+
+    def update(self, value: Any) -> None:
+        with self._lock:
+            self._value = value
+            self.etcd.put(self.name, value, lease=self.lease)
+
+    def _write(self) -> None:
+        with self._lock:
+            self.lease = self.etcd.call(f"granting a lease for {self.name}", lambda: self.etcd.client.lease(self.ttl_s))
+            self.etcd.put(self.name, self._value, lease=self.lease)
+
+    def _keep_alive(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                if self.lease.refresh() <= 0:  # expired while etcd was away: register again
+                    log.warning("etcd lease of %s expired; registering it again", self.name)
+                    self._write()
+            except _UNREACHABLE:
+                continue  # etcd away: try again next period (the key comes back with a new lease if needed)
+            except etcd_errors.Etcd3Exception as e:
+                log.warning("etcd lease of %s: %s; registering it again", self.name, e)
+                try:
+                    self._write()
+                except (EtcdUnavailable, etcd_errors.Etcd3Exception):
+                    continue
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        try:
+            self.lease.revoke()
+        except etcd_errors.Etcd3Exception:
+            pass  # etcd away: the key expires with its lease
+
+
+def _text(b: bytes | str) -> str:
+    return b.decode() if isinstance(b, bytes) else b
+
+
+def _why(e: Exception) -> str:
+    return str(e).strip() or type(e).__name__

@@ -1,0 +1,71 @@
+"""Process groups between the training pod's checkpoint-engine writers and the other pods' receivers.
+
+They live outside the trainer's torchrun world (the other pods are not trainer ranks), on their own
+TCPStore, one group per vLLM TP rank: group r = {trainer writer r (group rank 0), the receiver of every
+other pod}. Each bucket of TP rank r is one broadcast in group r, so P pods receive an update in about
+the time of one (gloo on CPU; on GPUs the same groups with NCCL are the follow-up, RDMA/NIXL beyond).
+
+Members: writers are members 0..tp-1, the receiver of pod p (p >= 1) is member tp + p - 1. Member 0
+hosts the store; its address travels through etcd.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+
+import torch
+import torch.distributed as dist
+
+
+def pod_store(host: str, port: int, *, member: int, tp: int, pods: int, timeout_s: float) -> dist.TCPStore:
+    """The groups' rendezvous: member 0 hosts it (`port` 0: a free one, then `store.port`), the others connect."""
+    return dist.TCPStore(host, port, tp + pods - 1, member == 0, datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+class PodGroup:
+    """Blocks until every member of this member's groups has joined (at most `timeout_s`)."""
+
+    def __init__(self, store: dist.TCPStore, *, member: int, tp: int, pods: int, timeout_s: float):
+        self.member, self.tp, self.pods, self.store = member, tp, pods, store
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.groups: dict[int, dist.ProcessGroup] = {}
+        for r in range(tp):
+            if member == r or member >= tp:
+                rank = 0 if member == r else member - tp + 1
+                self.groups[r] = dist.ProcessGroupGloo(dist.PrefixStore(f"tp{r}", store), rank, pods, timeout)
+
+    def broadcast(self, tp_rank: int, tensor: torch.Tensor) -> None:
+        """Writer `tp_rank` sends `tensor`, every receiver fills its own (same size and dtype)."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.groups[tp_rank].broadcast([tensor], opts).wait()
+
+    def broadcast_json(self, tp_rank: int, value=None):
+        """A JSON value from writer `tp_rank` to every receiver (the writer passes it, receivers get it)."""
+        data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8) if value is not None \
+            else torch.zeros(0, dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        self.broadcast(tp_rank, size)
+        if value is None:
+            data = torch.empty(int(size[0]), dtype=torch.uint8)
+        self.broadcast(tp_rank, data)
+        return json.loads(bytes(data.numpy()).decode())
+
+    def all_min(self, value: float) -> float:
+        """The minimum of `value` over group 0 (writer 0 and every receiver)."""
+        t = torch.tensor([value], dtype=torch.float64)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self.groups[0].allreduce([t], opts).wait()
+        return float(t[0])
+
+    def all_values(self, value: float) -> list[float]:
+        """Every member's `value` of group 0, by group rank (writer 0 first)."""
+        t = torch.zeros(self.pods, dtype=torch.float64)
+        t[0 if self.member == 0 else self.member - self.tp + 1] = value
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        self.groups[0].allreduce([t], opts).wait()
+        return t.tolist()

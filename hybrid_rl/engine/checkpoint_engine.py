@@ -1,0 +1,237 @@
+"""The trainer's side of the checkpoint engine: FSDP shards -> the server's TP layout -> shared memory -> vLLM.
+
+One update ("register shard", then "update weight"), on every trainer rank in lockstep:
+
+1. The colocated resharding plan (`reshard.build_plan`) with the *server's* TP layout, where only the
+   first `tp` ranks of the pod receive (rank r writes the server's TP slice r: its "writer"); the other
+   ranks only send their FSDP rows. Cached per set of weights.
+2. Each writer keeps a ring of shared-memory slots (`shm_ring.py`) beside a manifest of the update (which
+   slices each bucket holds). Bucket k's pieces are assembled straight into a free slot (one copy, cast
+   to the rollout dtype), then published; meanwhile rank 0 has already asked the server (over HTTP, in
+   order, from one background thread) to load bucket k, and goes on with bucket k+1: the trainer fills
+   the next slot while the server loads the previous one, and no more than `slots` buckets are ever in
+   shared memory.
+3. `PodLink` (optional) sends each published slot on to the receivers of other pods (`dist/pod_group.py`).
+4. Rank 0 finishes the update; every writer compares the server's checksums of what landed (its report)
+   with the senders' (`plan.expected`), exactly as colocated verification does; only when every rank
+   agrees does rank 0 stamp the version (`/update_weight_version`) and read it back (`/weight_info`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from hybrid_rl.dist.collectives import all_reduce, barrier
+from hybrid_rl.engine.layout import Layout, TPSlice
+from hybrid_rl.engine.reshard import (
+    ReshardPlan,
+    SourceParam,
+    WeightSyncError,
+    build_plan,
+    checksums_match,
+    stream_buckets,
+)
+from hybrid_rl.engine.server_update import ServerUpdate
+from hybrid_rl.engine.shm_ring import (
+    Entry,
+    Manifest,
+    RingAborted,
+    RingTimeout,
+    ShmRing,
+    abort_path,
+    layout_bucket,
+    write_manifest,
+)
+from hybrid_rl.engine.vllm_server import ServerError, VLLMServer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PushOptions:
+    bucket_bytes: int
+    slots: int  # shared-memory slots per TP rank: buckets in flight
+    probe_cols: int
+    timeout_s: float  # how long either side waits for the other before the update fails
+
+
+@dataclass
+class PushReport:
+    """What one update cost and moved."""
+
+    version: str = ""
+    seconds: float = 0.0
+    bytes_written: int = 0  # by this rank into shared memory
+    buckets: int = 0
+    wait_s: float = 0.0  # this rank's time waiting for a free slot (the server loading)
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+class PodLink(Protocol):
+    """Where a writer's published buckets also go: the receivers of other pods."""
+
+    def begin(self, update: int, version: str, manifest: Manifest, rank: int) -> None: ...
+
+    def send(self, tp_rank: int, data: torch.Tensor) -> None: ...
+
+    def end(self, expected: torch.Tensor, rank: int) -> None: ...
+
+    def close(self, rank: int) -> None: ...
+
+
+class CheckpointEngine:
+    """Pushes the policy's weights into one pod's vLLM server (and through `link`, other pods')."""
+
+    def __init__(self, *, rank: int, world: int, layout: Layout, namespace: str, options: PushOptions,
+                 device: torch.device, dtype: torch.dtype, server: Callable[[], VLLMServer] | None,
+                 link: PodLink | None = None):
+        self.rank, self.world, self.layout, self.namespace = rank, world, layout, namespace
+        self.options, self.device, self.dtype, self.link = options, device, dtype, link
+        self.server = server  # rank 0: the server this pod feeds (looked up at each push: it may restart)
+        self.tp = layout.tp
+        if world < self.tp:
+            raise ValueError(f"the vLLM sidecar's TP size ({self.tp}) is larger than the pod's {world} trainer "
+                             "ranks: each server TP rank needs one trainer rank to write its slices")
+        self.writer = rank < self.tp
+        self._plans: dict[tuple[str, ...], tuple[ReshardPlan, list[list[Entry]]]] = {}
+        self.ring: ShmRing | None = None
+        self.seq = 0  # buckets written over the ring's life
+        self.updates = 0
+        self.http = ServerUpdate(namespace, timeout_s=options.timeout_s) if rank == 0 else None
+        self._failed = ""  # this rank's reason the update in progress failed
+
+    # -- one update ------------------------------------------------------------------------------
+
+    def push(self, sources: list[SourceParam], version: str, *, sharded: bool) -> PushReport:
+        """Bring the server to `version`: every rank calls it with its shards, and every rank raises the same
+        error when it fails: ServerError (the server failed or died; nothing is stamped) or WeightSyncError
+        (the server's weights do not match what was sent; the version is not stamped)."""
+        t0 = time.perf_counter()
+        rep = PushReport(version)
+        plan, buckets = self._plan(sources, sharded)
+        update = self.updates
+        self._failed = ""
+        if self.writer:
+            self._ring(buckets).reset()
+            write_manifest(self.ring, Manifest(update, self.options.probe_cols, buckets))
+        if self.rank == 0:
+            abort_path(self.namespace).unlink(missing_ok=True)
+        if self.link is not None:
+            self.link.begin(update, version, Manifest(update, self.options.probe_cols, buckets), self.rank)
+        barrier()  # every writer's manifest is in place before the server reads them
+        if self.rank == 0:
+            self.http.begin(self.server())
+        for k, items in stream_buckets(plan, sources, device=self.device, probe_cols=self.options.probe_cols,
+                                       sync_index=update, alloc=self._alloc(rep)):
+            if self.writer and not self._failed:
+                self.ring.publish(self.seq)
+                nbytes = _bucket_bytes(buckets[k])
+                rep.bytes_written += sum(t.numel() * t.element_size() for _, t in items)
+                if self.link is not None:
+                    self.link.send(self.rank, self.ring.buffers[self.ring.slot_of(self.seq)][:nbytes])
+            if self.rank == 0 and not self._failed:
+                self.http.bucket(self.seq, k)
+            rep.buckets += 1
+            self._agree()  # a failure on any rank stops every rank at the same bucket
+        rep.phases["stream_s"] = time.perf_counter() - t0
+        if self.rank == 0:
+            self._failed = self._failed or self.http.finish()
+        self._agree()
+        ok = self._verified(plan)
+        if self.link is not None:
+            self.link.end(plan.expected, self.rank)
+        if not bool(all_reduce(torch.tensor([float(ok)]), "min")[0]):
+            raise WeightSyncError(f"weight update {update} (version {version}) did not land in vLLM as sent; "
+                                  "the server keeps its previous version stamp")
+        if self.rank == 0:
+            try:
+                self.http.stamp(version)
+            except (ServerError, WeightSyncError) as e:
+                self._failed = str(e)
+        self._agree()
+        self.updates += 1
+        rep.seconds = time.perf_counter() - t0
+        return rep
+
+    def _agree(self) -> None:
+        """Every rank learns whether any rank failed; all raise the same ServerError if so."""
+        if self.rank == 0:
+            self._failed = self._failed or self.http.error()
+            if self._failed:
+                abort_path(self.namespace).touch()  # writers waiting on the server stop waiting
+        if bool(all_reduce(torch.tensor([float(bool(self._failed))]), "max")[0]):
+            raise ServerError(f"weight update {self.updates} abandoned: the vLLM server failed"
+                              f"{' (' + self._failed + ')' if self._failed else ' (see rank 0)'}")
+
+    def _plan(self, sources: list[SourceParam], sharded: bool) -> tuple[ReshardPlan, list[list[Entry]]]:
+        key = tuple(s.name for s in sources)
+        if key not in self._plans:
+            plan = build_plan(sources, self.layout, rank=self.rank, world=self.world,
+                              tp_rank_of=lambda r: r % self.tp, receives=lambda r: r < self.tp,
+                              bucket_bytes=self.options.bucket_bytes, dtype=self.dtype, sharded=sharded)
+            buckets = [layout_bucket([plan.slices[i] for i in b.indices], self.dtype)[0] for b in plan.buckets]
+            self._plans[key] = plan, buckets
+        return self._plans[key]
+
+    def _ring(self, buckets: list[list[Entry]]) -> ShmRing:
+        need = max((_bucket_bytes(b) for b in buckets), default=0)
+        if self.ring is None or self.ring.slot_bytes < need:
+            if self.ring is not None:
+                self.ring.close()
+            self.ring = ShmRing(self.namespace, self.rank, slots=self.options.slots, slot_bytes=need, create=True,
+                                pin=self.device.type == "cuda")
+            if self.http is not None:
+                self.http.reinit()  # the server must map the new files
+        return self.ring
+
+    def _alloc(self, rep: PushReport):
+        """Bucket k's slices are assembled straight into the next free slot of this writer's ring (into scratch
+        tensors once the update failed: the stream still runs to the end of the bucket on every rank)."""
+        abort = abort_path(self.namespace)
+
+        def aborted() -> bool:
+            return abort.exists() or (self.rank == 0 and bool(self.http.error()))
+
+        def alloc(k: int, slices: list[TPSlice]) -> list[torch.Tensor]:
+            if not self._failed:
+                self.seq += 1
+                t = time.perf_counter()
+                try:
+                    slot = self.ring.acquire(self.seq, timeout_s=self.options.timeout_s, aborted=aborted)
+                    rep.wait_s += time.perf_counter() - t
+                    return self.ring.views(slot, layout_bucket(slices, self.dtype)[0])
+                except (RingAborted, RingTimeout) as e:
+                    self._failed = str(e)
+            return [torch.empty(ts.shape, dtype=self.dtype, device=self.device) for ts in slices]
+        return alloc
+
+    def _verified(self, plan: ReshardPlan) -> bool:
+        if not self.writer:
+            return True
+        got = self.ring.read_report(self.updates)
+        ok = checksums_match(plan.expected.cpu(), got)
+        if not bool(ok.all()):
+            bad = [plan.slices[i].hf_name for i in torch.nonzero(~ok).flatten().tolist()]
+            log.error("rank %d: %d weights did not land in the vLLM server as sent: %s", self.rank, len(bad),
+                      ", ".join(bad[:5]))
+            return False
+        return True
+
+    def close(self) -> None:
+        if self.link is not None:
+            self.link.close(self.rank)
+        if self.http is not None:
+            self.http.close()
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+
+
+def _bucket_bytes(entries: list[Entry]) -> int:
+    return max((e.offset + e.nbytes for e in entries), default=0)

@@ -1,0 +1,165 @@
+"""The checkpoint engine across pods: the training pod's writers broadcast each update to the other pods.
+
+Trainer side (`GroupLink`, the `PodLink` of `checkpoint_engine.py`): for every update, writer 0 sends a
+header (update number, version), each writer r its TP rank's shard manifest, then each published
+bucket (the bytes of its shared-memory slot), then the senders' checksums; writer 0 learns which pods
+verified the update. A pod that failed to load it is left out of dispatch (its registration keeps no
+version) until a later update succeeds; the run goes on with the others.
+
+Pod side (`PodReceiver`, run by `python -m hybrid_rl.pod`): receives straight into its own rings'
+slots (its own shared-memory namespace), drives its own server through the same HTTP session as the
+trainer's rank 0 (`server_update.py`), verifies the server's reports against the senders' checksums
+and stamps the version.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from hybrid_rl.dist.collectives import broadcast_object
+from hybrid_rl.dist.etcd import Etcd
+from hybrid_rl.dist.mesh import ParallelDims
+from hybrid_rl.dist.pod_group import PodGroup, pod_store
+from hybrid_rl.engine.reshard import checksums_match
+from hybrid_rl.engine.server_update import ServerUpdate
+from hybrid_rl.engine.shm_ring import Manifest, RingAborted, RingTimeout, ShmRing, write_manifest
+from hybrid_rl.engine.sidecar_server import Sidecar
+
+log = logging.getLogger(__name__)
+
+GROUP_KEY = "pods/group"
+
+
+def bucket_bytes(manifest: Manifest, k: int) -> int:
+    return max((e.offset + e.nbytes for e in manifest.buckets[k]), default=0)
+
+
+class GroupLink:
+    """Trainer side: what writer r publishes also goes to every other pod (no-ops on the other ranks)."""
+
+    def __init__(self, group: PodGroup | None, tp: int):
+        self.group, self.tp = group, tp
+
+    def begin(self, update: int, version: str, manifest: Manifest, rank: int) -> None:
+        if rank == 0:
+            self.group.broadcast_json(0, {"update": update, "version": version})
+        if rank < self.tp:
+            self.group.broadcast_json(rank, manifest.to_json())
+
+    def send(self, tp_rank: int, data: torch.Tensor) -> None:
+        self.group.broadcast(tp_rank, data)
+
+    def end(self, expected: torch.Tensor, rank: int) -> None:
+        if rank >= self.tp:
+            return
+        self.group.broadcast(rank, expected.double().cpu().contiguous())
+        if rank == 0:
+            oks = self.group.all_values(1.0)
+            for pod, ok in enumerate(oks[1:], start=1):
+                if not ok:
+                    log.warning("pod %d did not load the update (see its log): it gets no requests until it does", pod)
+
+    def close(self, rank: int) -> None:
+        if rank == 0:
+            self.group.broadcast_json(0, {"stop": True})
+
+
+def pod_link(etcd: Etcd, dims: ParallelDims, *, host: str, tp: int, pods: int, wait_s: float) -> GroupLink:
+    """Trainer side, every rank: writer 0 hosts the groups' store and publishes it in etcd; the writers join
+    (blocking until every other pod's receiver has joined, `sidecar.pod_wait_s` at most)."""
+    store = None
+    if dims.rank == 0:
+        store = pod_store(host, 0, member=0, tp=tp, pods=pods, timeout_s=wait_s)
+        etcd.put(GROUP_KEY, {"host": host, "port": store.port, "tp": tp, "pods": pods})
+        log.info("waiting up to %.0f s for %d other pod(s) to join (python -m hybrid_rl.pod ...)", wait_s, pods - 1)
+    port = broadcast_object(store.port if store is not None else None)
+    if dims.rank >= tp:
+        return GroupLink(None, tp)
+    store = store or pod_store(host, port, member=dims.rank, tp=tp, pods=pods, timeout_s=wait_s)
+    return GroupLink(PodGroup(store, member=dims.rank, tp=tp, pods=pods, timeout_s=wait_s), tp)
+
+
+class PodReceiver:
+    """Pod side: every update the trainer broadcasts lands in this pod's server, verified and stamped."""
+
+    def __init__(self, group: PodGroup, sidecar: Sidecar, *, namespace: str, slots: int, timeout_s: float):
+        self.group, self.sidecar, self.namespace = group, sidecar, namespace
+        self.slots, self.timeout_s, self.tp = slots, timeout_s, group.tp
+        self.rings: list[ShmRing] = []
+        self.http = ServerUpdate(namespace, timeout_s=timeout_s)
+        self.seq = 0
+        self.updates = 0
+
+    def run(self) -> None:
+        """Receive updates until the trainer says stop."""
+        while True:
+            header = self.group.broadcast_json(0)
+            if header.get("stop"):
+                log.info("the trainer is done: pod stops")
+                return
+            self.receive(header["update"], header["version"])
+
+    def receive(self, update: int, version: str) -> bool:
+        manifests = [Manifest.from_json(self.group.broadcast_json(r)) for r in range(self.tp)]
+        self.sidecar.ensure_running()
+        self._rings(manifests)
+        for ring, m in zip(self.rings, manifests, strict=True):
+            ring.reset()
+            write_manifest(ring, m)
+        self.http.begin(self.sidecar.server)
+        failed = ""
+        for k in range(len(manifests[0].buckets)):
+            self.seq += 1
+            for r, (ring, m) in enumerate(zip(self.rings, manifests, strict=True)):
+                failed = self._receive_bucket(r, ring, m, k, failed)
+            if not failed:
+                self.http.bucket(self.seq, k)
+        failed = failed or self.http.finish()
+        ok = not failed
+        for r, (ring, m) in enumerate(zip(self.rings, manifests, strict=True)):
+            expected = torch.empty(sum(len(b) for b in m.buckets), dtype=torch.float64)
+            self.group.broadcast(r, expected)
+            ok = ok and bool(checksums_match(expected, ring.read_report(update)).all())
+        if ok:  # stamped and registered before the trainer hears back: its next dispatch sees this pod
+            self.http.stamp(version)
+            self.sidecar.loaded(version)
+            log.info("pod %d: weights %s loaded and verified", self.sidecar.pod, version)
+        else:
+            self.sidecar.withdraw()
+            log.error("pod %d: update %s did not load (%s); withdrawn from dispatch", self.sidecar.pod, version,
+                      failed or "checksum mismatch")
+        self.group.all_values(float(ok))
+        self.updates += 1
+        return ok
+
+    def _receive_bucket(self, r: int, ring: ShmRing, m: Manifest, k: int, failed: str) -> str:
+        """Bucket k of TP rank r from the trainer into a free slot (into scratch once the update failed: the
+        trainer's broadcast must still be received)."""
+        nbytes = bucket_bytes(m, k)
+        if not failed:
+            try:
+                slot = ring.acquire(self.seq, timeout_s=self.timeout_s,
+                                    aborted=lambda: bool(self.http.error()) or not self.sidecar.server.running())
+                self.group.broadcast(r, ring.buffers[slot][:nbytes])
+                ring.publish(self.seq)
+                return ""
+            except (RingAborted, RingTimeout) as e:
+                failed = str(e)
+        self.group.broadcast(r, torch.empty(nbytes, dtype=torch.uint8))
+        return failed
+
+    def _rings(self, manifests: list[Manifest]) -> None:
+        need = [max(bucket_bytes(m, k) for k in range(len(m.buckets))) for m in manifests]
+        if not self.rings or any(ring.slot_bytes < n for ring, n in zip(self.rings, need, strict=True)):
+            for ring in self.rings:
+                ring.close()
+            self.rings = [ShmRing(self.namespace, r, slots=self.slots, slot_bytes=n, create=True)
+                          for r, n in enumerate(need)]
+            self.http.reinit()
+
+    def close(self) -> None:
+        self.http.close()
+        for ring in self.rings:
+            ring.close()

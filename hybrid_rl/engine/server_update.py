@@ -1,0 +1,67 @@
+"""One vLLM server's weight-transfer session, driven over vLLM's HTTP endpoints from one background thread.
+
+The requests of an update must reach the server in order (init once per server start and ring, start,
+one update per bucket, finish) while the caller goes on filling the next bucket, so they are queued
+on a single worker thread. Errors are collected, not raised in the thread: the caller asks `error()`
+whenever it is safe to stop (the trainer's ranks agree on it first).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from hybrid_rl.engine.reshard import WeightSyncError
+from hybrid_rl.engine.vllm_server import VLLMServer
+
+
+class ServerUpdate:
+    def __init__(self, namespace: str, *, timeout_s: float):
+        self.namespace, self.timeout_s = namespace, timeout_s
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="server-update")
+        self.pending: list[Future] = []
+        self.server: VLLMServer | None = None
+        self._ring_files = 0  # bumped when the ring's files change: the server must map them again
+
+    def reinit(self) -> None:
+        """The ring's files changed: the server must map them again."""
+        self._ring_files += 1
+
+    def begin(self, server: VLLMServer) -> None:
+        self.server, self.pending = server, []
+        self.pending.append(self.pool.submit(self._start, server))
+
+    def _start(self, server: VLLMServer) -> None:
+        # The server's backend maps one ring at a time: initialise it after each start of the server, change of
+        # the ring's files, or update from another writer (another namespace) in between.
+        key = (server.starts, self.namespace, id(self), self._ring_files)
+        if server.transfer_key != key:
+            server.post("/init_weight_transfer_engine",
+                        {"init_info": {"namespace": self.namespace, "timeout_s": self.timeout_s}})
+            server.transfer_key = key
+        server.post("/start_weight_update", timeout_s=self.timeout_s)
+
+    def bucket(self, seq: int, k: int) -> None:
+        """Ask the server to load bucket `k` (ring sequence number `seq`) once it is in its slot."""
+        self.pending.append(self.pool.submit(self.server.post, "/update_weights",
+                                             {"update_info": {"seq": seq, "bucket": k}}, timeout_s=self.timeout_s))
+
+    def error(self, *, wait: bool = False) -> str:
+        """The first failed request's error ("" when none failed; with `wait`, after all have finished)."""
+        for f in self.pending:
+            if (wait or f.done()) and f.exception() is not None:
+                return str(f.exception())
+        return ""
+
+    def finish(self) -> str:
+        """Finish the update (the server writes its verification reports); the session's first error, if any."""
+        self.pending.append(self.pool.submit(self.server.post, "/finish_weight_update", timeout_s=self.timeout_s))
+        return self.error(wait=True)
+
+    def stamp(self, version: str) -> None:
+        """After verification: the server's weights are `version` (and it says so)."""
+        self.server.post("/update_weight_version", {"new_version": version})
+        if (got := self.server.weight_version()) != version:
+            raise WeightSyncError(f"the vLLM server reports weight version {got!r} after stamping {version!r}")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)

