@@ -1,9 +1,15 @@
 """One vLLM server's weight-transfer session, driven over vLLM's HTTP endpoints from one background thread.
 
-The requests of an update must reach the server in order (init once per server start and ring, start,
-one update per bucket, finish) while the caller goes on filling the next bucket, so they are queued
-on a single worker thread. Errors are collected, not raised in the thread: the caller asks `error()`
-whenever it is safe to stop (the trainer's ranks agree on it first).
+The requests of an update must reach the server in order (init once per server start and ring, pause,
+start, one update per bucket, finish, stamp, resume) while the caller goes on filling the next bucket,
+so they are queued on a single worker thread. Errors are collected, not raised in the thread: the
+caller asks `error()` whenever it is safe to stop (the trainer's ranks agree on it first).
+
+Partial rollouts: generation is paused with vLLM's `keep` mode for the whole update, so requests in
+flight (asynchronous training keeps some there while the trainer updates) are frozen with their KV
+cache, continue under the new weights after `end()`, and no token is ever sampled from half-loaded
+weights; the server stamps each token with the version it was sampled under (the stamp comes before
+the resume). Nothing is in flight in synchronous runs, where the pause costs two HTTP calls.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ class ServerUpdate:
             server.post("/init_weight_transfer_engine",
                         {"init_info": {"namespace": self.namespace, "timeout_s": self.timeout_s}})
             server.transfer_key = key
+        server.post("/pause?mode=keep", timeout_s=self.timeout_s)
         server.post("/start_weight_update", timeout_s=self.timeout_s)
 
     def bucket(self, seq: int, k: int) -> None:
@@ -62,6 +69,20 @@ class ServerUpdate:
         self.server.post("/update_weight_version", {"new_version": version})
         if (got := self.server.weight_version()) != version:
             raise WeightSyncError(f"the vLLM server reports weight version {got!r} after stamping {version!r}")
+
+    def end(self, *, ok: bool) -> str:
+        """Resume generation after the update. After a failed one the requests in flight are aborted first (their
+        callers see them fail and send them again): no token comes from weights that were not verified. Returns ""
+        or why the server did not answer (a dead server resumes nothing; a restarted one starts unpaused)."""
+        if self.server is None:
+            return ""
+        try:
+            if not ok:
+                self.pool.submit(self.server.post, "/pause?mode=abort", timeout_s=self.timeout_s).result()
+            self.pool.submit(self.server.post, "/resume", timeout_s=self.timeout_s).result()
+        except Exception as e:  # noqa: BLE001 - reported; the caller's own error (if any) says more
+            return str(e)
+        return ""
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
