@@ -17,8 +17,9 @@ One update ("register shard", then "update weight"), on every trainer rank in lo
    agrees does rank 0 stamp the version (`/update_weight_version`) and read it back (`/weight_info`).
 
 Generation is paused (vLLM's `keep` mode) from the start of the update until after the stamp: requests in
-flight wait with their KV cache and continue under the new weights, each token stamped with the version
-that sampled it (`server_update.py`); after a failed update they are aborted instead.
+flight wait, then continue under the new weights (their KV recomputed, as the prefix cache's is dropped),
+each token stamped with the version that sampled it (`server_update.py`); after a failed update they are
+aborted instead.
 """
 
 from __future__ import annotations

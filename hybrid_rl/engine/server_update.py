@@ -6,10 +6,15 @@ so they are queued on a single worker thread. Errors are collected, not raised i
 caller asks `error()` whenever it is safe to stop (the trainer's ranks agree on it first).
 
 Partial rollouts: generation is paused with vLLM's `keep` mode for the whole update, so requests in
-flight (asynchronous training keeps some there while the trainer updates) are frozen with their KV
-cache, continue under the new weights after `end()`, and no token is ever sampled from half-loaded
-weights; the server stamps each token with the version it was sampled under (the stamp comes before
-the resume). Nothing is in flight in synchronous runs, where the pause costs two HTTP calls.
+flight (asynchronous training keeps some there while the trainer updates) are frozen, keeping their
+tokens and sampling state, and no token is ever sampled from half-loaded weights. Before the resume
+the prefix cache is reset, running requests included: its blocks hold KV computed with the old
+weights, which a new request with a cached prompt (a group's other samples, a held-out prompt seen
+before) would otherwise reuse; the requests in flight recompute theirs (prompt and tokens so far) under
+the new weights, so every token after an update is sampled from the new policy given the tokens
+before it. The server stamps each token with the version it was sampled under (the stamp comes before
+the resume). Nothing is in flight in synchronous runs: there the pause costs two HTTP calls and the
+reset drops cached prompts only.
 """
 
 from __future__ import annotations
@@ -71,15 +76,18 @@ class ServerUpdate:
             raise WeightSyncError(f"the vLLM server reports weight version {got!r} after stamping {version!r}")
 
     def end(self, *, ok: bool) -> str:
-        """Resume generation after the update. After a failed one the requests in flight are aborted first (their
-        callers see them fail and send them again): no token comes from weights that were not verified. Returns ""
-        or why the server did not answer (a dead server resumes nothing; a restarted one starts unpaused)."""
+        """Resume generation after the update, the prefix cache reset (running requests recompute their KV). After
+        a failed update the requests in flight are aborted instead (their callers see them fail and send them
+        again): no token comes from weights that were not verified. Returns "" or why the server did not answer
+        (a dead server resumes nothing; a restarted one starts unpaused with an empty cache)."""
         if self.server is None:
             return ""
+        reset = "/is_paused" if ok else "/pause?mode=abort"  # abort clears it
         try:
-            if not ok:
-                self.pool.submit(self.server.post, "/pause?mode=abort", timeout_s=self.timeout_s).result()
+            answer = self.pool.submit(self.server.post, reset, timeout_s=self.timeout_s).result()
             self.pool.submit(self.server.post, "/resume", timeout_s=self.timeout_s).result()
+            if ok and not answer.get("success", False):
+                return "the server did not reset its prefix cache: new requests may reuse KV of the old weights"
         except Exception as e:  # noqa: BLE001 - reported; the caller's own error (if any) says more
             return str(e)
         return ""

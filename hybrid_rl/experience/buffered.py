@@ -86,6 +86,7 @@ class BufferedSource:
         self.resend: list[int] = []  # keys to send at the next dispatch (after a resume)
         self.failed: dict[int, str] = {}  # key -> error: this rank's requests to send again after a recovery
         self.failed_polls = 0
+        self.no_signal = 0  # groups dynamic sampling dropped since the last batch
 
     # -- the batch -------------------------------------------------------------------------------
 
@@ -225,6 +226,7 @@ class BufferedSource:
                 self.book.resolve(gid, kept=kept)
         for gid in self.book.drop_unkept():
             self._forget(gid)
+            self.no_signal += 1
 
     def _forget(self, gid: int) -> None:
         for key in range(gid * self.s.n, (gid + 1) * self.s.n):
@@ -252,14 +254,18 @@ class BufferedSource:
         return Experience(rollout, Ready(scores), fields)
 
     def _buffer_metrics(self, plan: Plan, status: Status, v: int) -> dict[str, float]:
-        """Staleness of the batch's groups (v - start version: a histogram over 0..k), and the buffer's state."""
-        k = self.s.max_staleness
-        stale = torch.tensor([v - self.book.live[gid].start_version for gid in plan.take], dtype=torch.float64)
+        """Staleness of the batch's groups (v - start version: a histogram over 0..k), and the buffer's state:
+        `out_of_order_groups` counts the batch's groups that overtook an older group still in the buffer."""
+        k, take = self.s.max_staleness, plan.take
+        stale = torch.tensor([v - self.book.live[gid].start_version for gid in take], dtype=torch.float64)
+        left = [gid for gid in self.book.live if gid not in set(take) | set(plan.drop)]
         out = {f"async/staleness_groups_{d}": float((stale == d).double().mean()) for d in range(k + 1)}
         out.update({"async/staleness_groups_mean": float(stale.mean()), "async/staleness_groups_max": float(stale.max()),
                     "async/dropped_stale_groups": float(len(plan.drop)),
-                    "async/live_groups": float(len(self.book.live) - len(plan.take) - len(plan.drop)),
-                    "async/in_flight_samples": float(status.in_flight)})
+                    "async/dropped_no_signal_groups": float(self.no_signal),
+                    "async/out_of_order_groups": float(sum(gid > min(left) for gid in take) if left else 0),
+                    "async/live_groups": float(len(left)), "async/in_flight_samples": float(status.in_flight)})
+        self.no_signal = 0
         return out
 
     # -- checkpoint ------------------------------------------------------------------------------

@@ -6,7 +6,9 @@
   and resumed trains every group that was live at the checkpoint exactly once, the finished samples
   with the tokens they had, and no group trained before the checkpoint again;
 * a server killed with SIGKILL while requests are in flight loses no response that reached the trainer:
-  each is trained with its tokens; the failed requests are sent again to the restarted server.
+  each is trained with its tokens; the failed requests are sent again to the restarted server;
+* dynamic sampling (DAPO) at staleness 2, where groups finish and are taken out of order, trains full
+  batches of groups with signal, and at staleness 0 gives the synchronous rounds' batches.
 """
 
 import json
@@ -37,7 +39,8 @@ def result(tiny_models, task_files, tmp_path_factory) -> dict:
         overrides = tiny_overrides(tiny_models["qwen2"], task_files, tmp / "run", **{
             "rollout.mode": "sidecar", "sidecar.etcd": etcd.endpoint, "sidecar.port": free_port(),
             "rollout.kv_cache_gb": 0.125, "rollout.max_new_tokens": 16, "sidecar.max_inflight": 2,
-            "trainer.total_steps": 8, "algorithm.rollout_correction": "tis"})
+            "trainer.total_steps": 8, "algorithm.rollout_correction": "tis",
+            "reward.fn": "tests.e2e.rewards:length_parity"})
         return run_torchrun(WORKER, json.dumps({"overrides": overrides}), nproc=2, tmp_path=tmp, timeout=900)
     finally:
         etcd.stop()
@@ -47,8 +50,9 @@ def _groups(batch: list) -> set[int]:
     return {record for record, *_ in batch}
 
 
-def test_staleness_zero_trains_the_synchronous_samples_and_metrics(result):
-    r = result["equal"]
+@pytest.mark.parametrize("case", ["equal", "equal_dynamic"])
+def test_staleness_zero_trains_the_synchronous_samples_and_metrics(result, case):
+    r = result[case]
     assert r["sync"].keys() == r["buffered"].keys() == {"1", "2"}
     for step in ("1", "2"):
         assert len(r["sync"][step]) == 4 * N
@@ -58,6 +62,12 @@ def test_staleness_zero_trains_the_synchronous_samples_and_metrics(result):
         assert {"reward/mean", "actor/pg_loss", "rollout_correction/kl_k3", "response/length_mean"} <= common
         assert {k: before[k] for k in common} == {k: after[k] for k in common}
         assert after["async/staleness_groups_0"] == 1.0 and after["async/staleness_tokens_0"] == 1.0
+    if case == "equal":
+        g = r["greedy"]
+        assert g["vllm"] == g["hf"], "after two updates the server answered cached prompts with the old weights' KV"
+    if case == "equal_dynamic":
+        rounds = [m["rollout/sampling_rounds"] for m in r["metrics_sync"]]
+        assert rounds == [m["rollout/sampling_rounds"] for m in r["metrics_buffered"]]
 
 
 def test_a_resumed_buffer_trains_every_live_group_once_and_finished_samples_as_they_were(result):
@@ -67,10 +77,8 @@ def test_a_resumed_buffer_trains_every_live_group_once_and_finished_samples_as_t
     assert max(Counter(before + after).values()) == 1, "a group was trained twice"
     live = {record for _, record in r["live_at_checkpoint"]}
     assert len(live) == 8 and live <= set(after), "live groups of the checkpoint not trained after resuming"
-    assert r["held"] and r["resent"], f"{len(r['held'])} finished and {r['resent']} unfinished samples at the " \
-        "checkpoint: the test needs both"
-    assert len(r["held"]) + r["resent"] == len(live) * N
-    trained = {(record, j): tokens for step in r["after"].values() for record, j, tokens, _ in step}
+    assert len(r["held"]) == r["resent"] == len(live) * N // 2  # half the requests of live groups were held back
+    trained = {(record, j): tokens for step in r["after"].values() for record, j, tokens, *_ in step}
     for record, j, tokens in r["held"]:
         assert trained[(record, j)] == tokens, f"sample {j} of record {record} was generated again after resuming"
     for step in r["after"].values():
@@ -81,10 +89,24 @@ def test_a_server_killed_mid_generation_loses_no_response_that_reached_the_train
     r = result["killed"]
     assert r["finished_before"] > 0 and r["in_flight"] > 0, r
     assert r["server_starts"] == 2 and r["failed"], "the kill hit no request in flight"
-    trained = {(record, j): tokens for step in r["batches"].values() for record, j, tokens, _ in step}
+    trained = {(record, j): tokens for step in r["batches"].values() for record, j, tokens, *_ in step}
     lost = [(record, j) for record, j, tokens in r["arrived"] if trained.get((record, j), tokens) != tokens]
     assert not lost, f"responses that reached the trainer were replaced: {lost}"
     arrived = {(record, j) for record, j, _ in r["arrived"]}
     assert {(record, j) for record, j in r["failed"]} <= arrived, "failed requests were not sent again"
     for step in r["batches"].values():
         assert len(step) == 4 * N and len(_groups(step)) == 4
+
+
+def test_dynamic_sampling_with_groups_out_of_order_trains_full_batches_with_signal(result):
+    r = result["dynamic"]
+    for step, batch in r["batches"].items():
+        rewards: dict[int, set] = {}
+        for record, _, _, _, reward in batch:
+            rewards.setdefault(record, set()).add(reward)
+        assert len(rewards) == 4 and len(batch) == 4 * N, f"step {step}: not a full batch"
+        assert all(len(v) > 1 for v in rewards.values()), f"step {step}: a group without signal was trained"
+    m = r["metrics"]
+    assert sum(x["async/dropped_no_signal_groups"] for x in m) > 0, "no group lacked signal: the test proves little"
+    assert all(x["async/staleness_groups_max"] <= 2 and x["async/dropped_stale_groups"] == 0 for x in m)
+    assert sum(x["async/out_of_order_groups"] for x in m) > 0, "every batch took the oldest groups: not out of order"

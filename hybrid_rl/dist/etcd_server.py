@@ -1,0 +1,84 @@
+"""A private etcd server (the tests', the demo's and the benchmarks'): on free ports, its data in a folder of its
+own; stopped (or restarted) at will. Production runs point `sidecar.etcd` at an etcd they run themselves."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import requests
+
+from hybrid_rl.dist.mesh import free_port
+
+
+class EtcdProcess:
+    """Any process may stop or restart the server: its pid is kept in `<data_dir>.pid`."""
+
+    def __init__(self, data_dir: Path, port: int = 0, peer_port: int = 0):
+        binary = shutil.which("etcd")
+        if binary is None:
+            raise RuntimeError("etcd is not installed (Debian package etcd-server; `make install` installs it)")
+        self.binary, self.data_dir = binary, Path(data_dir)
+        self.port, self.peer_port = port or free_port(), peer_port or free_port()
+        self.pid_file = self.data_dir.with_suffix(".pid")
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        url, peer = self.endpoint, f"http://127.0.0.1:{self.peer_port}"
+        log = open(self.data_dir.with_suffix(".log"), "ab")  # noqa: SIM115 - the child keeps it
+        self.proc = subprocess.Popen(
+            [self.binary, "--name", "test", "--data-dir", str(self.data_dir), "--listen-client-urls", url,
+             "--advertise-client-urls", url, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"test={peer}"], stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        self.pid_file.write_text(str(self.proc.pid))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if requests.get(f"{url}/health", timeout=1).ok:
+                    return
+            except requests.RequestException:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"etcd exited with {self.proc.returncode}; see {self.data_dir.with_suffix('.log')}")
+            time.sleep(0.2)
+        raise RuntimeError(f"etcd did not answer on {url} within {timeout_s} s")
+
+    def stop(self) -> None:
+        """Stop the server this data folder's pid file names (started by this process or another)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        elif self.pid_file.exists():
+            _stop_pid(int(self.pid_file.read_text()))
+        self.proc = None
+        self.pid_file.unlink(missing_ok=True)
+
+
+def _stop_pid(pid: int) -> None:
+    """SIGTERM, then SIGKILL after 10 s, to a process this test did not start itself (an etcd a worker restarted)."""
+    import os
+    import signal
+
+    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
