@@ -9,7 +9,6 @@ start and logs each phase's measured peak beside it.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from hybrid_rl.model.memory_plan import (
     estimate,
 )
 from hybrid_rl.model.param_count import ArchDims, Head, lora_params, model_params
+from hybrid_rl.utils import memory
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}  # of one decoder block
@@ -84,7 +84,7 @@ def prompt_lengths(cfg: Config) -> list[int] | None:
 
 
 def detect_device(kind: str = "auto", *, gib: float | None = None, local_ranks: int = 1) -> DeviceSpec:
-    """This machine's memory per rank (CUDA device 0, or host RAM / local ranks), or `gib` if given."""
+    """This machine's memory per rank (CUDA device 0, or host memory available now / local ranks), or `gib`."""
     import torch
 
     cuda = torch.cuda.is_available()
@@ -96,8 +96,9 @@ def detect_device(kind: str = "auto", *, gib: float | None = None, local_ranks: 
             raise ConfigError("--device cuda on a machine without CUDA: also give its size, e.g. --device-gib 80")
         props = torch.cuda.get_device_properties(0)
         return DeviceSpec("cuda", props.total_memory, props.name)
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return DeviceSpec("cpu", ram // local_ranks, f"host RAM / {local_ranks} local rank(s)")
+    available = memory.available_bytes()
+    return DeviceSpec("cpu", available // local_ranks,
+                      f"host memory available now ({available / GIB:.1f} GiB) / {local_ranks} local rank(s)")
 
 
 def _spec(path: str, head: Head, param_bytes: int = 4) -> ModelSpec:

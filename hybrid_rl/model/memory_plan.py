@@ -115,7 +115,7 @@ def shard_bytes(params: tuple[ParamShape, ...] | list[ParamShape], world: int, r
 @dataclass(frozen=True)
 class DeviceSpec:
     kind: str  # cuda | cpu
-    total_bytes: int  # per rank: a GPU's memory, or host RAM / local ranks
+    total_bytes: int  # per rank: a GPU's memory, or the host memory available when planning / local ranks
     name: str = ""
 
 
