@@ -57,8 +57,9 @@ def recommended(overrides: list[str], nproc: int) -> tuple[bool, list[str], str]
     if proc.returncode not in (0, 1):
         raise RuntimeError(f"planner failed: {proc.stderr[-2000:]}")
     verdict = proc.stdout[proc.stdout.index("FITS") if proc.returncode == 0 else proc.stdout.index("DOES NOT FIT"):]
-    line = next((x for x in verdict.splitlines() if "all on one command line:" in x), "")
-    settings = line.split("all on one command line:", 1)[1].split() if line else []
+    line = next((x for x in verdict.splitlines() if "all on one command line" in x), "")
+    # "..., on N ranks:" needs more ranks than this run has: nothing to apply here
+    settings = line.split(":", 1)[1].split() if line and ", on " not in line else []
     return proc.returncode == 0, settings, verdict.split("\n  note:")[0]
 
 
