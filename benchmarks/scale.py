@@ -36,17 +36,8 @@ TOLERANCE = 0.15
 PHASE_TIMES = ("rollout", "sync", "switch", "old_logp", "reference", "update")
 
 
-def task_file() -> str:
-    from hybrid_rl.demo.task import write_task
-
-    root = common.CACHE / "task"
-    if not (root / "train.jsonl").exists():
-        write_task(root, n_train=2048, n_val=64)
-    return str(root / "train.jsonl")
-
-
 def base_overrides(model: Path, out: Path, steps: int) -> list[str]:
-    return [f"model.path={model}", f"data.train_files=[{task_file()}]", *BATCH, f"trainer.total_steps={steps}",
+    return [f"model.path={model}", f"data.train_files=[{common.task_files()[0]}]", *BATCH, f"trainer.total_steps={steps}",
             f"trainer.output_dir={out}", "trainer.resume=never", "trainer.show_progress=false", "trainer.export=false"]
 
 

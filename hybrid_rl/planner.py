@@ -64,23 +64,28 @@ def plan_for(cfg: Config, world: int, *, device: DeviceSpec | None = None, atten
     return dataclasses.replace(plan, notes=plan.notes + notes)
 
 
-def prompt_lengths(cfg: Config) -> list[int] | None:
-    """Token counts of the training prompts, read and tokenized as `build.py` reads them; None when the files
-    are not on this machine (planning a run elsewhere: prompts then count as `data.max_prompt_tokens`)."""
+def training_records(cfg: Config, tokenizer):
+    """The training rows as `build.py` trains on them: preference pairs (offline DPO) or prompts, over-long ones
+    dropped."""
     from hybrid_rl.data import load_preference_dataset, load_prompt_dataset
+
+    d = cfg.data
+    if cfg.algorithm.offline_pairs:
+        return load_preference_dataset(d.train_files, tokenizer, max_prompt_tokens=d.max_prompt_tokens,
+                                       max_response_tokens=d.max_response_tokens, prompt_key=d.prompt_key,
+                                       apply_chat_template=d.apply_chat_template)
+    return load_prompt_dataset(d.train_files, tokenizer, max_prompt_tokens=d.max_prompt_tokens,
+                               prompt_key=d.prompt_key, apply_chat_template=d.apply_chat_template)
+
+
+def prompt_lengths(cfg: Config) -> list[int] | None:
+    """Token counts of the training prompts; None when the files are not on this machine (planning a run
+    elsewhere: prompts then count as `data.max_prompt_tokens`)."""
     from hybrid_rl.model.loading import load_tokenizer
 
     if not all(Path(f).is_file() for f in cfg.data.train_files):
         return None
-    d, tokenizer = cfg.data, load_tokenizer(cfg.model.path)
-    if cfg.algorithm.offline_pairs:
-        rows = load_preference_dataset(d.train_files, tokenizer, max_prompt_tokens=d.max_prompt_tokens,
-                                       max_response_tokens=d.max_response_tokens, prompt_key=d.prompt_key,
-                                       apply_chat_template=d.apply_chat_template)
-    else:
-        rows = load_prompt_dataset(d.train_files, tokenizer, max_prompt_tokens=d.max_prompt_tokens,
-                                   prompt_key=d.prompt_key, apply_chat_template=d.apply_chat_template)
-    return [len(r.prompt_ids) for r in rows]
+    return [len(r.prompt_ids) for r in training_records(cfg, load_tokenizer(cfg.model.path))]
 
 
 def detect_device(kind: str = "auto", *, gib: float | None = None, local_ranks: int = 1) -> DeviceSpec:
