@@ -7,6 +7,7 @@ in seconds with a message that names it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -19,6 +20,7 @@ import torch
 
 from hybrid_rl.config import Config, ConfigError, resolve_rollout
 from hybrid_rl.data import PromptLoader, load_prompt_dataset
+from hybrid_rl.dist.collectives import all_reduce_min
 from hybrid_rl.dist.etcd import Etcd, EtcdUnavailable
 from hybrid_rl.dist.fsdp import is_sharded, shard_model
 from hybrid_rl.dist.mesh import ParallelDims, device, fsdp_mesh, init_distributed
@@ -100,8 +102,11 @@ def build(cfg: Config) -> Components:
 
 def _check_memory(cfg: Config, dims: ParallelDims, prompt_lengths: list[int]) -> MemoryPlan:
     """The memory plan of this run, printed (rank 0) before any weight loads; one that does not fit stops here."""
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dims.world))
-    plan = plan_for(cfg, dims.world, device=detect_device(local_ranks=local_ranks), prompt_lengths=prompt_lengths)
+    device = detect_device(local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", dims.world)))
+    # Every rank plans for the smallest budget any rank sees (host memory available differs by the moment it is
+    # read), so that all reach the same verdict: one rank stopping alone would leave the others waiting.
+    device = dataclasses.replace(device, total_bytes=int(all_reduce_min([float(device.total_bytes)])[0]))
+    plan = plan_for(cfg, dims.world, device=device, prompt_lengths=prompt_lengths)
     if dims.is_main:
         print(plan.table(), flush=True)
     if not plan.fits and cfg.trainer.memory_check == "error":
