@@ -161,6 +161,17 @@ def tiny_model(hidden: int, layers: int, heads: int, kv_heads: int, intermediate
     return path
 
 
+def task_files() -> tuple[str, str]:
+    """The demo task's train and validation prompts (`hybrid_rl.demo.task`), written once under .cache/task."""
+    from hybrid_rl.demo.task import write_task
+
+    root = CACHE / "task"
+    train, val = root / "train.jsonl", root / "val.jsonl"
+    if not train.exists():
+        write_task(root, n_train=2048, n_val=64)
+    return str(train), str(val)
+
+
 def sized_model(size: str) -> Path:
     return tiny_model(*SIZES[size])
 

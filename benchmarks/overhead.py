@@ -83,7 +83,7 @@ def worker(shapes: list[tuple[int, int]], model: str, steps: int) -> None:
     from hybrid_rl.trainer import Trainer
 
     logging.basicConfig(level=logging.WARNING)
-    train, _ = common_task()
+    train, _ = common.task_files()
     rows = []
     for samples, tokens in shapes:
         prompts = samples // SAMPLES_PER_PROMPT
@@ -127,16 +127,6 @@ def worker(shapes: list[tuple[int, int]], model: str, steps: int) -> None:
     dist.destroy_process_group()
 
 
-def common_task() -> tuple[str, str]:
-    from hybrid_rl.demo.task import write_task
-
-    root = common.CACHE / "task"
-    train, val = root / "train.jsonl", root / "val.jsonl"
-    if not train.exists():
-        write_task(root, n_train=2048, n_val=64)
-    return str(train), str(val)
-
-
 # =================================================================================================
 # Driver
 # =================================================================================================
@@ -156,7 +146,7 @@ def main() -> None:
         worker(shapes, a.model, a.steps)
         return
     model = common.tiny_model(64, 2, 4, 2, 128)
-    common_task()
+    common.task_files()
     result = common.torchrun(__file__, ["--worker", "--model", str(model), "--steps", str(a.steps), "--shapes",
                                         *[f"{s}x{t}" for s, t in shapes]], nproc=a.nproc, timeout=3600,
                              tag="overhead")

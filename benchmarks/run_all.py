@@ -20,7 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 # Cheapest first: a broken environment shows up in seconds, not after the vLLM benchmarks.
-BENCHMARKS = ["rewards", "startup", "packing", "throughput", "reshard", "checkpoint_engine", "scaling", "vs_trl"]
+BENCHMARKS = ["rewards", "startup", "packing", "overhead", "throughput", "reshard", "checkpoint_engine", "scaling",
+              "vs_trl", "scale"]
+FULL_ONLY = {"scale"}  # minutes per run: not in `make bench` (--quick)
 
 
 def main() -> None:
@@ -28,7 +30,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="the quick version of every benchmark")
     p.add_argument("--only", nargs="+", choices=BENCHMARKS, help="a subset, in this order")
     a = p.parse_args()
-    names = [n for n in BENCHMARKS if not a.only or n in a.only]
+    names = [n for n in BENCHMARKS if (not a.only or n in a.only) and not (a.quick and n in FULL_ONLY)]
     t_all, walls, failed = time.time(), {}, []
     for name in names:
         cmd = [sys.executable, str(common.HERE / f"{name}.py")] + (["--quick"] if a.quick else [])

@@ -29,51 +29,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import qwen_shapes  # noqa: E402
 
 GIB = 2**30
-# Qwen2.5-0.5B's config.json, as published (the weights here are random).
-QWEN05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-               num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
-               max_position_embeddings=32768, rms_norm_eps=1e-6, use_sliding_window=False, sliding_window=32768,
-               max_window_layers=21)
-
-
-# =================================================================================================
-# Model folder
-# =================================================================================================
-
-
-def qwen05b_folder() -> Path:
-    """A Qwen2.5-0.5B-shaped folder: real config, random bf16 weights (one model.safetensors), a tiny tokenizer."""
-    import os
-
-    path = common.CACHE / "models" / "qwen2.5-0.5b-shape"
-    if (path / "model.safetensors").exists():
-        return path
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    from hybrid_rl.model.tiny import build_tokenizer
-
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer()
-    config = Qwen2Config(**QWEN05B, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                         bos_token_id=tok.eos_token_id, dtype="bfloat16")
-    config.architectures = ["Qwen2ForCausalLM"]
-    with torch.device("meta"):
-        shapes = {n: p.shape for n, p in AutoModelForCausalLM.from_config(config).named_parameters()}
-    g = torch.Generator().manual_seed(0)
-    weights = {}
-    for name, shape in shapes.items():  # named_parameters() lists a tied head once (as embed_tokens)
-        t = torch.ones(shape) if "norm" in name else torch.randn(shape, generator=g) * 0.02
-        weights[name] = t.to(torch.bfloat16)
-    save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    config.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    tmp.rename(path)
-    return path
 
 
 # =================================================================================================
@@ -163,7 +121,7 @@ def main() -> None:
     from hybrid_rl.utils.env import set_runtime_defaults
 
     set_runtime_defaults()
-    model = qwen05b_folder()
+    model = qwen_shapes.folder("0.5B")
     args = overrides(model, a.set)
     rows, targets = [], []
     for world in a.worlds:

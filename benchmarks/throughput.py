@@ -98,19 +98,9 @@ def worker(runs: list[dict]) -> None:
 # =================================================================================================
 
 
-def task_files() -> tuple[str, str]:
-    from hybrid_rl.demo.task import write_task
-
-    root = common.CACHE / "task"
-    train, val = root / "train.jsonl", root / "val.jsonl"
-    if not train.exists():
-        write_task(root, n_train=2048, n_val=64)
-    return str(train), str(val)
-
-
 def run_overrides(model: str, out_dir: Path, *, prompts: int, n: int, max_new_tokens: int, steps: int,
                   extra: list[str]) -> list[str]:
-    train, _ = task_files()
+    train, _ = common.task_files()
     base = {
         "model.path": model, "data.train_files": f"[{train}]", "data.prompts_per_step": prompts, "rollout.n": n,
         "rollout.max_new_tokens": max_new_tokens, "trainer.total_steps": steps, "trainer.output_dir": str(out_dir),

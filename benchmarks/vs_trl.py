@@ -124,9 +124,7 @@ def ensure_trl_venv() -> tuple[Path | None, str]:
 
 
 def run_trl(python: Path, configs: list[dict], steps: int, threads: int) -> list[dict]:
-    from throughput import task_files
-
-    train, _ = task_files()
+    train, _ = common.task_files()
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "VIRTUAL_ENV")}
     env.update(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
     if threads:

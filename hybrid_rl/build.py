@@ -7,6 +7,7 @@ in seconds with a message that names it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -18,7 +19,8 @@ from pathlib import Path
 import torch
 
 from hybrid_rl.config import Config, ConfigError, resolve_rollout
-from hybrid_rl.data import PromptLoader, load_preference_dataset, load_prompt_dataset
+from hybrid_rl.data import PromptLoader, load_prompt_dataset
+from hybrid_rl.dist.collectives import all_reduce_min
 from hybrid_rl.dist.etcd import Etcd, EtcdUnavailable
 from hybrid_rl.dist.fsdp import is_sharded, shard_model
 from hybrid_rl.dist.mesh import ParallelDims, device, fsdp_mesh, init_distributed
@@ -37,7 +39,7 @@ from hybrid_rl.model.lora import LoraWeights, apply_lora, is_lora
 from hybrid_rl.model.materialize import materialize
 from hybrid_rl.model.memory_plan import MemoryPlan, sync_reserve_bytes
 from hybrid_rl.model.param_count import Head
-from hybrid_rl.planner import detect_device, plan_for
+from hybrid_rl.planner import detect_device, plan_for, training_records
 from hybrid_rl.rewards import RewardPool, Rubric, RubricItem, resolve_reward
 from hybrid_rl.rollout.base import RolloutWorker
 from hybrid_rl.rollout.sampler import Sampler, SamplingSettings
@@ -100,8 +102,11 @@ def build(cfg: Config) -> Components:
 
 def _check_memory(cfg: Config, dims: ParallelDims, prompt_lengths: list[int]) -> MemoryPlan:
     """The memory plan of this run, printed (rank 0) before any weight loads; one that does not fit stops here."""
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dims.world))
-    plan = plan_for(cfg, dims.world, device=detect_device(local_ranks=local_ranks), prompt_lengths=prompt_lengths)
+    device = detect_device(local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", dims.world)))
+    # Every rank plans for the smallest budget any rank sees (host memory available differs by the moment it is
+    # read), so that all reach the same verdict: one rank stopping alone would leave the others waiting.
+    device = dataclasses.replace(device, total_bytes=int(all_reduce_min([float(device.total_bytes)])[0]))
+    plan = plan_for(cfg, dims.world, device=device, prompt_lengths=prompt_lengths)
     if dims.is_main:
         print(plan.table(), flush=True)
     if not plan.fits and cfg.trainer.memory_check == "error":
@@ -117,13 +122,7 @@ def _seed_everything(seed: int) -> None:
 
 def _datasets(cfg: Config, tokenizer):
     d = cfg.data
-    if cfg.algorithm.offline_pairs:
-        train = load_preference_dataset(d.train_files, tokenizer, max_prompt_tokens=d.max_prompt_tokens,
-                                        max_response_tokens=d.max_response_tokens, prompt_key=d.prompt_key,
-                                        apply_chat_template=d.apply_chat_template)
-    else:
-        train = load_prompt_dataset(d.train_files, tokenizer, max_prompt_tokens=d.max_prompt_tokens,
-                                    prompt_key=d.prompt_key, apply_chat_template=d.apply_chat_template)
+    train = training_records(cfg, tokenizer)
     if len(train) < d.prompts_per_step:
         raise ConfigError(f"data.prompts_per_step={d.prompts_per_step} is more than the {len(train)} usable rows of "
                           f"data.train_files (after dropping over-long prompts); lower it or add data")

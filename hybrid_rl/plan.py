@@ -13,7 +13,8 @@ peak fits the device and, if not, the settings that together make it fit, cheape
 
 --world: ranks in the run (default $WORLD_SIZE or 1). --device-gib: plan for a device of this
 size (e.g. `--device cuda --device-gib 80` for an H100 from any machine); without it, CUDA device
-0's memory, or host RAM / --local-ranks (default: the world size) on CPU. --attention: defaults to
+0's memory, or on CPU the host memory available now (MemAvailable: other processes' memory excluded) /
+--local-ranks (default: the world size). --attention: defaults to
 what the run would use here (flash-attn on CUDA where installed, else SDPA).
 
 Exit codes: 0 fits, 1 does not fit, 2 bad configuration or input.

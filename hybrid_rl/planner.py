@@ -9,7 +9,6 @@ start and logs each phase's measured peak beside it.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from hybrid_rl.model.memory_plan import (
     estimate,
 )
 from hybrid_rl.model.param_count import ArchDims, Head, lora_params, model_params
+from hybrid_rl.utils import memory
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}  # of one decoder block
@@ -64,27 +64,32 @@ def plan_for(cfg: Config, world: int, *, device: DeviceSpec | None = None, atten
     return dataclasses.replace(plan, notes=plan.notes + notes)
 
 
-def prompt_lengths(cfg: Config) -> list[int] | None:
-    """Token counts of the training prompts, read and tokenized as `build.py` reads them; None when the files
-    are not on this machine (planning a run elsewhere: prompts then count as `data.max_prompt_tokens`)."""
+def training_records(cfg: Config, tokenizer):
+    """The training rows as `build.py` trains on them: preference pairs (offline DPO) or prompts, over-long ones
+    dropped."""
     from hybrid_rl.data import load_preference_dataset, load_prompt_dataset
+
+    d = cfg.data
+    if cfg.algorithm.offline_pairs:
+        return load_preference_dataset(d.train_files, tokenizer, max_prompt_tokens=d.max_prompt_tokens,
+                                       max_response_tokens=d.max_response_tokens, prompt_key=d.prompt_key,
+                                       apply_chat_template=d.apply_chat_template)
+    return load_prompt_dataset(d.train_files, tokenizer, max_prompt_tokens=d.max_prompt_tokens,
+                               prompt_key=d.prompt_key, apply_chat_template=d.apply_chat_template)
+
+
+def prompt_lengths(cfg: Config) -> list[int] | None:
+    """Token counts of the training prompts; None when the files are not on this machine (planning a run
+    elsewhere: prompts then count as `data.max_prompt_tokens`)."""
     from hybrid_rl.model.loading import load_tokenizer
 
     if not all(Path(f).is_file() for f in cfg.data.train_files):
         return None
-    d, tokenizer = cfg.data, load_tokenizer(cfg.model.path)
-    if cfg.algorithm.offline_pairs:
-        rows = load_preference_dataset(d.train_files, tokenizer, max_prompt_tokens=d.max_prompt_tokens,
-                                       max_response_tokens=d.max_response_tokens, prompt_key=d.prompt_key,
-                                       apply_chat_template=d.apply_chat_template)
-    else:
-        rows = load_prompt_dataset(d.train_files, tokenizer, max_prompt_tokens=d.max_prompt_tokens,
-                                   prompt_key=d.prompt_key, apply_chat_template=d.apply_chat_template)
-    return [len(r.prompt_ids) for r in rows]
+    return [len(r.prompt_ids) for r in training_records(cfg, load_tokenizer(cfg.model.path))]
 
 
 def detect_device(kind: str = "auto", *, gib: float | None = None, local_ranks: int = 1) -> DeviceSpec:
-    """This machine's memory per rank (CUDA device 0, or host RAM / local ranks), or `gib` if given."""
+    """This machine's memory per rank (CUDA device 0, or host memory available now / local ranks), or `gib`."""
     import torch
 
     cuda = torch.cuda.is_available()
@@ -96,8 +101,9 @@ def detect_device(kind: str = "auto", *, gib: float | None = None, local_ranks: 
             raise ConfigError("--device cuda on a machine without CUDA: also give its size, e.g. --device-gib 80")
         props = torch.cuda.get_device_properties(0)
         return DeviceSpec("cuda", props.total_memory, props.name)
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return DeviceSpec("cpu", ram // local_ranks, f"host RAM / {local_ranks} local rank(s)")
+    available = memory.available_bytes()
+    return DeviceSpec("cpu", available // local_ranks,
+                      f"host memory available now ({available / GIB:.1f} GiB) / {local_ranks} local rank(s)")
 
 
 def _spec(path: str, head: Head, param_bytes: int = 4) -> ModelSpec:

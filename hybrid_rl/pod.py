@@ -48,7 +48,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(cfg, etcd, *, log_path: Path, namespace: str, spec) -> None:
-    from hybrid_rl.dist.pod_group import PodGroup, pod_store
+    import os
+
+    import torch
+
+    from hybrid_rl.dist.pod_group import PodGroup, payload_device_for, pod_store
     from hybrid_rl.engine.pod_link import GROUP_KEY, PodReceiver
     from hybrid_rl.engine.sidecar_server import Sidecar
 
@@ -62,7 +66,9 @@ def run(cfg, etcd, *, log_path: Path, namespace: str, spec) -> None:
         member = where["tp"] + sc.pod - 1
         store = pod_store(where["host"], where["port"], member=member, tp=where["tp"], pods=where["pods"],
                           timeout_s=sc.pod_wait_s)
-        group = PodGroup(store, member=member, tp=where["tp"], pods=where["pods"], timeout_s=sc.pod_wait_s)
+        device = payload_device_for(cuda=torch.cuda.is_available(), local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+        group = PodGroup(store, member=member, tp=where["tp"], pods=where["pods"], timeout_s=sc.pod_wait_s,
+                         payload_device=device)
         sidecar.ensure_running()
         log.info("pod %d joined the trainer's pod group; waiting for weight updates", sc.pod)
         receiver = PodReceiver(group, sidecar, namespace=namespace, slots=sc.slots, timeout_s=sc.update_timeout_s)

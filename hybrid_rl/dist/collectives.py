@@ -25,6 +25,7 @@ __all__ = [
     "all_gather_rows",
     "all_reduce",
     "all_reduce_max",
+    "all_reduce_min",
     "all_reduce_sum",
     "all_to_all_rows",
     "barrier",
@@ -72,6 +73,10 @@ def all_reduce_sum(values: list[float]) -> list[float]:
 
 def all_reduce_max(values: list[float]) -> list[float]:
     return all_reduce(torch.tensor(values, dtype=torch.float64), "max").tolist()
+
+
+def all_reduce_min(values: list[float]) -> list[float]:
+    return all_reduce(torch.tensor(values, dtype=torch.float64), "min").tolist()
 
 
 def all_gather_rows(t: torch.Tensor) -> torch.Tensor:

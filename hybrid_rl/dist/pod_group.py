@@ -3,7 +3,10 @@
 They live outside the trainer's torchrun world (the other pods are not trainer ranks), on their own
 TCPStore, one group per vLLM TP rank: group r = {trainer writer r (group rank 0), the receiver of every
 other pod}. Each bucket of TP rank r is one broadcast in group r, so P pods receive an update in about
-the time of one (gloo on CPU; on GPUs the same groups with NCCL are the follow-up, RDMA/NIXL beyond).
+the time of one. Control messages (headers, manifests, agreement) always go over gloo; the weights go
+over a second group per TP rank whose backend is the platform's: gloo on CPU, NCCL on GPUs, where each
+bucket is staged through the GPU (the rings are host memory) — `payload_device` says where the staging
+buffer lives, so the CPU test runs the staged path too (RDMA/NIXL, without the staging, is the follow-up).
 
 Members: writers are members 0..tp-1, the receiver of pod p (p >= 1) is member tp + p - 1. Member 0
 hosts the store; its address travels through etcd.
@@ -24,23 +27,53 @@ def pod_store(host: str, port: int, *, member: int, tp: int, pods: int, timeout_
                          wait_for_workers=False)
 
 
-class PodGroup:
-    """Blocks until every member of this member's groups has joined (at most `timeout_s`)."""
+def payload_device_for(*, cuda: bool, local_rank: int) -> torch.device | None:
+    """Where weight buckets are staged for the broadcast: this process's GPU (NCCL), else nowhere (gloo reads host
+    memory directly)."""
+    return torch.device("cuda", local_rank) if cuda else None
 
-    def __init__(self, store: dist.TCPStore, *, member: int, tp: int, pods: int, timeout_s: float):
+
+class PodGroup:
+    """Blocks until every member of this member's groups has joined (at most `timeout_s`).
+
+    `payload_device` None: weights are broadcast from host memory over gloo. A device: over NCCL when it is a
+    GPU (gloo for a CPU device: the staged path as the CPU test runs it), through a staging buffer there.
+    """
+
+    def __init__(self, store: dist.TCPStore, *, member: int, tp: int, pods: int, timeout_s: float,
+                 payload_device: torch.device | None = None):
         self.member, self.tp, self.pods, self.store = member, tp, pods, store
+        self.payload_device = payload_device
         timeout = datetime.timedelta(seconds=timeout_s)
         self.groups: dict[int, dist.ProcessGroup] = {}
+        self.payload: dict[int, dist.ProcessGroup] = {}
         for r in range(tp):
             if member == r or member >= tp:
                 rank = 0 if member == r else member - tp + 1
                 self.groups[r] = dist.ProcessGroupGloo(dist.PrefixStore(f"tp{r}", store), rank, pods, timeout)
+                self.payload[r] = self._payload_group(dist.PrefixStore(f"tp{r}-weights", store), rank, timeout)
+
+    def _payload_group(self, store: dist.Store, rank: int, timeout: datetime.timedelta) -> dist.ProcessGroup:
+        if self.payload_device is not None and self.payload_device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            return dist.ProcessGroupNCCL(store, rank, self.pods, opts)
+        return dist.ProcessGroupGloo(store, rank, self.pods, timeout)
 
     def broadcast(self, tp_rank: int, tensor: torch.Tensor) -> None:
-        """Writer `tp_rank` sends `tensor`, every receiver fills its own (same size and dtype)."""
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        self.groups[tp_rank].broadcast([tensor], opts).wait()
+        """Writer `tp_rank` sends `tensor`, every receiver fills its own (same size and dtype). Control: gloo."""
+        _broadcast(self.groups[tp_rank], tensor)
+
+    def broadcast_weights(self, tp_rank: int, tensor: torch.Tensor) -> None:
+        """`broadcast` for a bucket of weights (host memory): over the payload group, staged when it has a device."""
+        if self.payload_device is None:
+            _broadcast(self.payload[tp_rank], tensor)
+            return
+        staged = tensor.to(self.payload_device, non_blocking=True) if self.member == tp_rank else \
+            torch.empty(tensor.shape, dtype=tensor.dtype, device=self.payload_device)
+        _broadcast(self.payload[tp_rank], staged)
+        if self.member != tp_rank:
+            tensor.copy_(staged)
 
     def broadcast_json(self, tp_rank: int, value=None):
         """A JSON value from writer `tp_rank` to every receiver (the writer passes it, receivers get it)."""
@@ -69,3 +102,9 @@ class PodGroup:
         opts.reduceOp = dist.ReduceOp.SUM
         self.groups[0].allreduce([t], opts).wait()
         return t.tolist()
+
+
+def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    group.broadcast([tensor], opts).wait()

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
@@ -83,9 +83,10 @@ class SwitchReport:
 
 
 class WeightSource(Protocol):
-    """What the policy offers to sync: (HF name, this rank's dim-0 shard, full shape) per weight."""
+    """What the policy offers to sync: (HF name, this rank's dim-0 shard, full shape) per weight; the shard may be
+    a function that computes it when its bucket is sent (`reshard.SourceParam`)."""
 
-    def weights(self) -> Iterable[tuple[str, torch.Tensor, tuple[int, ...]]]: ...
+    def weights(self) -> Iterable[tuple[str, torch.Tensor | Callable[[], torch.Tensor], tuple[int, ...]]]: ...
 
     def changed_names(self) -> set[str] | None:
         """Weights that can change between syncs (None: all). The rest is sent once."""

@@ -21,7 +21,7 @@ import torch
 from hybrid_rl.dist.collectives import broadcast_object
 from hybrid_rl.dist.etcd import Etcd
 from hybrid_rl.dist.mesh import ParallelDims
-from hybrid_rl.dist.pod_group import PodGroup, pod_store
+from hybrid_rl.dist.pod_group import PodGroup, payload_device_for, pod_store
 from hybrid_rl.engine.reshard import checksums_match
 from hybrid_rl.engine.server_update import ServerUpdate
 from hybrid_rl.engine.shm_ring import Manifest, RingAborted, RingTimeout, ShmRing, write_manifest
@@ -49,7 +49,7 @@ class GroupLink:
             self.group.broadcast_json(rank, manifest.to_json())
 
     def send(self, tp_rank: int, data: torch.Tensor) -> None:
-        self.group.broadcast(tp_rank, data)
+        self.group.broadcast_weights(tp_rank, data)
 
     def end(self, expected: torch.Tensor, rank: int) -> None:
         if rank >= self.tp:
@@ -78,7 +78,8 @@ def pod_link(etcd: Etcd, dims: ParallelDims, *, host: str, tp: int, pods: int, w
     if dims.rank >= tp:
         return GroupLink(None, tp)
     store = store or pod_store(host, port, member=dims.rank, tp=tp, pods=pods, timeout_s=wait_s)
-    return GroupLink(PodGroup(store, member=dims.rank, tp=tp, pods=pods, timeout_s=wait_s), tp)
+    device = payload_device_for(cuda=torch.cuda.is_available(), local_rank=dims.local_rank)
+    return GroupLink(PodGroup(store, member=dims.rank, tp=tp, pods=pods, timeout_s=wait_s, payload_device=device), tp)
 
 
 class PodReceiver:
@@ -144,12 +145,12 @@ class PodReceiver:
             try:
                 slot = ring.acquire(self.seq, timeout_s=self.timeout_s,
                                     aborted=lambda: bool(self.http.error()) or not self.sidecar.server.running())
-                self.group.broadcast(r, ring.buffers[slot][:nbytes])
+                self.group.broadcast_weights(r, ring.buffers[slot][:nbytes])
                 ring.publish(self.seq)
                 return ""
             except (RingAborted, RingTimeout) as e:
                 failed = str(e)
-        self.group.broadcast(r, torch.empty(nbytes, dtype=torch.uint8))
+        self.group.broadcast_weights(r, torch.empty(nbytes, dtype=torch.uint8))
         return failed
 
     def _rings(self, manifests: list[Manifest]) -> None:

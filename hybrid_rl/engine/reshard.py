@@ -38,11 +38,19 @@ class WeightSyncError(RuntimeError):
 
 @dataclass(frozen=True)
 class SourceParam:
-    """One trainable weight as this rank holds it: a dim-0 shard (FSDP2) or the full tensor."""
+    """One trainable weight as this rank holds it: a dim-0 shard (FSDP2) or the full tensor.
+
+    `local` may be a function that computes it (e.g. a LoRA layer's merged weight, whose computation
+    gathers the adapter: a collective): it is called when the weight's bucket is sent, on every rank in
+    the bucket's order, and dropped after it, so a sync never holds more than a bucket of computed weights.
+    """
 
     name: str
-    local: torch.Tensor
+    local: torch.Tensor | Callable[[], torch.Tensor]
     shape: tuple[int, ...]
+
+    def tensor(self) -> torch.Tensor:
+        return self.local if isinstance(self.local, torch.Tensor) else self.local()
 
 
 def fsdp_row_ranges(rows: int, world: int) -> list[tuple[int, int]]:
@@ -256,13 +264,14 @@ def stream_buckets(
     world = plan.world
     partial = torch.zeros(world, len(plan.slices), dtype=torch.float64, device=device)
     for k, bucket in enumerate(plan.buckets):
+        local = {i: params[i].tensor() for i in bucket.indices}  # same order on every rank (may be collective)
         send_splits = [sum(pc.numel for pc in bucket.sends[d]) for d in range(world)]
         recv_splits = [sum(pc.numel for pc in bucket.recvs[s]) for s in range(world)]
         send = torch.empty(sum(send_splits), dtype=plan.dtype, device=device)
         off = 0
         for d in range(world):
             for pc in bucket.sends[d]:
-                block = _source_block(params[pc.index], pc)
+                block = _source_block(local[pc.index], pc)
                 view = send[off : off + pc.numel].view(pc.shape)
                 view.copy_(block)  # casts to the rollout dtype before the bytes move
                 if pc.slice_ncols is None:
@@ -277,7 +286,7 @@ def stream_buckets(
         else:
             recv = send  # one rank sends to itself
         stats.peak_buffer_bytes = max(stats.peak_buffer_bytes, (send.numel() + recv.numel()) * send.element_size())
-        del send
+        del send, local
         stats.bytes_received += recv.numel() * recv.element_size()
         stats.buckets += 1
         items = _assemble(plan, k, bucket, recv, device, alloc)
@@ -291,8 +300,8 @@ def stream_buckets(
     plan.expected = partial.sum(0)
 
 
-def _source_block(p: SourceParam, pc: Piece) -> torch.Tensor:
-    block = p.local[pc.rows[0] : pc.rows[1]]
+def _source_block(local: torch.Tensor, pc: Piece) -> torch.Tensor:
+    block = local[pc.rows[0] : pc.rows[1]]
     if pc.cols is not None and block.dim() == 2:
         block = block[:, pc.cols[0] : pc.cols[1]]
     return block

@@ -7,7 +7,8 @@ whole. After the first sync only the layers LoRA touches change, so only those a
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -72,12 +73,9 @@ class LoraWeights:
         """HF names of the weights LoRA changes (every other weight is the frozen base)."""
         return {f"{prefix}weight" for prefix in _lora_layers(self.model)}
 
-    @torch.no_grad()
-    def weights(self) -> Iterator[tuple[str, torch.Tensor, tuple[int, ...]]]:
-        """(HF name, this rank's dim-0 shard, full shape) for every base weight, LoRA layers merged.
-
-        Collective (gathers each `A`): every rank must iterate to the end, in the same order.
-        """
+    def weights(self) -> Iterator[tuple[str, torch.Tensor | Callable[[], torch.Tensor], tuple[int, ...]]]:
+        """(HF name, this rank's dim-0 shard, full shape) for every base weight; a LoRA layer's as a function
+        that merges it when called (a collective: it gathers `A`), so that only the weights being sent exist."""
         layers = _lora_layers(self.model)
         for name, p in self.model.named_parameters():
             if ".lora_A." in name or ".lora_B." in name:
@@ -87,12 +85,18 @@ class LoraWeights:
             layer = layers.get(prefix)
             if layer is None:
                 yield hf, local_tensor(p).detach(), tuple(p.shape)
-                continue
-            a = layer.lora_A[ADAPTER].weight
-            a = a.full_tensor() if hasattr(a, "full_tensor") else a
-            b = local_tensor(layer.lora_B[ADAPTER].weight)
-            merged = local_tensor(p).float() + layer.scaling[ADAPTER] * (b.float() @ a.float())
-            yield hf, merged.to(p.dtype), tuple(p.shape)
+            else:
+                yield hf, functools.partial(_merged_shard, p, layer), tuple(p.shape)
+
+
+@torch.no_grad()
+def _merged_shard(p: nn.Parameter, layer: nn.Module) -> torch.Tensor:
+    """`W + scaling * B @ A` for the rows of `W` this rank holds (B is sharded like W; A is gathered whole)."""
+    a = layer.lora_A[ADAPTER].weight
+    a = a.full_tensor() if hasattr(a, "full_tensor") else a
+    b = local_tensor(layer.lora_B[ADAPTER].weight)
+    merged = local_tensor(p).float() + layer.scaling[ADAPTER] * (b.float() @ a.float())
+    return merged.to(p.dtype)
 
 
 def merge_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

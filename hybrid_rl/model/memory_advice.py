@@ -42,7 +42,7 @@ COST = {
     "model.activation_checkpointing": (4, "recomputes every block in backward (about a third more update compute)"),
     "offload.actor_params": (5, "moves the policy's shards to {target} and back around every rollout"),
     "rollout.tp": (5, "tensor-parallel decoding: fewer vLLM replicas, an all-reduce per layer"),
-    "rollout.release": (6, "releases vLLM in every train phase ({release}: restart rebuilds it every step)"),
+    "rollout.release": (6, "releases vLLM in every train phase ({release}; restart rebuilds it at every step)"),
     "shard": (9, "needs twice the ranks"),
 }
 MAX_FIXES = 8
@@ -122,8 +122,10 @@ def fixes_for(plan: MemoryPlan) -> list[Fix]:
         phase = max(estimate(x, with_fixes=False).phases, key=lambda p: p.total).name
         cost = COST[kind][1].format(target="cpu" if device_kind(plan) == "cuda" else "disk",
                                     release="sleep" if device_kind(plan) == "cuda" else "restart")
-        if applied and applied[-1][1].setting.split("=")[0] == setting.split("=")[0]:  # the same knob again
-            prev = applied.pop()[1]
+        key = setting.split("=")[0]
+        same = [i for i, (_, f) in enumerate(applied) if f.setting.split("=")[0] == key]
+        if same:  # the same knob again (micro-batches halved twice, TP doubled twice): one line, its last value
+            prev = applied.pop(same[0])[1]
             applied.append((rank, Fix(prev.phase, setting, prev.saves + peak - new_peak, cost)))
         else:
             applied.append((rank, Fix(phase, setting, peak - new_peak, cost)))

@@ -38,13 +38,15 @@ from hybrid_rl.model.param_count import ArchDims, Head, ParamShape
 
 GIB = 2**30
 # Host memory of a rank's process before any model (CPU plans count RSS): python, torch and transformers,
-# and what importing and starting vLLM adds beyond its weights and KV cache (CPU kernels' packed-weight
-# workspace, sampler). Measured on this project's 2-core machine (benchmarks/scale.py: RSS of a rank
-# after `build` less its shards; vLLM built alone at 0.5B, 1.5B and 3B: 0.75, 0.91, 0.99 GiB over weights
-# + KV cache, fitted as a constant plus a share of the weights).
+# and what importing and starting vLLM adds beyond its weights and KV cache (CPU kernels' workspace and
+# packed-weight overhead, sampler). Fitted to vLLM built alone on this project's 2-core machine
+# (`benchmarks/scale.py`'s models): runtime 0.22 GiB for a 462-token vocabulary, 0.75 / 0.91 / 0.99 GiB for
+# Qwen2.5-0.5B / 1.5B / 3B shapes (151,936 tokens): a constant, a part that grows with the vocabulary, and a
+# small share of the weights.
 CPU_PROCESS_BYTES = int(0.43 * GIB)
 CPU_VLLM_IMPORT_BYTES = int(0.18 * GIB)
-CPU_VLLM_RUNTIME_BYTES = int(0.71 * GIB)
+CPU_VLLM_RUNTIME_BYTES = int(0.22 * GIB)
+CPU_VLLM_RUNTIME_PER_VOCAB = int(0.49 * GIB / 151936)
 CPU_VLLM_RUNTIME_PER_WEIGHT_BYTE = 0.046
 CUDA_CONTEXT_BYTES = int(0.5 * GIB)  # CUDA context + NCCL buffers per GPU: typical, not measured here
 MAX_AUTO_UTILIZATION = 0.9  # the most of a GPU `rollout.gpu_memory_utilization=auto` gives vLLM
@@ -115,7 +117,7 @@ def shard_bytes(params: tuple[ParamShape, ...] | list[ParamShape], world: int, r
 @dataclass(frozen=True)
 class DeviceSpec:
     kind: str  # cuda | cpu
-    total_bytes: int  # per rank: a GPU's memory, or host RAM / local ranks
+    total_bytes: int  # per rank: a GPU's memory, or the host memory available when planning / local ranks
     name: str = ""
 
 
@@ -388,7 +390,8 @@ def _vllm_items(x: PlanInputs, phase: str) -> list[Item]:
     items = [Item("vllm", f"weights ({_dtype(r.dtype_bytes)}, 1/{r.tp} TP)", weights, released),
              Item("vllm", "KV cache", kv_cache_bytes(x), kv_off)]
     if x.device.kind == "cpu":  # on CUDA vLLM's workspace is inside its share (gpu_memory_utilization)
-        runtime = CPU_VLLM_RUNTIME_BYTES + int(CPU_VLLM_RUNTIME_PER_WEIGHT_BYTE * weights)
+        runtime = (CPU_VLLM_RUNTIME_BYTES + CPU_VLLM_RUNTIME_PER_VOCAB * x.actor.dims.vocab_size
+                   + int(CPU_VLLM_RUNTIME_PER_WEIGHT_BYTE * weights))
         items.append(Item("vllm", "runtime (CPU kernels' workspace, sampler)", runtime, released))
     if phase == "sync":
         items.append(Item("vllm", "weight sync in flight", sync_transient_bytes(x)))

@@ -81,8 +81,10 @@ def verdict(plan: MemoryPlan) -> str:
                      "  these help, cheapest in speed first, but even all together it does not fit:")
         lines += [f"    {f.setting}  (saves {fmt(f.saves)}; {f.cost})" for f in plan.fixes]
         if fits:
-            lines.append("    all on one command line: " + " ".join(f.setting for f in plan.fixes
-                                                                     if not f.setting.startswith("shard")))
+            ranks = [f.setting.split()[2] for f in plan.fixes if f.setting.startswith("shard")]
+            where = f", on {ranks[-1]} ranks" if ranks else ""
+            lines.append(f"    all on one command line{where}: " + " ".join(f.setting for f in plan.fixes
+                                                                            if not f.setting.startswith("shard")))
     else:
         lines.append("  no setting this planner knows lowers it: use more ranks or larger devices")
     return f"DOES NOT FIT in {fmt(device)} per rank:\n" + "\n".join(lines)

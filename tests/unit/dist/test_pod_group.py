@@ -1,0 +1,47 @@
+"""The pods' groups: control over gloo, weights over the payload group, staged through a device on GPUs.
+
+On GPUs the weights travel over NCCL through a staging buffer on the GPU (the rings are host memory); here the
+same staged path runs with a CPU staging device over gloo, between two real processes (a trainer writer and
+another pod's receiver).
+"""
+
+import multiprocessing as mp
+
+import torch
+
+from hybrid_rl.dist.mesh import free_port
+from hybrid_rl.dist.pod_group import PodGroup, payload_device_for, pod_store
+
+BUCKET = torch.arange(1000, dtype=torch.float32).to(torch.bfloat16).view(torch.uint8)
+
+
+def _member(member: int, port: int, staged: bool, out) -> None:
+    store = pod_store("127.0.0.1", port, member=member, tp=1, pods=2, timeout_s=60)
+    group = PodGroup(store, member=member, tp=1, pods=2, timeout_s=60,
+                     payload_device=torch.device("cpu") if staged else None)
+    header = group.broadcast_json(0, {"update": 3} if member == 0 else None)
+    data = BUCKET.clone() if member == 0 else torch.zeros_like(BUCKET)
+    group.broadcast_weights(0, data)
+    out.put((member, header, bool(torch.equal(data, BUCKET))))
+
+
+def _run(staged: bool) -> list:
+    ctx, port = mp.get_context("spawn"), free_port()
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_member, args=(m, port, staged, out)) for m in (0, 1)]
+    for p in procs:
+        p.start()
+    got = sorted(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    return got
+
+
+def test_a_bucket_reaches_the_other_pod_directly_and_through_a_staging_device():
+    for staged in (False, True):
+        assert _run(staged) == [(0, {"update": 3}, True), (1, {"update": 3}, True)], staged
+
+
+def test_gpus_stage_weights_on_their_own_device_and_cpus_do_not():
+    assert payload_device_for(cuda=True, local_rank=2) == torch.device("cuda", 2)
+    assert payload_device_for(cuda=False, local_rank=2) is None
