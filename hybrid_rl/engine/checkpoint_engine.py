@@ -124,7 +124,7 @@ class CheckpointEngine:
             return rep
         finally:
             if self.rank == 0 and (error := self.http.end(ok=ok)):
-                log.warning("generation on %s not resumed after update %s: %s", self.http.server.url, version, error)
+                log.warning("server %s after update %s (resuming generation): %s", self.http.server.url, version, error)
 
     def _push(self, sources: list[SourceParam], version: str, *, sharded: bool) -> PushReport:
         t0 = time.perf_counter()

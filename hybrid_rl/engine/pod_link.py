@@ -132,7 +132,7 @@ class PodReceiver:
             log.error("pod %d: update %s did not load (%s); withdrawn from dispatch", self.sidecar.pod, version,
                       failed or "checksum mismatch")
         if error := self.http.end(ok=ok):
-            log.warning("pod %d: generation not resumed after update %s: %s", self.sidecar.pod, version, error)
+            log.warning("pod %d after update %s (resuming generation): %s", self.sidecar.pod, version, error)
         self.group.all_values(float(ok))
         self.updates += 1
         return ok

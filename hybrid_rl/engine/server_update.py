@@ -82,15 +82,20 @@ class ServerUpdate:
         (a dead server resumes nothing; a restarted one starts unpaused with an empty cache)."""
         if self.server is None:
             return ""
-        reset = "/is_paused" if ok else "/pause?mode=abort"  # abort clears it
+        # Preempting the running requests frees their blocks, so the reset cannot fail on them; an abort clears it all.
+        first = "/reset_prefix_cache?reset_running_requests=true" if ok else "/pause?mode=abort"
+        problem = ""
         try:
-            answer = self.pool.submit(self.server.post, reset, timeout_s=self.timeout_s).result()
-            self.pool.submit(self.server.post, "/resume", timeout_s=self.timeout_s).result()
+            answer = self.pool.submit(self.server.post, first, timeout_s=self.timeout_s).result()
             if ok and not answer.get("success", False):
-                return "the server did not reset its prefix cache: new requests may reuse KV of the old weights"
+                problem = "the server did not reset its prefix cache: new requests may reuse KV of the old weights"
+        except Exception as e:  # noqa: BLE001 - reported; resuming matters more (a paused server hangs its callers)
+            problem = f"{first}: {e}"
+        try:
+            self.pool.submit(self.server.post, "/resume", timeout_s=self.timeout_s).result()
         except Exception as e:  # noqa: BLE001 - reported; the caller's own error (if any) says more
-            return str(e)
-        return ""
+            return f"{problem}; {e}" if problem else str(e)
+        return problem
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
