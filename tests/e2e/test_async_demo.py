@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from hybrid_rl.demo.__main__ import demo_overrides, sidecar_overrides
+from hybrid_rl.dist.etcd_server import EtcdProcess
 from tests.conftest import run_torchrun
-from tests.sidecar.etcd_proc import EtcdProcess
 
 pytestmark = pytest.mark.slow
 STEPS = 25
