@@ -33,6 +33,7 @@ def main() -> None:
     setup_logging()
     args = json.loads(sys.argv[1])
     c = build(load_config("grpo", args["overrides"]))
+    c.cfg.trainer.resume = "auto"  # the demo's settings say never: here every bound must start from the checkpoint
     first = Trainer(c)
     result = {"after": {}, "metrics": {}, "seconds": {}, "correction": {}}
     try:
