@@ -78,7 +78,9 @@ def server_command(spec: ServerSpec) -> list[str]:
            "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log",
            # /inference/v1/generate: token ids in and out, with the weight version that sampled each token
            "--enable-scale-out"]
-    if s.tp == 1:  # the worker inside the engine-core process: one process (and one vLLM import) fewer
+    # One worker, no TP group to set up. (On CPU vLLM turns `uni` into `mp` when the engine core runs in its own
+    # process, as here, so the worker is a process of its own there too: `VLLM::Worker`.)
+    if s.tp == 1:
         cmd += ["--distributed-executor-backend", "uni"]
     if s.enforce_eager:
         cmd.append("--enforce-eager")
