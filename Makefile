@@ -20,6 +20,8 @@ DROP_CUDA_EXTRAS := $(BIN)/python -m pip uninstall -q -y torchvision torchaudio 
 endif
 NPROC     ?= 2
 ALGO      ?= grpo
+MODE      ?= colocated
+STALENESS ?= 0
 PYTEST_ARGS ?=
 # required: `make install` fails where the code sandbox's bubblewrap is missing or does not work; optional: warns
 SANDBOX   ?= required
@@ -68,7 +70,7 @@ fmt: install
 	$(BIN)/ruff format hybrid_rl tests benchmarks
 
 demo: install
-	$(BIN)/python -m hybrid_rl.demo --algo $(ALGO) --nproc $(NPROC)
+	$(BIN)/python -m hybrid_rl.demo --algo $(ALGO) --nproc $(NPROC) --mode $(MODE) --max-staleness $(STALENESS)
 
 bench: install
 	$(BIN)/python benchmarks/run_all.py --quick

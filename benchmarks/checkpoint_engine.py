@@ -179,8 +179,8 @@ def main() -> None:
 
 
 def run(model: str, a, repeats: int) -> dict:
+    from hybrid_rl.dist.etcd_server import EtcdProcess
     from hybrid_rl.dist.mesh import free_port
-    from tests.sidecar.etcd_proc import EtcdProcess
 
     (common.CACHE / "logs").mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="ckpt_bench_", dir=common.CACHE))

@@ -266,12 +266,14 @@ def _sidecar(cfg: Config, dims: ParallelDims, actor: Model, offload: OffloadMana
                               options=options, device=device(), dtype=DTYPES[r.dtype],
                               server=(lambda: sidecar.server) if sidecar is not None else None, link=link)
     o = cfg.offload
+    # Asynchronous runs generate while the trainer trains: the server never sleeps (give it its own GPUs).
     opts = SidecarOptions(o.actor_params, o.actor_grads, o.actor_optim, sc.max_restarts, sc.sleep_level,
-                          sleep=d.release == "sleep")
+                          sleep=d.release == "sleep" and r.max_staleness == 0)
     weights = LoraWeights(actor.module) if is_lora(actor.module) else ModuleWeights(actor.module)
     return SidecarRollout(policy=actor.module, optimizer=actor.optimizer, dims=dims, weights=weights, engine=engine,
                           sidecar=sidecar, etcd=etcd,
                           client=CompletionClient(max_inflight=sc.max_inflight, timeout_s=sc.request_timeout_s),
+                          stream=CompletionClient(max_inflight=sc.max_inflight, timeout_s=sc.request_timeout_s),
                           offload=offload, options=opts, tokenizer=tokenizer, settings=sampling_settings(cfg),
                           seed=cfg.trainer.seed, sharded=any(is_sharded(p) for p in actor.module.parameters()))
 

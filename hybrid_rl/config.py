@@ -80,6 +80,10 @@ class RolloutConfig:
     verify: bool = True  # checksum every synced weight against what landed in vLLM
     verify_probe_cols: int = 32  # columns checked per 2-D weight (every row); they rotate with each sync
     val_greedy: bool = True
+    # Asynchronous, off-policy training (sidecar mode; README "Asynchronous training"): the servers keep generating
+    # while the trainer trains, and no sample trained at policy version v was started before version v - k. 0 is the
+    # synchronous on-policy loop (the same samples and metrics as before the experience buffer existed).
+    max_staleness: int = 0
 
 
 @dataclass
@@ -121,8 +125,9 @@ class AlgorithmConfig:
     ppo_epochs: int = 1
     mini_batches: int = 1  # optimizer steps per epoch
     old_logp_pass: str = "auto"  # auto: skipped when the update's own forward gives the same numbers | always
-    # Rollout correction of the policy gradient for sampler/trainer mismatch (algos/correction.py): none | tis | mis
-    rollout_correction: str = "none"
+    # Rollout correction of the policy gradient for sampler/trainer mismatch (algos/correction.py): auto | none | tis |
+    # mis. auto: tis in asynchronous runs (rollout.max_staleness > 0) with the ppo_clip objective, none otherwise
+    rollout_correction: str = "auto"
     rollout_correction_level: str = "token"  # token | sequence (one ratio per sequence: the product of its tokens')
     rollout_correction_low: float = 0.5  # mis: ratios below are masked out of the loss
     rollout_correction_high: float = 2.0  # tis: ratios above are truncated to it; mis: masked
@@ -356,7 +361,7 @@ CHOICES = {
     "algorithm.kl_estimator": ("k1", "abs", "k2", "k3", "low_var_kl"),
     "algorithm.dpo_kind": ("sigmoid", "ipo", "hinge"),
     "algorithm.old_logp_pass": ("auto", "always"),
-    "algorithm.rollout_correction": ("none", "tis", "mis"),
+    "algorithm.rollout_correction": ("auto", "none", "tis", "mis"),
     "algorithm.rollout_correction_level": ("token", "sequence"),
     "optim.schedule": ("constant", "cosine", "linear"),
     "trainer.resume": ("auto", "never"),
@@ -372,7 +377,7 @@ POSITIVE = ("rollout.n", "rollout.max_new_tokens", "rollout.bucket_mb", "data.pr
             "sidecar.update_timeout_s", "sidecar.request_timeout_s", "sidecar.pod_wait_s")
 NON_NEGATIVE = ("rollout.temperature", "rollout.kv_cache_gb", "algorithm.kl_coef", "algorithm.entropy_coef", "optim.grad_clip",
                 "optim.warmup_steps", "trainer.save_every", "trainer.val_every", "algorithm.overlong_buffer",
-                "reward.num_workers", "data.val_prompts", "sidecar.max_restarts")
+                "reward.num_workers", "data.val_prompts", "sidecar.max_restarts", "rollout.max_staleness")
 
 
 def get(cfg: Config, key: str) -> Any:
@@ -420,6 +425,10 @@ def validate(cfg: Config) -> None:
     if cfg.sidecar.sleep_level not in (1, 2):
         raise ConfigError(f"sidecar.sleep_level={cfg.sidecar.sleep_level!r} is not allowed; choose 1 (weights kept in "
                           "host memory) or 2 (weights dropped, reloaded by the next update)")
+    if cfg.rollout.max_staleness and cfg.rollout.mode != "sidecar":
+        raise ConfigError(f"rollout.max_staleness={cfg.rollout.max_staleness} needs rollout.mode=sidecar: in colocated "
+                          "mode the same ranks generate and train in turn, so generation cannot run ahead of training; "
+                          "set rollout.mode=sidecar or rollout.max_staleness=0")
     util = cfg.rollout.gpu_memory_utilization
     if not (isinstance(util, int | float) and 0 <= util <= 1):
         raise ConfigError(f"rollout.gpu_memory_utilization={util!r} must be in (0, 1], or 0 for auto (the GPU memory "
@@ -431,10 +440,19 @@ def _validate_correction(a: AlgorithmConfig) -> None:
     if not (isinstance(low, int | float) and isinstance(high, int | float) and 0 <= low <= 1 <= high < math.inf):
         raise ConfigError(f"algorithm.rollout_correction_low={low!r} and rollout_correction_high={high!r} must satisfy "
                           "0 <= low <= 1 <= high (finite): a ratio of 1, no mismatch, is never corrected")
-    if a.rollout_correction != "none" and a.objective != "ppo_clip":
+    if a.rollout_correction not in ("none", "auto") and a.objective != "ppo_clip":
         raise ConfigError(f"algorithm.rollout_correction={a.rollout_correction} reweights the ppo_clip policy gradient; "
                           f"algorithm.objective={a.objective} has none to reweight (DPO trains on whole pairs, and "
                           "offline pairs have no rollout log-probs): set algorithm.rollout_correction=none")
+
+
+def resolve_correction(cfg: Config) -> str:
+    """`algorithm.rollout_correction` with `auto` resolved: `tis` when samples may be off-policy (`rollout.max_staleness`
+    > 0) and the objective has a policy gradient to reweight (ppo_clip), else `none`."""
+    a = cfg.algorithm
+    if a.rollout_correction != "auto":
+        return a.rollout_correction
+    return "tis" if cfg.rollout.max_staleness > 0 and a.objective == "ppo_clip" else "none"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
-"""The RL loop. One step reads top to bottom: generate, share, model passes, advantages, update.
+"""The RL loop. One step reads top to bottom: experience, share, model passes, advantages, update.
 
-Every rank runs the same code (SPMD). Rollout is data-parallel over vLLM TP groups and every sample
-is held by one rank, which scores it in its reward workers. Training units (samples, or preference
+Every rank runs the same code (SPMD). The step's samples come from an experience source: generated now
+with the step's weights (`SyncSource`), or taken from the buffer that sidecar servers fill while the
+trainer trains (`BufferedSource`, asynchronous training). Every sample is held by one rank, which
+scores it in its reward workers. Training units (samples, or preference
 pairs) are balanced over ranks by tokens and each rank receives only its units' tokens; it runs its
 model passes while the reward workers score, then computes advantages of its share from the whole
 batch's scores (known on every rank) and trains it with FSDP. Weights reach vLLM at the start of
@@ -25,25 +27,21 @@ from hybrid_rl.algos.estimators import AdvantageSettings
 from hybrid_rl.algos.objectives import ObjectiveSettings, get_objective
 from hybrid_rl.build import Components
 from hybrid_rl.checkpoint import Checkpointer, export_hf
-from hybrid_rl.config import to_dict
+from hybrid_rl.config import resolve_correction, to_dict
 from hybrid_rl.dist.collectives import all_reduce_max
 from hybrid_rl.experience import batch as exp_batch
-from hybrid_rl.experience import dynamic, share
+from hybrid_rl.experience import share
 from hybrid_rl.experience.passes import PassOutputs, logprobs_pass, scores_pass, values_pass
 from hybrid_rl.experience.scoring import Pending, Ready, Scorer
+from hybrid_rl.experience.sources import SourceSettings, TrainingError, open_source
 from hybrid_rl.metrics import MetricsLogger
 from hybrid_rl.model.lora import adapter_disabled, is_lora, merged_stream, save_adapter
 from hybrid_rl.model.phase_peaks import PhasePeaks, peak_reading
-from hybrid_rl.rollout.offline import preference_rollout
-from hybrid_rl.types import Rollout, Scores, TrainBatch
+from hybrid_rl.types import Rollout, TrainBatch
 from hybrid_rl.updates import UpdateSettings, update_actor, update_critic
 from hybrid_rl.utils.timer import PhaseTimer
 
 log = logging.getLogger(__name__)
-
-
-class TrainingError(RuntimeError):
-    """The run cannot go on (e.g. repeated non-finite steps); the last good checkpoint is intact."""
 
 
 class Trainer:
@@ -59,7 +57,7 @@ class Trainer:
         self.checkpointer = Checkpointer(self.out / "checkpoints", keep_last=t.keep_last, rank=c.dims.rank,
                                          world=c.dims.world)
         self.objective = get_objective(a.objective)
-        self.correction = CorrectionSettings(a.rollout_correction, a.rollout_correction_level,
+        self.correction = CorrectionSettings(resolve_correction(c.cfg), a.rollout_correction_level,
                                              a.rollout_correction_low, a.rollout_correction_high)
         self.loss_settings = ObjectiveSettings(a.loss_agg, a.clip_low, a.clip_high, a.dual_clip or None,
                                                0.0 if a.kl_in_reward else a.kl_coef, a.kl_estimator, a.entropy_coef,
@@ -71,6 +69,10 @@ class Trainer:
             a.kl_in_reward, a.kl_estimator, r.max_new_tokens, a.overlong_buffer, a.overlong_penalty,
             c.cfg.reward.model_weight)
         self.scorer = Scorer(c.rewards, c.tokenizer)
+        self.source = open_source(c.rollout, c.train_loader, self.scorer, c.dims, self.timer, self._session,
+                                  SourceSettings(r.n, c.cfg.data.prompts_per_step, a.dynamic_sampling,
+                                                 a.max_sampling_rounds, a.offline_pairs, r.max_staleness, t.seed,
+                                                 c.cfg.sidecar.max_restarts))
         self.bad_steps = self.skipped_steps = 0
         self._stop = False
         self.metrics: MetricsLogger | None = None
@@ -110,55 +112,27 @@ class Trainer:
     def step(self, step: int) -> dict[str, float]:
         """One RL step:
 
-        1. rollout: `rollout.n` responses per prompt; each rank holds some samples and starts scoring them
-           (dynamic sampling and online DPO wait for the scores here: they decide what is trained);
+        1. experience: `rollout.n` responses per prompt, generated now or taken from the experience buffer;
+           each rank holds some samples, scored or being scored (dynamic sampling keeps groups with signal);
         2. share: training units balanced over ranks by tokens, their tokens sent to the rank that trains them;
         3. passes on the share (old log-probs, reference, critic, reward model) while the rewards are scored;
         4. advantages of the share from the whole batch's scores;
         5. update: the actor, and the critic.
         """
         t0 = time.perf_counter()
-        records = next(self.c.train_loader)
-        rollout, scoring, fields, metrics = self._rollout(records, step)
-        mine = self._share(rollout, scoring, fields)
+        exp = self.source.next_batch(step)
+        metrics = exp.metrics
+        mine = self._share(exp.rollout, exp.scoring, exp.fields)
         passes = self._passes(mine)
-        batch = self._train_batch(mine, passes, scoring, metrics)
+        batch = self._train_batch(mine, passes, exp.scoring, metrics, version=step - 1)
         stats, finite = self._update(batch)
         metrics.update(stats)
         self._track_finite(finite, step)
-        metrics.update(self._timings(time.perf_counter() - t0, rollout))
+        metrics.update(self._timings(time.perf_counter() - t0, exp.rollout))
         metrics["train/skipped_steps"] = float(self.skipped_steps)
         return metrics
 
     # -- the stages ------------------------------------------------------------------------------
-
-    def _rollout(self, records, step: int):
-        """(Rollout, scores or pending scores, record fields by index, metrics) of this step."""
-        a, n = self.cfg.algorithm, self.cfg.rollout.n
-        fields = {r.index: getattr(r, "fields", {}) for r in records}
-        if a.offline_pairs:
-            rollout = preference_rollout(records, self.dims)
-            return rollout, Ready(Scores(torch.zeros(rollout.index.size))), fields, {}
-        with self.timer.phase("rollout"), self._session():
-            rollout = self.c.rollout.generate(records, n=n, step=step, group_base=0)
-            metrics = self._engine_metrics()
-            if not a.dynamic_sampling:
-                return rollout, self.scorer.submit(rollout.held, rollout.index.size), fields, metrics
-            rounds = []
-            while True:
-                scored = self.scorer.score(rollout.held, rollout.index.size)
-                rounds.append((rollout, scored, dynamic.keep_mask(rollout.index, scored)))
-                if sum(int(k.sum()) for *_, k in rounds) >= len(records) * n or len(rounds) >= a.max_sampling_rounds:
-                    break
-                more = next(self.c.train_loader)
-                fields.update({r.index: r.fields for r in more})
-                rollout = self.c.rollout.generate(more, n=n, step=step * 1000 + len(rounds),
-                                                  group_base=len(rounds) * 10**6)
-        rollout, scored = dynamic.merge_rounds(rounds, len(records) * n)
-        if rollout.index.size == 0:
-            raise TrainingError(f"dynamic sampling kept no group in {len(rounds)} rounds (every group's rewards were "
-                                "all equal); raise algorithm.max_sampling_rounds or check the reward")
-        return rollout, Ready(scored), fields, dict(metrics, **{"rollout/sampling_rounds": float(len(rounds))})
 
     def _share(self, rollout: Rollout, scoring: Pending | Ready, fields) -> share.Share:
         """This rank's units: pairs from the dataset (offline DPO), best vs worst by reward (online DPO), or samples."""
@@ -192,7 +166,8 @@ class Trainer:
                 out.rm_scores = scores_pass(c.reward_model.module, samples, budget=budget)
         return out
 
-    def _train_batch(self, mine: share.Share, passes: PassOutputs, scoring: Pending | Ready, metrics) -> TrainBatch:
+    def _train_batch(self, mine: share.Share, passes: PassOutputs, scoring: Pending | Ready, metrics, *,
+                     version: int) -> TrainBatch:
         t_wait = time.perf_counter()
         with self.timer.phase("reward_wait"):
             scored = scoring.result()
@@ -205,7 +180,8 @@ class Trainer:
         metrics.update(exp_batch.rollout_metrics(mine.index, scores) if not self.cfg.algorithm.offline_pairs else {})
         if mine.paired:
             metrics["train/pairs"] = float(mine.num_units)
-        return exp_batch.train_batch(mine, scores, passes, self.batch_settings, kl_coef=self.kl_ctl.value)
+        return exp_batch.train_batch(mine, scores, passes, self.batch_settings, kl_coef=self.kl_ctl.value,
+                                     version=version)
 
     def _update(self, batch: TrainBatch) -> tuple[dict[str, float], bool]:
         with self.timer.phase("update"):
@@ -220,7 +196,8 @@ class Trainer:
                 finite &= cfinite
         old = batch.old_logp if seen is None else seen
         if not self.cfg.algorithm.offline_pairs:
-            stats.update(exp_batch.mismatch_metrics(batch, old, self.correction))
+            stats.update(exp_batch.mismatch_metrics(batch, old, self.correction,
+                                                    max_staleness=self.cfg.rollout.max_staleness))
         kl_mean = None
         if batch.ref_logp is not None:
             kl_mean = exp_batch.kl_to_reference(batch, old, self.cfg.algorithm.kl_estimator)
@@ -250,12 +227,6 @@ class Trainer:
             raise TrainingError(f"{self.bad_steps} non-finite steps in a row (trainer.max_bad_steps); stopping. "
                                 f"Last good checkpoint: {last or 'none yet'}. Lower optim.lr or check the data.")
 
-    def _engine_metrics(self) -> dict[str, float]:
-        rep = self.c.rollout.last_sync()
-        self.timer.add("sync", rep.sync_s)
-        self.timer.add("switch", rep.switch_s)
-        return {"sync/bytes_per_rank": float(rep.bytes_per_rank)}
-
     def _timings(self, step_s: float, rollout: Rollout) -> dict[str, float]:
         times = self.timer.pop()
         out = {f"timing/{k}_s": v for k, v in times.items()}
@@ -282,7 +253,7 @@ class Trainer:
 
     def _validate(self, step: int) -> float:
         """Mean reward of one greedy response per held-out prompt."""
-        with self.c.rollout.session():
+        with self.c.rollout.session(step):
             rollout = self.c.rollout.generate(self.c.val_records, n=1, step=-1, group_base=0,
                                               greedy=self.cfg.rollout.val_greedy)
         mean = float(self.scorer.score(rollout.held, rollout.index.size).total.mean())
@@ -313,10 +284,10 @@ class Trainer:
                       if m is not None and m.scheduler is not None}
         shared = {"step": step, "loader": self.c.train_loader.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
                   "schedulers": schedulers, "skipped_steps": self.skipped_steps, "val_history": self.val_history,
-                  "config": to_dict(self.cfg)}
+                  "config": to_dict(self.cfg), "source": self.source.state_dict()}
+        rank_state = {"torch_rng": torch.get_rng_state(), "source": self.source.rank_state()}
         with self._critic_resident():
-            self.checkpointer.save(step, components=self._components(), rank_state={"torch_rng": torch.get_rng_state()},
-                                   shared_state=shared)
+            self.checkpointer.save(step, components=self._components(), rank_state=rank_state, shared_state=shared)
 
     def _resume(self) -> int:
         if self.cfg.trainer.resume == "never":
@@ -332,6 +303,7 @@ class Trainer:
             getattr(self.c, k).scheduler.load_state_dict(sd)
         self.skipped_steps = shared["skipped_steps"]
         self.val_history = [tuple(x) for x in shared["val_history"]]
+        self.source.load_state_dict(shared.get("source", {}), rank_state.get("source", {}))
         torch.set_rng_state(rank_state["torch_rng"])
         self._say(f"resumed from the checkpoint of step {step} in {self.checkpointer.root}")
         return step
@@ -349,11 +321,12 @@ class Trainer:
         self._stop = True
 
     @contextmanager
-    def _session(self) -> Iterator[None]:
-        """A rollout session, its start (the weight sync) and its body measured as the plan's sync and rollout."""
+    def _session(self, version: int) -> Iterator[None]:
+        """A rollout session bringing policy `version`, its start (the weight sync) and its body measured as the
+        plan's sync and rollout."""
         with ExitStack() as stack:
             with self.peaks.phase("sync"):
-                stack.enter_context(self.c.rollout.session())
+                stack.enter_context(self.c.rollout.session(version))
             with self.peaks.phase("rollout"):
                 yield
 

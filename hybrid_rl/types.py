@@ -30,6 +30,9 @@ class Sample:
     group: int  # samples of the same prompt share a group id
     record_index: int  # the dataset row it came from (`PromptRecord.index`)
     fields: Mapping[str, Any]  # the row's reward fields (ground_truth, tests, ...)
+    # [response tokens] int64: the policy version (optimizer steps taken) whose weights sampled each token; empty when
+    # the generator does not record it (colocated, offline pairs: every token is the current policy's)
+    token_versions: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
 
     @property
     def prompt_len(self) -> int:
@@ -43,8 +46,8 @@ class Sample:
     def length(self) -> int:
         return self.prompt_len + self.response_len
 
-    def renumbered(self, uid: int) -> Sample:
-        return replace(self, uid=uid)
+    def renumbered(self, uid: int, group: int | None = None) -> Sample:
+        return replace(self, uid=uid, group=self.group if group is None else group)
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,9 @@ class TrainBatch:
     returns: torch.Tensor | None = None  # [B, T] value targets
     paired: bool = False  # rows (2k, 2k + 1) are preference pair k: (chosen, rejected)
     rollout_logp: torch.Tensor | None = None  # [B, T] the sampler's log-probs, 0-padded (None: offline pairs)
+    # [B, T] int64: policy versions between the weights that sampled each token and those trained now, 0-padded
+    # (None: the generator records no versions, so every token is on-policy by construction)
+    staleness: torch.Tensor | None = None
 
     @property
     def units(self) -> list[list[int]]:
@@ -122,4 +128,4 @@ class TrainBatch:
         pick = lambda x: None if x is None else x[t]  # noqa: E731
         return TrainBatch([self.samples[i] for i in idx], self.mask[t], self.scores[t], pick(self.old_logp),
                           self.advantages[t], pick(self.ref_logp), pick(self.values), pick(self.returns), self.paired,
-                          pick(self.rollout_logp))
+                          pick(self.rollout_logp), pick(self.staleness))

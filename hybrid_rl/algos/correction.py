@@ -50,8 +50,10 @@ the first backward, when the old log-probs taken from the update's own forward d
 
 Everything a token's weight depends on is in its own row, so computing it per micro-batch (as the
 update does) or for the whole batch at once (as the metrics do) gives the same weights.
-`CorrectionInputs` is where per-token inputs grow: a weight version per token (for staleness
-metrics in async runs) is one more `[B, T]` field beside the log-probs.
+`CorrectionInputs` is where per-token inputs grow: `staleness`, how many policy versions before the
+trained one sampled each token (asynchronous runs), feeds the staleness metrics (the histogram and
+the IS ratio by age, `experience/batch.py`); the weights do not read it: the ratio already measures
+the gap whatever its cause (staleness, kernels, a weight update in the middle of a response).
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class CorrectionInputs:
     old_logp: Tensor  # the training model's log-probs before the update
     rollout_logp: Tensor  # the sampler's log-probs of the same tokens
     mask: Tensor  # 1 on real response tokens
+    staleness: Tensor | None = None  # int64: policy versions between the token's sampler and the trained policy
 
 
 @dataclass(frozen=True)

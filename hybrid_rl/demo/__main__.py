@@ -1,11 +1,14 @@
 """`make demo`: RL on two CPU ranks that visibly learns, from nothing but this repository.
 
     python -m hybrid_rl.demo [--algo grpo|ppo] [--nproc 2] [--steps 100] [--out outputs/demo]
+                             [--mode colocated|sidecar] [--max-staleness K]
 
 1. builds a tiny random Qwen2-style model and its tokenizer offline;
 2. writes the task (see `task.py`: pick the third of six digits, answer boxed) as JSONL;
 3. supervised warm-up on the answer *format* only (a random digit of the list, boxed);
-4. launches `torchrun -m hybrid_rl.train --config-name=<algo>` with the hybrid engine;
+4. launches `torchrun -m hybrid_rl.train --config-name=<algo>` with the hybrid engine, or with
+   `--mode sidecar` a vLLM server beside the trainer (and a private etcd for it), asynchronous with
+   `--max-staleness K` > 0 (generation runs up to K policy versions ahead of training);
 5. prints the held-out reward before and after training, and where the logs, checkpoint and plot are.
 """
 
@@ -17,6 +20,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from hybrid_rl.utils.env import set_runtime_defaults
@@ -56,6 +61,14 @@ def prepare(root: Path, *, log=print) -> tuple[Path, Path]:
     return warm, data
 
 
+def sidecar_overrides(*, etcd: str, max_staleness: int) -> list[str]:
+    """Sidecar mode on this machine: the server on a free port, a small KV cache (the model is tiny)."""
+    from hybrid_rl.dist.mesh import free_port
+
+    return ["rollout.mode=sidecar", f"sidecar.etcd={etcd}", f"sidecar.port={free_port()}", "rollout.kv_cache_gb=0.25",
+            f"rollout.max_staleness={max_staleness}"]
+
+
 def held_out(metrics: Path) -> list[tuple[int, float]]:
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     return [(r["step"], r["val/reward_mean"]) for r in rows if r.get("val/reward_mean") is not None]
@@ -68,17 +81,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--prompts", type=int, default=32, help="prompts per step (8 samples each)")
     p.add_argument("--out", default="outputs/demo")
+    p.add_argument("--mode", default="colocated", choices=["colocated", "sidecar"],
+                   help="rollouts from the in-process engine, or from a vLLM server beside the trainer")
+    p.add_argument("--max-staleness", type=int, default=0,
+                   help="sidecar mode: asynchronous training, generation up to K policy versions ahead")
     a = p.parse_args(argv)
+    if a.max_staleness and a.mode != "sidecar":
+        p.error("--max-staleness needs --mode sidecar")
     root = Path(a.out).resolve()
     warm, data = prepare(root)
-    run = root / a.algo
+    run = root / (a.algo if a.mode == "colocated" else f"{a.algo}_sidecar_k{a.max_staleness}")
     overrides = demo_overrides(model=warm, data=data, out=run, steps=a.steps, prompts=a.prompts,
                                val_every=max(1, a.steps // 5))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={a.nproc}",
-           "-m", "hybrid_rl.train", f"--config-name={a.algo}", *overrides]
-    print("running:", " ".join(cmd[2:]), flush=True)
     t0 = time.perf_counter()
-    rc = subprocess.call(cmd, env=dict(os.environ))
+    with _etcd(run, a.mode == "sidecar") as etcd:
+        if etcd is not None:
+            overrides += sidecar_overrides(etcd=etcd.endpoint, max_staleness=a.max_staleness)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={a.nproc}",
+               "-m", "hybrid_rl.train", f"--config-name={a.algo}", *overrides]
+        print("running:", " ".join(cmd[2:]), flush=True)
+        rc = subprocess.call(cmd, env=dict(os.environ))
     if rc != 0:
         print(f"training failed (exit code {rc})", file=sys.stderr)
         return rc
@@ -86,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
 
     png = plot_metrics(run / "metrics.jsonl", run / "reward_curve.png",
                        keys=("val/reward_mean", "reward/mean", "actor/kl", "response/length_mean"),
-                       title=f"{a.algo} on the demo task")
+                       title=f"{a.algo} on the demo task" + (f" (sidecar, max_staleness {a.max_staleness})"
+                                                             if a.mode == "sidecar" else ""))
     curve = held_out(run / "metrics.jsonl")
     print(f"\ntrained {a.steps} steps in {time.perf_counter() - t0:.0f}s")
     print(f"  TensorBoard logs : {run / 'tensorboard'}   (tensorboard --logdir {run / 'tensorboard'})")
@@ -96,6 +119,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  plot             : {png}")
     print(f"held-out reward: {curve[0][1]:.2f} -> {curve[-1][1]:.2f}")
     return 0
+
+
+@contextmanager
+def _etcd(run: Path, wanted: bool) -> Iterator:
+    """A private etcd for sidecar mode (its data under the run's folder), stopped at the end; None otherwise."""
+    if not wanted:
+        yield None
+        return
+    from hybrid_rl.dist.etcd_server import EtcdProcess
+
+    run.mkdir(parents=True, exist_ok=True)
+    etcd = EtcdProcess(run / "etcd")
+    etcd.start()
+    try:
+        yield etcd
+    finally:
+        etcd.stop()
 
 
 if __name__ == "__main__":

@@ -15,6 +15,11 @@ One update ("register shard", then "update weight"), on every trainer rank in lo
 4. Rank 0 finishes the update; every writer compares the server's checksums of what landed (its report)
    with the senders' (`plan.expected`), exactly as colocated verification does; only when every rank
    agrees does rank 0 stamp the version (`/update_weight_version`) and read it back (`/weight_info`).
+
+Generation is paused (vLLM's `keep` mode) from the start of the update until after the stamp: requests in
+flight wait, then continue under the new weights (their KV recomputed, as the prefix cache's is dropped),
+each token stamped with the version that sampled it (`server_update.py`); after a failed update they are
+aborted instead.
 """
 
 from __future__ import annotations
@@ -112,6 +117,16 @@ class CheckpointEngine:
         """Bring the server to `version`: every rank calls it with its shards, and every rank raises the same
         error when it fails: ServerError (the server failed or died; nothing is stamped) or WeightSyncError
         (the server's weights do not match what was sent; the version is not stamped)."""
+        ok = False
+        try:
+            rep = self._push(sources, version, sharded=sharded)
+            ok = True
+            return rep
+        finally:
+            if self.rank == 0 and (error := self.http.end(ok=ok)):
+                log.warning("server %s after update %s (resuming generation): %s", self.http.server.url, version, error)
+
+    def _push(self, sources: list[SourceParam], version: str, *, sharded: bool) -> PushReport:
         t0 = time.perf_counter()
         rep = PushReport(version)
         plan, buckets = self._plan(sources, sharded)

@@ -131,6 +131,8 @@ class PodReceiver:
             self.sidecar.withdraw()
             log.error("pod %d: update %s did not load (%s); withdrawn from dispatch", self.sidecar.pod, version,
                       failed or "checksum mismatch")
+        if error := self.http.end(ok=ok):
+            log.warning("pod %d after update %s (resuming generation): %s", self.sidecar.pod, version, error)
         self.group.all_values(float(ok))
         self.updates += 1
         return ok

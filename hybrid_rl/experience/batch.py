@@ -52,8 +52,9 @@ def outcome_scores(scores: Scores, passes: PassOutputs, share: Share, s: BatchSe
 
 
 def train_batch(share: Share, scores: torch.Tensor, passes: PassOutputs, s: BatchSettings, *,
-                kl_coef: float) -> TrainBatch:
-    """The share with its advantages (zeros for preference objectives) and returns."""
+                kl_coef: float, version: int) -> TrainBatch:
+    """The share with its advantages (zeros for preference objectives) and returns; `version` is the policy version
+    it trains (the optimizer steps taken so far), against which each token's staleness is counted."""
     samples = share.samples
     width = width_of(samples)
     mask = torch.arange(width)[None, :] < torch.tensor([x.response_len for x in samples], dtype=torch.long)[:, None]
@@ -66,7 +67,7 @@ def train_batch(share: Share, scores: torch.Tensor, passes: PassOutputs, s: Batc
                             kl_coef if kl_tok is not None else 0.0, reduce=all_reduce)
         adv, returns = get_estimator(s.estimator)(x, s.advantage)
     return TrainBatch(samples, mask, scores[share.rows], passes.old_logp, adv, passes.ref_logp, passes.values,
-                      returns, share.paired, sampler_logprobs(samples, width))
+                      returns, share.paired, sampler_logprobs(samples, width), token_staleness(samples, width, version))
 
 
 def sampler_logprobs(samples: list[Sample], width: int) -> torch.Tensor | None:
@@ -76,6 +77,18 @@ def sampler_logprobs(samples: list[Sample], width: int) -> torch.Tensor | None:
     out = torch.zeros(len(samples), width)
     for i, s in enumerate(samples):
         out[i, : s.response_len] = s.rollout_logprobs
+    return out
+
+
+def token_staleness(samples: list[Sample], width: int, version: int) -> torch.Tensor | None:
+    """`[B, width]` int64: `version` minus the policy version that sampled each token, 0-padded; None when the
+    samples carry no versions (every token then came from the weights being trained)."""
+    if not any(s.token_versions.numel() for s in samples):
+        return None
+    out = torch.zeros(len(samples), width, dtype=torch.int64)
+    for i, s in enumerate(samples):
+        if s.token_versions.numel():
+            out[i, : s.response_len] = version - s.token_versions
     return out
 
 
@@ -96,7 +109,8 @@ def rollout_metrics(index: BatchIndex, scores: torch.Tensor) -> dict[str, float]
     return {k: v for k, v in out.items() if math.isfinite(v)}
 
 
-def mismatch_metrics(batch: TrainBatch, old_logp: torch.Tensor, correction: CorrectionSettings) -> dict[str, float]:
+def mismatch_metrics(batch: TrainBatch, old_logp: torch.Tensor, correction: CorrectionSettings, *,
+                     max_staleness: int = 0) -> dict[str, float]:
     """How far the training model's pre-update log-probs are from the sampler's, and what the rollout
     correction did about it: token means and maxima over the whole batch (all ranks). Collective.
 
@@ -105,22 +119,46 @@ def mismatch_metrics(batch: TrainBatch, old_logp: torch.Tensor, correction: Corr
     `none`, at its level too); `truncated_frac`, `masked_frac`: shares of the tokens; `kl_k1`,
     `kl_k3`: KL(rollout || train) estimated on the sampled tokens, mean(rollout - old) and
     mean(rho - 1 - log rho) (>= 0, each token's term clamped as `algos.kl` does).
+
+    With per-token staleness (asynchronous runs, `batch.staleness`), `async/staleness_tokens_{d}` for
+    d = 0..`max_staleness` is the share of tokens sampled d policy versions ago (the histogram),
+    `async/staleness_tokens_mean` / `_max` its mean and maximum, and `async/is_ratio_mean_{d}` the mean
+    IS ratio of those tokens (how far the sampler's policy drifted from the trained one, by age).
     """
     mask = batch.mask
     assert batch.rollout_logp is not None, "mismatch metrics need the sampler's log-probs"
-    x = CorrectionInputs(old_logp, batch.rollout_logp, mask)
+    x = CorrectionInputs(old_logp, batch.rollout_logp, mask, batch.staleness)
     c, log_rho = rollout_correction(x, correction), token_log_ratio(x)
     k3 = kl(torch.zeros_like(log_rho), log_rho, "k3", mask=mask)  # estimator of d = -log rho: rho - 1 - log rho
     means = {"rollout/logprob_diff_mean": log_rho.abs(), "rollout_correction/is_ratio_mean": c.ratio,
              "rollout_correction/truncated_frac": c.truncated.float(), "rollout_correction/masked_frac":
              c.masked.float(), "rollout_correction/kl_k1": -log_rho, "rollout_correction/kl_k3": k3}
+    if x.staleness is not None:
+        means.update(_by_staleness(x.staleness, c.ratio, max_staleness))
     sums = torch.stack([masked_sum(v.double(), mask) for v in means.values()] + [mask.double().sum()])
     *totals, count = all_reduce(sums).tolist()
     out = {k: t / max(count, 1.0) for k, t in zip(means, totals, strict=True)}
     peaks = {"rollout/logprob_diff_max": log_rho.abs(), "rollout_correction/is_ratio_max": c.ratio}
+    if x.staleness is not None:
+        peaks["async/staleness_tokens_max"] = x.staleness.float()
     local = torch.stack([torch.where(mask, v, 0).amax() if v.numel() else v.new_zeros(()) for v in peaks.values()])
     out.update(zip(peaks, all_reduce(local.double(), "max").tolist(), strict=True))
+    for d in range(max_staleness + 1 if x.staleness is not None else 0):  # the mean over age-d tokens, not all
+        weighted, share = out.pop(f"async/is_ratio_mean_{d}"), out[f"async/staleness_tokens_{d}"]
+        if share > 0:
+            out[f"async/is_ratio_mean_{d}"] = weighted / share
     return {k: v for k, v in out.items() if math.isfinite(v)}
+
+
+def _by_staleness(staleness: torch.Tensor, ratio: torch.Tensor, max_staleness: int) -> dict[str, torch.Tensor]:
+    """Per-token terms whose masked means are the staleness histogram, its mean, and (divided by the bin's share
+    afterwards) the IS ratio mean per age."""
+    out = {"async/staleness_tokens_mean": staleness.float()}
+    for d in range(max_staleness + 1):
+        age = (staleness == d).float()
+        out[f"async/staleness_tokens_{d}"] = age
+        out[f"async/is_ratio_mean_{d}"] = age * ratio
+    return out
 
 
 def kl_to_reference(batch: TrainBatch, old_logp: torch.Tensor, estimator: str) -> float:

@@ -56,13 +56,21 @@ class Scorer:
     def __init__(self, pool: RewardPool | None, tokenizer):
         self.pool, self.tokenizer = pool, tokenizer
 
+    @property
+    def part_names(self) -> list[str]:
+        """The reward functions' names (`Scores.parts`), in the rubric's order."""
+        return [] if self.pool is None else self.pool.rubric.names
+
+    def start(self, held: list[Sample]):
+        """Start scoring `held` on this rank: the pool's handle (None without rule rewards). Local."""
+        if self.pool is None:
+            return None
+        texts = self.tokenizer.batch_decode([s.response_ids.tolist() for s in held], skip_special_tokens=True)
+        return self.pool.submit(texts, [s.fields for s in held])
+
     def submit(self, held: list[Sample], size: int) -> Pending:
         """Start scoring `held` (samples of a batch of `size`); returns at once."""
-        if self.pool is None:
-            return Pending(None, [], size)
-        texts = self.tokenizer.batch_decode([s.response_ids.tolist() for s in held], skip_special_tokens=True)
-        handle = self.pool.submit(texts, [s.fields for s in held])
-        return Pending(handle, [s.uid for s in held], size)
+        return Pending(self.start(held), [s.uid for s in held], size)
 
     def score(self, held: list[Sample], size: int) -> Scores:
         return self.submit(held, size).result()

@@ -5,15 +5,22 @@ four methods, so a new deployment is a new class here, not a branch in the train
 
 * ``colocated`` (`sampler.Sampler`): vLLM in-process on the training ranks (the hybrid engine); a
   session switches every rank into rollout mode (offload train state, sync weights) and back.
+* ``sidecar`` (`sidecar.SidecarRollout`): vLLM server processes beside the trainer, fed by the checkpoint
+  engine. It also streams (`StreamingRollout`): requests sent now, results collected later, while the
+  trainer trains, which is what asynchronous training (`experience/buffered.py`) is built on.
 """
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
+
+import torch
 
 from hybrid_rl.data import PromptRecord
+from hybrid_rl.engine.completions import Request
+from hybrid_rl.engine.vllm_engine import Generation
 from hybrid_rl.types import Rollout
 
 
@@ -31,9 +38,21 @@ class SyncReport:
     bytes_per_rank: int = 0
 
 
+@dataclass(frozen=True)
+class Arrival:
+    """One streamed request's response, with the policy version that sampled each of its tokens."""
+
+    generation: Generation
+    token_versions: torch.Tensor  # [response tokens] int64
+
+
 class RolloutWorker(Protocol):
-    def session(self) -> AbstractContextManager[object]:
-        """The body may call `generate`; entering brings the current weights to the generator. Collective."""
+    def session(self, version: int | None = None) -> AbstractContextManager[object]:
+        """The body may call `generate`; entering brings the current weights to the generator. Collective.
+
+        `version`: the policy version (optimizer steps taken) of those weights; a generator that already holds
+        it may skip the update. None: update in any case.
+        """
 
     def generate(self, records: list[PromptRecord], *, n: int, step: int, group_base: int,
                  greedy: bool = False) -> Rollout:
@@ -44,3 +63,24 @@ class RolloutWorker(Protocol):
 
     def close(self) -> None:
         """Stop the generator (before the process group goes)."""
+
+
+@runtime_checkable
+class StreamingRollout(RolloutWorker, Protocol):
+    """A rollout worker whose requests can stay in flight while the trainer trains (between sessions too).
+
+    Sessions still bring new weights: requests in flight are paused meanwhile and continue under the new
+    weights, and each response says which version sampled each token.
+    """
+
+    def submit(self, requests: list[Request], *, greedy: bool = False) -> None:
+        """Send this rank's requests (keys are the caller's) and return at once. Collective, inside a session."""
+
+    def arrivals(self) -> tuple[dict[int, Arrival], dict[int, str]]:
+        """(responses by key, errors by key) of this rank's requests that ended since the last call. Local."""
+
+    def in_flight(self) -> int:
+        """This rank's requests sent and not ended."""
+
+    def recover(self) -> None:
+        """After failed requests: bring the generators back (restart, update again). Collective, in a session."""

@@ -38,8 +38,9 @@ class Sampler:
         self.engine, self.dims, self.settings, self.seed = engine, dims, settings, seed
         self.stop_ids = tuple(sorted({tokenizer.eos_token_id} | set(generation_eos(tokenizer))))
 
-    def session(self):
-        """Rollout mode: train state offloaded, weights synced into vLLM; back to train mode after."""
+    def session(self, version: int | None = None):
+        """Rollout mode: train state offloaded, weights synced into vLLM; back to train mode after (every session
+        syncs: colocated vLLM never keeps weights across a switch it did not make itself)."""
         return self.engine.rollout_mode()
 
     def last_sync(self) -> SyncReport:
@@ -78,11 +79,13 @@ def request_seed(seed: int, step: int, group: int) -> int:
     return hash((seed, step, group)) % (2**31)
 
 
-def sample_of(uid: int, record: PromptRecord, g: Generation, group: int, prompt: torch.Tensor | None = None) -> Sample:
+def sample_of(uid: int, record: PromptRecord, g: Generation, group: int, prompt: torch.Tensor | None = None, *,
+              token_versions: torch.Tensor | None = None) -> Sample:
     prompt = torch.tensor(record.prompt_ids, dtype=torch.int64) if prompt is None else prompt
+    versions = torch.zeros(0, dtype=torch.int64) if token_versions is None else token_versions
     return Sample(uid, prompt, torch.as_tensor(g.token_ids, dtype=torch.int64),
                   torch.as_tensor(g.logprobs, dtype=torch.float32), g.finish_reason == "length", group, record.index,
-                  record.fields)
+                  record.fields, versions)
 
 
 def generation_eos(tokenizer) -> list[int]:

@@ -19,6 +19,12 @@ samples. A failed request (a server died, or was withdrawn) is not fatal: the ra
 failed, rank 0 restarts its server (other pods restart their own), the current weights are pushed again,
 and only the failed samples are sent again; after `sidecar.max_restarts` such rounds the run stops.
 Seeds depend only on the step and the sample, so which rank or server generates a sample changes nothing.
+
+Streaming (`submit` / `arrivals`, for asynchronous training): requests are sent on a second client and
+stay in flight across sessions; the next update pauses them on the server (vLLM `keep`), and they go on
+under the new weights. Each response carries the server's weight-version spans, mapped here to policy
+versions per token (`Arrival.token_versions`). A session given the policy version the servers already
+hold skips the update.
 """
 
 from __future__ import annotations
@@ -43,9 +49,9 @@ from hybrid_rl.engine.hybrid import WeightSource
 from hybrid_rl.engine.pod_link import GROUP_KEY
 from hybrid_rl.engine.reshard import SourceParam
 from hybrid_rl.engine.sidecar_server import Sidecar
-from hybrid_rl.engine.vllm_engine import Sampling
+from hybrid_rl.engine.vllm_engine import Generation, Sampling
 from hybrid_rl.engine.vllm_server import ServerError
-from hybrid_rl.rollout.base import RolloutError, SyncReport
+from hybrid_rl.rollout.base import Arrival, RolloutError, SyncReport
 from hybrid_rl.rollout.exchange import gather_index
 from hybrid_rl.rollout.sampler import SamplingSettings, generation_eos, request_seed, sample_of
 from hybrid_rl.types import Rollout
@@ -69,31 +75,38 @@ class SidecarRollout:
 
     def __init__(self, *, policy: torch.nn.Module, optimizer: torch.optim.Optimizer | None, dims: ParallelDims,
                  weights: WeightSource, engine: CheckpointEngine, sidecar: Sidecar | None, etcd: Etcd,
-                 client: CompletionClient, offload: OffloadManager, options: SidecarOptions, tokenizer,
-                 settings: SamplingSettings, seed: int, sharded: bool):
+                 client: CompletionClient, stream: CompletionClient, offload: OffloadManager, options: SidecarOptions,
+                 tokenizer, settings: SamplingSettings, seed: int, sharded: bool):
         self.policy, self.optimizer, self.dims, self.weights = policy, optimizer, dims, weights
-        self.engine, self.sidecar, self.etcd, self.client = engine, sidecar, etcd, client
+        self.engine, self.sidecar, self.etcd, self.client, self.stream = engine, sidecar, etcd, client, stream
         self.offload, self.options, self.settings, self.seed, self.sharded = offload, options, settings, seed, sharded
         self.stop_ids = tuple(sorted({tokenizer.eos_token_id} | set(generation_eos(tokenizer))))
-        self.version: str | None = None
+        self.version: str | None = None  # the weight version the servers were last brought to ("v<push number>")
         self.versions = 0
+        self.policy_version: int | None = None  # the policy version of those weights (None: not said)
+        self.policy_of: dict[str, int] = {}  # weight version -> policy version, for the tokens' spans
         self._report = SyncReport()
         self._active = False
 
     # -- the session -----------------------------------------------------------------------------
 
     @contextmanager
-    def session(self) -> Iterator[SidecarRollout]:
+    def session(self, version: int | None = None) -> Iterator[SidecarRollout]:
         t0 = time.perf_counter()
         o = self.options
         self._offload("actor.optim", optimizer_tensors(self.optimizer) if self.optimizer else [], o.offload_optim)
         self._offload("actor.grads", grad_tensors(self.policy), o.offload_grads)
         try:
             self._rank0("starting the pod's vLLM server", self._wake)
-            self.versions += 1
-            push = self._push_recovering(f"v{self.versions}")
+            seconds, nbytes = 0.0, 0
+            if version is None or version != self.policy_version or not self._rank0("checking the server", self._holds):
+                self.versions += 1
+                self.policy_version = version if version is not None else self.policy_version
+                self.policy_of[f"v{self.versions}"] = -1 if self.policy_version is None else self.policy_version
+                push = self._push_recovering(f"v{self.versions}")
+                seconds, nbytes = push.seconds, push.bytes_written
             self._offload("actor.params", param_tensors(self.policy), o.offload_params)
-            self._report = SyncReport(push.seconds, time.perf_counter() - t0 - push.seconds, push.bytes_written)
+            self._report = SyncReport(seconds, time.perf_counter() - t0 - seconds, nbytes)
             self._active = True
             yield self
         finally:
@@ -105,6 +118,10 @@ class SidecarRollout:
 
     def _offload(self, name: str, tensors: list[torch.Tensor], target: str) -> None:
         self.offload.offload(name, tensors, target)
+
+    def _holds(self) -> bool:
+        """Rank 0: its pod's server is up and holds the weights last pushed."""
+        return self.sidecar is None or (self.sidecar.server.healthy() and self.sidecar.version == self.version)
 
     def _wake(self) -> None:
         if self.sidecar is not None:
@@ -161,10 +178,7 @@ class SidecarRollout:
         """Rank r generates (and holds) the samples `uid % world == r`. Collective, inside a session."""
         if not self._active:
             raise RuntimeError("SidecarRollout.generate() needs a session: use `with rollout.session():`")
-        d, s = self.dims, self.settings
-        sampling = Sampling(max_tokens=s.max_new_tokens, temperature=0.0 if greedy else s.temperature,
-                            top_p=1.0 if greedy else s.top_p, top_k=-1 if greedy else s.top_k, n=1,
-                            stop_token_ids=self.stop_ids)
+        d, sampling = self.dims, self._sampling(greedy)
         total = len(records) * n
         todo = [Request(u, list(records[u // n].prompt_ids), request_seed(self.seed, step, group_base + u // n) + u % n)
                 for u in range(d.rank, total, d.world)]
@@ -182,8 +196,43 @@ class SidecarRollout:
                             len(todo), next(iter(failed.values())))
             self._recover()
             todo = [r for r in todo if r.key in failed]
-        held = [sample_of(u, records[u // n], done[u], group_base + u // n) for u in sorted(done)]
+        held = [sample_of(u, records[u // n], done[u], group_base + u // n,
+                          token_versions=_token_versions(done[u], self.policy_of)) for u in sorted(done)]
         return Rollout(held, gather_index(held, total))
+
+    def _sampling(self, greedy: bool) -> Sampling:
+        s = self.settings
+        return Sampling(max_tokens=s.max_new_tokens, temperature=0.0 if greedy else s.temperature,
+                        top_p=1.0 if greedy else s.top_p, top_k=-1 if greedy else s.top_k, n=1,
+                        stop_token_ids=self.stop_ids)
+
+    # -- streaming (asynchronous training) -------------------------------------------------------
+
+    def submit(self, requests: list[Request], *, greedy: bool = False) -> None:
+        """Send this rank's requests and return at once. Collective (the servers are listed on rank 0)."""
+        if not self._active:
+            raise RuntimeError("SidecarRollout.submit() needs a session: use `with rollout.session():`")
+        self.stream.submit(requests, self._sampling(greedy), self._router())
+
+    def arrivals(self) -> tuple[dict[int, Arrival], dict[int, str]]:
+        """This rank's streamed requests that ended since the last call: responses with the policy version of
+        each token, and errors (a response sampled under a weight version this worker never pushed is one)."""
+        done, failed = self.stream.drain()
+        out = {}
+        for key, g in done.items():
+            unknown = [v for v, _, _ in g.weight_spans if v not in self.policy_of]
+            if unknown:
+                failed[key] = f"tokens sampled under weight version {unknown[0]!r}, which this trainer did not push"
+                continue
+            out[key] = Arrival(g, _token_versions(g, self.policy_of))
+        return out, failed
+
+    def in_flight(self) -> int:
+        return self.stream.in_flight
+
+    def recover(self) -> None:
+        """Every rank: the servers back (restarted if they died) at the current weights."""
+        self._recover()
 
     def _router(self) -> Callable[[Request], str]:
         """Round robin over the servers etcd lists at the current version (the same list on every rank)."""
@@ -205,6 +254,7 @@ class SidecarRollout:
 
     def close(self) -> None:
         self.client.close()
+        self.stream.close()
         self.engine.close()
         if self.sidecar is not None:
             self.sidecar.close()
@@ -214,3 +264,11 @@ class SidecarRollout:
             except EtcdUnavailable as e:  # stopping because etcd is gone: nothing to clean there
                 log.warning("%s", e)
 
+
+
+def _token_versions(g: Generation, policy_of: dict[str, int]) -> torch.Tensor:
+    """[response tokens] int64: the policy version of each token, from the server's weight-version spans."""
+    if not g.weight_spans:
+        return torch.zeros(0, dtype=torch.int64)
+    versions = torch.tensor([policy_of[v] for v, _, _ in g.weight_spans], dtype=torch.int64)
+    return versions.repeat_interleave(torch.tensor([end - start for _, start, end in g.weight_spans]))

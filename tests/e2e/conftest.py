@@ -63,3 +63,13 @@ def tiny_overrides(model: str, data: dict[str, str], out: Path, *, fp32: bool = 
         base.update({"model.dtype": "float32", "rollout.dtype": "float32"})
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
+
+
+@pytest.fixture(scope="session")
+def demo_root(tmp_path_factory) -> Path:
+    """The demo's folder with its task data and warmed-up model, built once for every demo test (about a minute)."""
+    from hybrid_rl.demo.__main__ import prepare
+
+    root = tmp_path_factory.mktemp("demo")
+    prepare(root, log=lambda *a: None)
+    return root

@@ -11,8 +11,8 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.slow
 
 
-def test_short_demo_raises_held_out_reward_clearly(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "hybrid_rl.demo", "--steps", "40", "--out", str(tmp_path)],
+def test_short_demo_raises_held_out_reward_clearly(demo_root):
+    r = subprocess.run([sys.executable, "-m", "hybrid_rl.demo", "--steps", "40", "--out", str(demo_root)],
                        cwd=REPO, capture_output=True, text=True, timeout=1500)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     last = r.stdout.strip().splitlines()[-1]
@@ -21,4 +21,4 @@ def test_short_demo_raises_held_out_reward_clearly(tmp_path):
     before, after = map(float, m.groups())
     assert before < 0.3  # the warmed-up model only knows the format: about one in six right
     assert after - before >= 0.2, f"RL did not raise the held-out reward clearly: {before} -> {after}"
-    assert (tmp_path / "grpo" / "reward_curve.png").stat().st_size > 10_000
+    assert (demo_root / "grpo" / "reward_curve.png").stat().st_size > 10_000

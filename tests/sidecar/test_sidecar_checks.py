@@ -15,9 +15,9 @@ import pytest
 from hybrid_rl.build import check_inputs
 from hybrid_rl.config import ConfigError, load_config
 from hybrid_rl.dist.etcd import Etcd, EtcdUnavailable, Registration
+from hybrid_rl.dist.etcd_server import EtcdProcess
 from hybrid_rl.dist.mesh import free_port
 from tests.conftest import REPO
-from tests.sidecar.etcd_proc import EtcdProcess
 
 pytestmark = pytest.mark.slow
 

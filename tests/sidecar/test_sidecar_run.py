@@ -17,10 +17,10 @@ import pytest
 
 from hybrid_rl.build import sidecar_namespace
 from hybrid_rl.config import load_config
+from hybrid_rl.dist.etcd_server import EtcdProcess
 from hybrid_rl.dist.mesh import free_port
 from tests.conftest import REPO, run_torchrun
 from tests.e2e.conftest import tiny_overrides
-from tests.sidecar.etcd_proc import EtcdProcess
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).parent / "workers" / "run_sidecar.py"

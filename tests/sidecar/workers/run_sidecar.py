@@ -36,8 +36,8 @@ from hybrid_rl.train import setup_logging  # noqa: E402
 from hybrid_rl.trainer import Trainer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+from hybrid_rl.dist.etcd_server import EtcdProcess  # noqa: E402
 from tests.engine.workers.common import write_result  # noqa: E402
-from tests.sidecar.etcd_proc import EtcdProcess  # noqa: E402
 
 
 class Captured(logging.Handler):

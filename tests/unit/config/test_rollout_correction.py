@@ -1,8 +1,9 @@
-"""`algorithm.rollout_correction` and its thresholds are validated at start-up, naming key and allowed values."""
+"""`algorithm.rollout_correction` and its thresholds are validated at start-up, naming key and allowed values;
+`auto` (the default) is resolved from the run: on in asynchronous runs, off in synchronous ones."""
 
 import pytest
 
-from hybrid_rl.config import Config, ConfigError, validate
+from hybrid_rl.config import Config, ConfigError, resolve_correction, validate
 
 
 def _cfg(**algorithm) -> Config:
@@ -13,15 +14,43 @@ def _cfg(**algorithm) -> Config:
     return cfg
 
 
-def test_the_default_is_none_and_every_mode_and_level_is_accepted():
-    assert Config().algorithm.rollout_correction == "none"
-    for mode in ("none", "tis", "mis"):
+def test_the_default_is_auto_and_every_mode_and_level_is_accepted():
+    assert Config().algorithm.rollout_correction == "auto"
+    for mode in ("auto", "none", "tis", "mis"):
         for level in ("token", "sequence"):
             validate(_cfg(rollout_correction=mode, rollout_correction_level=level))
 
 
+@pytest.mark.parametrize("staleness,objective,name,mode,expected", [
+    (0, "ppo_clip", "grpo", "auto", "none"),  # synchronous: on-policy, as before
+    (1, "ppo_clip", "grpo", "auto", "tis"),  # asynchronous: truncated IS by default
+    (2, "ppo_clip", "ppo", "auto", "tis"),
+    (2, "dpo", "online_dpo", "auto", "none"),  # no policy gradient to reweight
+    (2, "ppo_clip", "grpo", "none", "none"),  # an explicit choice stands
+    (0, "ppo_clip", "grpo", "mis", "mis"),
+])
+def test_auto_resolves_from_the_staleness_and_the_objective(staleness, objective, name, mode, expected):
+    cfg = _cfg(rollout_correction=mode, objective=objective, name=name)
+    cfg.rollout.mode, cfg.rollout.max_staleness = "sidecar", staleness
+    validate(cfg)
+    assert resolve_correction(cfg) == expected
+
+
+def test_asynchronous_training_needs_sidecar_mode_and_a_non_negative_staleness():
+    cfg = _cfg()
+    cfg.rollout.max_staleness = 1
+    with pytest.raises(ConfigError, match="rollout.max_staleness=1 needs rollout.mode=sidecar"):
+        validate(cfg)
+    cfg.rollout.mode, cfg.rollout.max_staleness = "sidecar", -1
+    with pytest.raises(ConfigError, match="rollout.max_staleness=-1 must be >= 0"):
+        validate(cfg)
+    cfg.rollout.max_staleness = 5  # larger values are allowed (the staleness metrics show what they cost)
+    validate(cfg)
+
+
 @pytest.mark.parametrize("key,value,message", [
-    ("rollout_correction", "is", "algorithm.rollout_correction='is' is not allowed; choose one of: none, tis, mis"),
+    ("rollout_correction", "is",
+     "algorithm.rollout_correction='is' is not allowed; choose one of: auto, none, tis, mis"),
     ("rollout_correction_level", "geometric",
      "algorithm.rollout_correction_level='geometric' is not allowed; choose one of: token, sequence"),
     ("rollout_correction_low", 1.5, r"rollout_correction_low=1.5 and rollout_correction_high=2.0 must satisfy"),

@@ -36,6 +36,7 @@ def test_the_server_starts_from_dummy_weights_with_the_projects_transfer_backend
     assert flag["--logprobs-mode"] == "processed_logprobs" and flag["--kv-cache-memory-bytes"] == str(2**29)
     assert flag["--distributed-executor-backend"] == "uni"  # tp=1: the worker inside the engine core
     assert "--no-enable-chunked-prefill" in cmd and "--enforce-eager" in cmd
+    assert "--enable-scale-out" in cmd  # the token-in/token-out endpoint, with per-token weight versions
     tp2 = server_command(_spec(tp=2, cuda=True, sleep_mode=True, kv_cache_gb=None, gpu_memory_utilization=0.4))
     assert "--distributed-executor-backend" not in tp2 and "--no-enable-chunked-prefill" not in tp2
     assert "--enable-sleep-mode" in tp2 and tp2[tp2.index("--gpu-memory-utilization") + 1] == "0.4"
@@ -55,10 +56,22 @@ def test_checks_before_start():
         assert not port_free("127.0.0.1", s.getsockname()[1])
 
 
-def test_a_completion_request_sends_token_ids_and_reads_ids_and_logprobs():
+def test_a_generate_request_sends_token_ids_and_reads_ids_logprobs_and_weight_versions():
     body = request_body([5, 6], Sampling(max_tokens=4, temperature=0.7, top_k=5, stop_token_ids=(2,)), seed=11)
-    assert body["prompt"] == [5, 6] and body["seed"] == 11 and body["return_token_ids"] and body["logprobs"] == 1
-    g = parse_choice({"token_ids": [7, 2], "logprobs": {"token_logprobs": [-0.5, -1.0]}, "finish_reason": "stop"})
-    assert (g.token_ids, g.logprobs, g.finish_reason) == ((7, 2), (-0.5, -1.0), "stop")
-    with pytest.raises(ValueError, match="2 token ids but 1 log-probs"):
-        parse_choice({"token_ids": [7, 2], "logprobs": {"token_logprobs": [-0.5]}, "finish_reason": "length"})
+    sp = body["sampling_params"]
+    assert body["token_ids"] == [5, 6] and sp["seed"] == 11 and sp["logprobs"] == 0 and sp["stop_token_ids"] == [2]
+    assert (sp["max_tokens"], sp["temperature"], sp["top_k"], sp["n"]) == (4, 0.7, 5, 1)
+
+    def choice(lps, spans, finish="stop"):
+        return {"token_ids": [7, 2, 9], "logprobs": {"content": [{"token_id": 0, "logprob": x} for x in lps]},
+                "finish_reason": finish, "weight_versions": [{"version": v, "start": a, "end": b} for v, a, b in spans]}
+
+    g = parse_choice(choice([-0.5, -1.0, -2.0], [("v1", 0, 1), ("v2", 1, 3)]))
+    assert (g.token_ids, g.logprobs, g.finish_reason) == ((7, 2, 9), (-0.5, -1.0, -2.0), "stop")
+    assert g.weight_spans == (("v1", 0, 1), ("v2", 1, 3))  # paused after one token, then the next version
+    with pytest.raises(ValueError, match="3 token ids but 2 log-probs"):
+        parse_choice(choice([-0.5, -1.0], [("v1", 0, 3)], "length"))
+    with pytest.raises(ValueError, match="do not cover the 3 tokens"):
+        parse_choice(choice([-0.5, -1.0, -2.0], [("v1", 0, 2)]))
+    with pytest.raises(ValueError, match="finish_reason='abort'"):
+        parse_choice(choice([-0.5, -1.0, -2.0], [("v1", 0, 3)], "abort"))

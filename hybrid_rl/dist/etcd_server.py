@@ -1,4 +1,5 @@
-"""A private etcd server for a test: on free ports, its data in a temporary folder; stopped (or restarted) at will."""
+"""A private etcd server (the tests', the demo's and the benchmarks'): on free ports, its data in a folder of its
+own; stopped (or restarted) at will. Production runs point `sidecar.etcd` at an etcd they run themselves."""
 
 from __future__ import annotations
 
