@@ -16,7 +16,7 @@ from hybrid_rl.dist.etcd_server import EtcdProcess
 from tests.conftest import run_torchrun
 
 pytestmark = pytest.mark.slow
-STEPS = 30
+STEPS = 40
 
 
 def test_short_async_demo_raises_held_out_reward_clearly_at_every_staleness(demo_root, tmp_path):
@@ -27,7 +27,6 @@ def test_short_async_demo_raises_held_out_reward_clearly_at_every_staleness(demo
         overrides = demo_overrides(model=demo_root / "warm_model", data=demo_root / "data", out=tmp_path / "run",
                                    steps=STEPS, prompts=32, val_every=0)
         overrides += sidecar_overrides(etcd=etcd.endpoint, max_staleness=0)
-        overrides += ["algorithm.use_reference=false"]
         r = run_torchrun(worker, json.dumps({"overrides": overrides, "staleness": [0, 1, 2], "steps": STEPS}),
                          nproc=2, tmp_path=tmp_path, timeout=1500)
     finally:
