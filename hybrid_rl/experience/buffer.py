@@ -44,6 +44,12 @@ from dataclasses import dataclass, field, replace
 from hybrid_rl.data import PromptRecord
 
 
+def refill_seeds(step: int, refill: int) -> tuple[int, int]:
+    """(seed step, group base) of dynamic sampling's refill round `refill` (1, 2, ...) for the batch of `step`: the
+    synchronous loop's and the buffer's, which must agree for `max_staleness = 0` to be the synchronous run."""
+    return step * 1000 + refill, refill * 10**6
+
+
 @dataclass(frozen=True)
 class Group:
     """One dispatched prompt: what its samples are generated from, and where it stands (agreed on every rank)."""
@@ -89,7 +95,7 @@ class Book:
         """Book one round of `records`, dispatched at policy `version` (for the batch of `step` when a refill)."""
         if refill:
             self.refills += 1
-            seed_step, base = step * 1000 + self.refills, self.refills * 10**6
+            seed_step, base = refill_seeds(step, self.refills)
         else:
             self.regular_rounds += 1
             seed_step, base = self.regular_rounds, 0

@@ -258,12 +258,13 @@ class BufferedSource:
         `out_of_order_groups` counts the batch's groups that overtook an older group still in the buffer."""
         k, take = self.s.max_staleness, plan.take
         stale = torch.tensor([v - self.book.live[gid].start_version for gid in take], dtype=torch.float64)
-        left = [gid for gid in self.book.live if gid not in set(take) | set(plan.drop)]
+        gone = set(take) | set(plan.drop)
+        left = [gid for gid in self.book.live if gid not in gone]
         out = {f"async/staleness_groups_{d}": float((stale == d).double().mean()) for d in range(k + 1)}
         out.update({"async/staleness_groups_mean": float(stale.mean()), "async/staleness_groups_max": float(stale.max()),
                     "async/dropped_stale_groups": float(len(plan.drop)),
                     "async/dropped_no_signal_groups": float(self.no_signal),
-                    "async/out_of_order_groups": float(sum(gid > min(left) for gid in take) if left else 0),
+                    "async/out_of_order_groups": float(sum(gid > left[0] for gid in take) if left else 0),
                     "async/live_groups": float(len(left)), "async/in_flight_samples": float(status.in_flight)})
         self.no_signal = 0
         return out

@@ -26,6 +26,7 @@ import torch
 from hybrid_rl.data import PromptLoader
 from hybrid_rl.dist.mesh import ParallelDims
 from hybrid_rl.experience import dynamic
+from hybrid_rl.experience.buffer import refill_seeds
 from hybrid_rl.experience.scoring import Pending, Ready, Scorer
 from hybrid_rl.rollout.base import RolloutWorker
 from hybrid_rl.rollout.offline import preference_rollout
@@ -105,8 +106,8 @@ class SyncSource:
                     break
                 more = next(self.loader)
                 fields.update({r.index: r.fields for r in more})
-                rollout = self.rollout.generate(more, n=n, step=step * 1000 + len(rounds),
-                                                group_base=len(rounds) * 10**6)
+                seed_step, base = refill_seeds(step, len(rounds))
+                rollout = self.rollout.generate(more, n=n, step=seed_step, group_base=base)
         rollout, scored = dynamic.merge_rounds(rounds, len(records) * n)
         if rollout.index.size == 0:
             raise no_signal(len(rounds))
