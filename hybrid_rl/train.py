@@ -40,14 +40,17 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as e:  # DatasetError and the engine's layout errors are ValueErrors too
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
+    from hybrid_rl.engine.reshard import WeightSyncError
     from hybrid_rl.rollout.base import RolloutError
     from hybrid_rl.trainer import Trainer, TrainingError
 
     trainer = Trainer(components)
     try:
         trainer.fit()
-    except (TrainingError, RolloutError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+    except (TrainingError, RolloutError, WeightSyncError) as e:
+        # An error every rank agreed on (the same verdict everywhere) is said once, by rank 0.
+        if not getattr(e, "agreed", False) or int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
         trainer.close()

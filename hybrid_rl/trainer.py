@@ -31,6 +31,7 @@ from hybrid_rl.config import resolve_correction, to_dict
 from hybrid_rl.dist.collectives import all_reduce_max
 from hybrid_rl.experience import batch as exp_batch
 from hybrid_rl.experience import share
+from hybrid_rl.experience.guard import MismatchGuard
 from hybrid_rl.experience.passes import PassOutputs, logprobs_pass, scores_pass, values_pass
 from hybrid_rl.experience.scoring import Pending, Ready, Scorer
 from hybrid_rl.experience.sources import SourceSettings, TrainingError, open_source
@@ -73,6 +74,10 @@ class Trainer:
                                   SourceSettings(r.n, c.cfg.data.prompts_per_step, a.dynamic_sampling,
                                                  a.max_sampling_rounds, a.offline_pairs, r.max_staleness, t.seed,
                                                  c.cfg.sidecar.max_restarts))
+        self.guard = MismatchGuard(t.max_logprob_diff, truncated_sampling=r.top_p < 1 or r.top_k > 0)
+        if t.max_logprob_diff and not self.guard.active and c.dims.is_main:
+            log.warning("trainer.max_logprob_diff is not checked: with rollout.top_p < 1 or rollout.top_k > 0 vLLM's "
+                        "log-probs are of a truncated distribution, not comparable with the trainer's")
         self.bad_steps = self.skipped_steps = 0
         self._stop = False
         self.metrics: MetricsLogger | None = None
@@ -127,6 +132,8 @@ class Trainer:
         batch = self._train_batch(mine, passes, exp.scoring, metrics, version=step - 1)
         stats, finite = self._update(batch)
         metrics.update(stats)
+        if not self.cfg.algorithm.offline_pairs:
+            self.guard.check(metrics, step)  # before the step is logged as done or saved
         self._track_finite(finite, step)
         metrics.update(self._timings(time.perf_counter() - t0, exp.rollout))
         metrics["train/skipped_steps"] = float(self.skipped_steps)

@@ -41,6 +41,8 @@ from hybrid_rl.engine.reshard import (
     build_plan,
     checksums_match,
     stream_buckets,
+    target_label,
+    verify_targets,
 )
 from hybrid_rl.engine.server_update import ServerUpdate
 from hybrid_rl.engine.shm_ring import (
@@ -132,13 +134,14 @@ class CheckpointEngine:
         plan, buckets = self._plan(sources, sharded)
         update = self.updates
         self._failed = ""
+        manifest = Manifest(update, self.options.probe_cols, buckets, tied=self.layout.dims.tie_word_embeddings)
         if self.writer:
             self._ring(buckets).reset()
-            write_manifest(self.ring, Manifest(update, self.options.probe_cols, buckets))
+            write_manifest(self.ring, manifest)
         if self.rank == 0:
             abort_path(self.namespace).unlink(missing_ok=True)
         if self.link is not None:
-            self.link.begin(update, version, Manifest(update, self.options.probe_cols, buckets), self.rank)
+            self.link.begin(update, version, manifest, self.rank)
         barrier()  # every writer's manifest is in place before the server reads them
         if self.rank == 0:
             self.http.begin(self.server())
@@ -158,11 +161,15 @@ class CheckpointEngine:
         if self.rank == 0:
             self._failed = self._failed or self.http.finish()
         self._agree()
-        ok = self._verified(plan)
+        targets = verify_targets(plan.slices, tied=manifest.tied)
+        expected = plan.expected.cpu()[[i for i, _ in targets]]  # the senders' checksum of each target
+        ok = all_reduce(self._verified(expected), "min").bool()  # one verdict on every rank
         if self.link is not None:
-            self.link.end(plan.expected, self.rank)
-        if not bool(all_reduce(torch.tensor([float(ok)]), "min")[0]):
-            raise WeightSyncError(f"weight update {update} (version {version}) did not land in vLLM as sent; "
+            self.link.end(expected, self.rank)
+        if not bool(ok.all()):
+            bad = [target_label(plan.slices, *targets[j]) for j in torch.nonzero(~ok).flatten().tolist()]
+            raise WeightSyncError(f"weight update {update} (version {version}) did not land in vLLM as sent "
+                                  f"({len(bad)} mismatched: {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}); "
                                   "the server keeps its previous version stamp")
         if self.rank == 0:
             try:
@@ -226,17 +233,18 @@ class CheckpointEngine:
             return [torch.empty(ts.shape, dtype=self.dtype, device=self.device) for ts in slices]
         return alloc
 
-    def _verified(self, plan: ReshardPlan) -> bool:
+    def _verified(self, expected: torch.Tensor) -> torch.Tensor:
+        """Per verification target, 1.0 where the server's checksum of what its forward reads matches the senders'
+        (1.0 everywhere on ranks that write nothing; 0.0 everywhere when the report is not of these targets)."""
+        ok = torch.ones(len(expected))
         if not self.writer:
-            return True
+            return ok
         got = self.ring.read_report(self.updates)
-        ok = checksums_match(plan.expected.cpu(), got)
-        if not bool(ok.all()):
-            bad = [plan.slices[i].hf_name for i in torch.nonzero(~ok).flatten().tolist()]
-            log.error("rank %d: %d weights did not land in the vLLM server as sent: %s", self.rank, len(bad),
-                      ", ".join(bad[:5]))
-            return False
-        return True
+        if got.numel() != len(expected):
+            log.error("rank %d: the vLLM server reported %d checksums, %d expected", self.rank, got.numel(),
+                      len(expected))
+            return ok * 0
+        return checksums_match(expected, got).to(torch.float32)
 
     def close(self) -> None:
         if self.link is not None:

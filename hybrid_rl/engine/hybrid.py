@@ -30,6 +30,7 @@ from typing import Protocol
 
 import torch
 
+from hybrid_rl.dist.collectives import all_reduce
 from hybrid_rl.dist.fsdp import hf_name, is_sharded, local_tensor
 from hybrid_rl.dist.mesh import ParallelDims
 from hybrid_rl.dist.offload import OffloadManager, grad_tensors, optimizer_tensors, param_tensors
@@ -44,6 +45,8 @@ from hybrid_rl.engine.reshard import (
     checksums_match,
     probe_for,
     stream_slices,
+    target_label,
+    verify_targets,
 )
 from hybrid_rl.engine.vllm_engine import Generation, Sampling, VLLMEngine
 from hybrid_rl.utils import memory
@@ -256,15 +259,19 @@ class HybridEngine:
         rep.buckets, rep.peak_buffer_bytes = stats.buckets, stats.peak_buffer_bytes
 
     def _verify(self, plan: ReshardPlan) -> None:
-        """Compare the senders' checksums with checksums of what vLLM now holds; raise on any mismatch."""
-        probes = [probe_for(ts, self.options.probe_cols, self.sync_index) for ts in plan.slices]
-        got = self.vllm.readback(list(zip(plan.slices, probes, strict=True)), _digest)
-        ok = checksums_match(plan.expected.to(got.device), got)
+        """Compare the senders' checksums with checksums of what vLLM's forward now reads (each weight where it
+        landed, a tied head through its own module); every rank raises the same error on any mismatch."""
+        targets = verify_targets(plan.slices, tied=self.layout.dims.tie_word_embeddings)
+        requests = [(ts, probe_for(ts, self.options.probe_cols, self.sync_index)) for _, ts in targets]
+        got = self.vllm.readback(requests, _digest)
+        expected = plan.expected[[i for i, _ in targets]].to(got.device)
+        # The ranks agree on one verdict (each rank checks its own TP slices): all stop, naming the same weights.
+        ok = all_reduce(checksums_match(expected, got).to(torch.float32), "min").bool()
         if not bool(ok.all()):
-            bad = [plan.slices[i].hf_name for i in torch.nonzero(~ok).flatten().tolist()]
+            bad = [target_label(plan.slices, *targets[j]) for j in torch.nonzero(~ok).flatten().tolist()]
             raise WeightSyncError(
-                f"rank {self.dims.rank}: weights did not land in vLLM as sent (sync {self.sync_index}, "
-                f"{len(bad)} mismatched: {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''})"
+                f"weights did not land in vLLM as sent (sync {self.sync_index}, {len(bad)} mismatched on some rank: "
+                f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}); vLLM would generate from other weights"
             )
 
 

@@ -120,7 +120,7 @@ class PodReceiver:
         failed = failed or self.http.finish()
         ok = not failed
         for r, (ring, m) in enumerate(zip(self.rings, manifests, strict=True)):
-            expected = torch.empty(sum(len(b) for b in m.buckets), dtype=torch.float64)
+            expected = torch.empty(len(m.targets()), dtype=torch.float64)
             self.group.broadcast(r, expected)
             ok = ok and bool(checksums_match(expected, ring.read_report(update)).all())
         if ok:  # stamped and registered before the trainer hears back: its next dispatch sees this pod

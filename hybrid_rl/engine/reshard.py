@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,11 @@ from hybrid_rl.engine.layout import Layout, TPSlice
 
 
 class WeightSyncError(RuntimeError):
-    """Weights did not land in vLLM as sent: never generate from stale or corrupt weights."""
+    """Weights did not land in vLLM as sent: never generate from stale or corrupt weights.
+
+    Raised on every rank with the same message (the ranks agree on the verdict first)."""
+
+    agreed = True  # every rank raises it with the same message: the entry point prints it once
 
 
 @dataclass(frozen=True)
@@ -212,6 +216,31 @@ def block_checksum(x: torch.Tensor, *, row0: int, col_ids: torch.Tensor | None) 
         return (x * wr).sum()
     wc = 1.0 + (col_ids.to(x.device, torch.float64) % 5) / 8.0
     return ((x @ wc) * wr).sum()
+
+
+HEAD = "lm_head"  # vLLM's output-head module in every supported architecture
+
+
+def verify_targets(slices: list[TPSlice], *, tied: bool) -> list[tuple[int, TPSlice]]:
+    """What post-sync verification reads back: (index of the sent slice, where vLLM's forward reads it).
+
+    Every slice where it landed, plus, for tied word embeddings, the embedding as the *head* reads it:
+    vLLM computes the logits from the head module (on CPU from a packed copy it derived from the weight),
+    so a sync that updates the embedding but leaves the head stale must fail here, not pass on the
+    embedding's bytes. The trainer (from its config) and the sidecar's server (from its model) build the
+    same list.
+    """
+    out = [(i, ts) for i, ts in enumerate(slices)]
+    if tied:
+        out += [(i, replace(ts, hf_name=f"{HEAD}.weight", vllm_name=f"{HEAD}.weight", module=HEAD))
+                for i, ts in enumerate(slices) if ts.hf_name == "model.embed_tokens.weight"]
+    return out
+
+
+def target_label(slices: list[TPSlice], index: int, ts: TPSlice) -> str:
+    """A target's name in errors: the weight, and for a derived read what it was derived from."""
+    src = slices[index].hf_name
+    return ts.hf_name if ts.hf_name == src else f"{ts.hf_name} (tied to {src}; what vLLM's logits read)"
 
 
 def checksums_match(expected: torch.Tensor, landed: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from hybrid_rl.engine.layout import TPSlice
+from hybrid_rl.engine.reshard import verify_targets
 
 SHM_DIR = Path("/dev/shm")
 ALIGN = 64
@@ -87,15 +88,21 @@ class Manifest:
     update: int  # the update's number (the verification report carries it back; the probe columns rotate with it)
     probe_cols: int
     buckets: list[list[Entry]]
+    tied: bool = False  # tied word embeddings: the head is verified too, as the logits read it (`verify_targets`)
 
     def to_json(self) -> str:
-        return json.dumps({"update": self.update, "probe_cols": self.probe_cols,
+        return json.dumps({"update": self.update, "probe_cols": self.probe_cols, "tied": self.tied,
                            "buckets": [[e.to_json() for e in b] for b in self.buckets]})
 
     @classmethod
     def from_json(cls, text: str) -> Manifest:
         d = json.loads(text)
-        return cls(d["update"], d["probe_cols"], [[Entry.from_json(e) for e in b] for b in d["buckets"]])
+        return cls(d["update"], d["probe_cols"], [[Entry.from_json(e) for e in b] for b in d["buckets"]],
+                   bool(d.get("tied", False)))
+
+    def targets(self) -> list[tuple[int, TPSlice]]:
+        """What the server's verification report covers, in its order."""
+        return verify_targets([e.slice for b in self.buckets for e in b], tied=self.tied)
 
 
 def write_manifest(ring: ShmRing, manifest: Manifest) -> None:

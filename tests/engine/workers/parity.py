@@ -1,67 +1,96 @@
 """Weights synced into vLLM reproduce the FSDP model: greedy text equals HF, sampled log-probs match.
 
-Run under torchrun; writes a JSON verdict to $HR_TEST_OUT. Repeats over 3 optimizer steps so the
-weights change between syncs.
+Run under torchrun; writes a JSON verdict to $HR_TEST_OUT, per model. Repeats over `--steps` optimizer
+steps so the weights change between syncs. Several models run one after another in one launch (each with
+its own vLLM engine): the architectures users train, tied and untied. `--broken-head MODEL` then syncs
+MODEL once more with the tied head's refresh switched off, and records the verification's error.
 """
 
 import argparse
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from common import build, full_state_dict, log, write_result
 from transformers import AutoModelForCausalLM
 
+from hybrid_rl.engine import vllm_transfer
+from hybrid_rl.engine.reshard import WeightSyncError
 from hybrid_rl.engine.vllm_engine import Sampling
 from hybrid_rl.model.logprobs import forward_logprobs
 
 p = argparse.ArgumentParser()
-p.add_argument("--model", required=True)
+p.add_argument("--models", nargs="+", required=True)
 p.add_argument("--tp", type=int, default=1)
-p.add_argument("--steps", type=int, default=3)
+p.add_argument("--steps", type=int, nargs="+", default=[3], help="optimizer steps per model (the last repeats)")
 p.add_argument("--release", default="keep", choices=["keep", "restart"])
+p.add_argument("--broken-head", default=None)
 a = p.parse_args()
-
-engine, model, opt, dims = build(a.model, tp=a.tp, release=a.release)
 # The last prompt fills more than one KV block (128 tokens on CPU): the prefix cache would serve its first
 # block, computed with the previous step's weights, unless the sync resets it.
 prompts = [[58, 382, 266, 224, 20, 21], [30, 31, 32], [100, 200, 300, 40, 41], [7, 8, 9, 10],
            [(37 * i) % 400 + 20 for i in range(140)]]
-result = {"steps": []}
-hf = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
-for step in range(a.steps):
-    with engine.rollout_mode():
-        greedy = engine.generate(prompts, Sampling(max_tokens=12, temperature=0.0), seeds=[0] * len(prompts))
-        sampled = engine.generate(prompts, Sampling(max_tokens=12, temperature=1.0, n=2),
-                                  seeds=[1000 * dims.dp_rank + i for i in range(len(prompts))])
-    # HF greedy from the same (gathered) weights.
-    hf.load_state_dict(full_state_dict(model))
-    hf_greedy = []
-    for pr in prompts:
-        g = hf.generate(torch.tensor([pr]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
-        hf_greedy.append(g[0, len(pr):].tolist())
-    vllm_greedy = [list(g[0].token_ids) for g in greedy]
-    # FSDP log-probs of vLLM's sampled tokens (every rank in lockstep: FSDP forwards are collective).
-    max_diff = 0.0
-    loss = 0.0
-    for i, group in enumerate(sampled):
-        for gen in group:
-            ids = torch.tensor([prompts[i] + list(gen.token_ids)])
-            pos = torch.arange(ids.shape[1])[None]
-            tgt = torch.roll(ids, -1, dims=1)
-            lp = forward_logprobs(model, ids, pos, tgt)[0, len(prompts[i]) - 1 : -1]
-            max_diff = max(max_diff, (lp.detach() - torch.tensor(gen.logprobs)).abs().max().item())
-            loss = loss - lp.sum()
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    log(f"step {step}: greedy equal={vllm_greedy == hf_greedy} max |dlogp|={max_diff:.2e} path={engine.report.sync_path}")
-    d = torch.tensor([max_diff])
-    dist.all_reduce(d, op=dist.ReduceOp.MAX)
-    eq = torch.tensor([float(vllm_greedy == hf_greedy)])
-    dist.all_reduce(eq, op=dist.ReduceOp.MIN)
-    result["steps"].append({"greedy_equal": bool(eq.item()), "max_logprob_diff": d.item(),
-                            "sync_path": engine.report.sync_path, "bytes": engine.report.bytes_received,
-                            "vllm": vllm_greedy, "hf": hf_greedy})
-write_result(result)
-engine.close()
+
+
+def run(model_path: str, steps: int) -> dict:
+    engine, model, opt, dims = build(model_path, tp=a.tp, release=a.release)
+    result = {"steps": []}
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    for step in range(steps):
+        with engine.rollout_mode():
+            greedy = engine.generate(prompts, Sampling(max_tokens=12, temperature=0.0), seeds=[0] * len(prompts))
+            sampled = engine.generate(prompts, Sampling(max_tokens=12, temperature=1.0, n=2),
+                                      seeds=[1000 * dims.dp_rank + i for i in range(len(prompts))])
+        # HF greedy from the same (gathered) weights.
+        hf.load_state_dict(full_state_dict(model))
+        hf_greedy = []
+        for pr in prompts:
+            g = hf.generate(torch.tensor([pr]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+            hf_greedy.append(g[0, len(pr):].tolist())
+        vllm_greedy = [list(g[0].token_ids) for g in greedy]
+        # FSDP log-probs of vLLM's sampled tokens (every rank in lockstep: FSDP forwards are collective).
+        max_diff = 0.0
+        loss = 0.0
+        for i, group in enumerate(sampled):
+            for gen in group:
+                ids = torch.tensor([prompts[i] + list(gen.token_ids)])
+                pos = torch.arange(ids.shape[1])[None]
+                tgt = torch.roll(ids, -1, dims=1)
+                lp = forward_logprobs(model, ids, pos, tgt)[0, len(prompts[i]) - 1 : -1]
+                max_diff = max(max_diff, (lp.detach() - torch.tensor(gen.logprobs)).abs().max().item())
+                loss = loss - lp.sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        log(f"{Path(model_path).name} step {step}: greedy equal={vllm_greedy == hf_greedy} "
+            f"max |dlogp|={max_diff:.2e} path={engine.report.sync_path}")
+        d = torch.tensor([max_diff])
+        dist.all_reduce(d, op=dist.ReduceOp.MAX)
+        eq = torch.tensor([float(vllm_greedy == hf_greedy)])
+        dist.all_reduce(eq, op=dist.ReduceOp.MIN)
+        result["steps"].append({"greedy_equal": bool(eq.item()), "max_logprob_diff": d.item(),
+                                "sync_path": engine.report.sync_path, "bytes": engine.report.bytes_received,
+                                "vllm": vllm_greedy, "hf": hf_greedy})
+    engine.close()
+    return result
+
+
+def broken_head(model_path: str) -> dict:
+    """One sync with the tied head's refresh switched off: verification must stop it, naming the head."""
+    vllm_transfer.refresh_tied = lambda model, ties: None
+    engine, _, _, _ = build(model_path, tp=a.tp, release=a.release)
+    try:
+        with engine.rollout_mode():
+            pass
+        return {"raised": False, "message": ""}
+    except WeightSyncError as e:
+        return {"raised": True, "message": str(e), "mode_after_error": engine.mode.value}
+    finally:
+        engine.close()
+
+
+results = {m: run(m, a.steps[min(i, len(a.steps) - 1)]) for i, m in enumerate(a.models)}
+if a.broken_head:
+    results["broken_head"] = broken_head(a.broken_head)
+write_result(results)
 dist.destroy_process_group()
