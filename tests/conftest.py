@@ -27,6 +27,12 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
         "qwen2": TinySpec(arch="qwen2"),
         "llama_tied_kv1": TinySpec(arch="llama", kv_heads=1, tie_embeddings=True),
         "qwen3": TinySpec(arch="qwen3"),
+        # The architectures users train, tied and untied (the small Qwen2.5/Qwen3/Llama-3.2 models are tied).
+        "qwen2_tied": TinySpec(arch="qwen2", tie_embeddings=True),
+        "qwen3_tied": TinySpec(arch="qwen3", tie_embeddings=True),
+        "mistral": TinySpec(arch="mistral"),
+        "mistral_tied": TinySpec(arch="mistral", tie_embeddings=True),
+        "llama": TinySpec(arch="llama"),
         "mid": TinySpec(hidden=256, layers=12, heads=4, kv_heads=2, intermediate=1024),
     }
     return {name: str(build_tiny_model(root / name, spec)) for name, spec in specs.items()}

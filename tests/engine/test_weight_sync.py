@@ -10,18 +10,33 @@ WORKERS = Path(__file__).parent / "workers"
 pytestmark = pytest.mark.slow
 
 
+# One launch per TP size covers several architectures, tied and untied, one vLLM engine each (the first model
+# over three optimizer steps, the others one): between them every supported architecture, tied and untied.
+MODELS = {1: ["qwen2", "llama_tied_kv1", "qwen3_tied", "mistral"], 2: ["qwen2", "qwen2_tied", "mistral_tied", "llama"]}
+
+
 @pytest.mark.parametrize("tp,release", [(1, "keep"), (2, "restart")])
 def test_vllm_reproduces_fsdp_model_after_each_sync(tiny_models, tmp_path, tp, release):
-    r = run_torchrun(WORKERS / "parity.py", "--model", tiny_models["qwen2"], "--tp", str(tp), "--release", release,
-                     tmp_path=tmp_path)
-    assert len(r["steps"]) == 3  # three optimizer steps: the weights change between syncs
-    for step in r["steps"]:
-        assert step["greedy_equal"], f"vLLM greedy {step['vllm']} != HF greedy {step['hf']}"
-        assert step["max_logprob_diff"] < 1e-4
-        assert step["sync_path"] == "reload"  # vLLM's CPU backend repacks weights: no in-place path here
+    models = [tiny_models[k] for k in MODELS[tp]]
+    args = ["--models", *models, "--steps", "3", "1", "--tp", str(tp), "--release", release]
+    if tp == 2:  # the verification must catch a tied head left stale (its refresh switched off)
+        args += ["--broken-head", tiny_models["qwen3_tied"]]
+    r = run_torchrun(WORKERS / "parity.py", *args, tmp_path=tmp_path, timeout=1200)
+    for name, path in zip(MODELS[tp], models, strict=True):
+        steps = r[path]["steps"]
+        assert len(steps) == (3 if path == models[0] else 1)  # three optimizer steps: the weights change between syncs
+        for step in steps:
+            assert step["greedy_equal"], f"{name}: vLLM greedy {step['vllm']} != HF greedy {step['hf']}"
+            assert step["max_logprob_diff"] < 1e-4, name
+            assert step["sync_path"] == "reload"  # vLLM's CPU backend repacks weights: no in-place path here
     # Each rank receives only its own TP slice: about 1/tp of the model (norms are replicated).
     model_bytes = sum(f.stat().st_size for f in Path(tiny_models["qwen2"]).glob("*.safetensors"))
-    assert 0.9 / tp < r["steps"][0]["bytes"] / model_bytes < 1.05 / tp
+    assert 0.9 / tp < r[models[0]]["steps"][0]["bytes"] / model_bytes < 1.05 / tp
+    if tp == 2:
+        broken = r["broken_head"]
+        assert broken["raised"], "a stale tied head passed verification"
+        assert "lm_head.weight (tied to model.embed_tokens.weight" in broken["message"], broken["message"]
+        assert broken["mode_after_error"] == "train"
 
 
 def test_tp_slices_match_vllms_own_sharding_for_every_architecture(tiny_models, tmp_path):

@@ -4,7 +4,8 @@ One run (to share the servers' start-up): GRPO for two steps on 2 trainer ranks 
 server, plus a simulated second pod (`python -m hybrid_rl.pod`: its own server and shared-memory
 namespace) that receives every update through the pod group's broadcast. Before step 2 the pod's
 server is killed with SIGKILL and etcd is stopped for 6 s. After each step the servers' greedy
-generations must equal Hugging Face's on the trainer's full weights.
+generations must equal Hugging Face's on the trainer's full weights, and the sampled tokens' log-probs the
+trainer's (fp32). The model ties its word embeddings, as the small models users start with do.
 """
 
 import json
@@ -31,7 +32,8 @@ def test_grpo_in_sidecar_mode_with_a_second_pod_a_killed_server_and_an_etcd_rest
     etcd = EtcdProcess(tmp_path / "etcd")
     etcd.start()
     out = tmp_path / "run"
-    overrides = tiny_overrides(tiny_models["qwen2"], task_files, out, **{
+    # A model with tied word embeddings (as the small Qwen2.5 models): the servers' head must follow the embedding.
+    overrides = tiny_overrides(tiny_models["qwen2_tied"], task_files, out, **{
         "rollout.mode": "sidecar", "sidecar.etcd": etcd.endpoint, "sidecar.port": free_port(), "sidecar.pods": 2,
         "sidecar.pod_wait_s": 600, "sidecar.etcd_wait_s": 120, "rollout.kv_cache_gb": 0.125,
         "data.val_prompts": 4})
@@ -57,6 +59,7 @@ def test_grpo_in_sidecar_mode_with_a_second_pod_a_killed_server_and_an_etcd_rest
         assert check["vllm"] == check["hf"], f"step {step}: servers' greedy != HF on the trainer's weights"
         assert check["server_version"] == check["version"]
         assert check["loss_finite"]
+        assert check["logprob_diff_max"] < 1e-3, f"step {step}: the servers' log-probs are not the trainer's"
     assert r["server_starts"] == 2, "the killed server was started again"
     assert any("unreachable" in w for w in r["warnings"]) and any("answers again" in w for w in r["warnings"]), \
         r["warnings"]

@@ -94,6 +94,7 @@ def main() -> None:
             metrics = trainer.step(step)
             check = greedy_check(c, trainer)
             check["loss_finite"] = all(v == v for k, v in metrics.items() if k.startswith("actor/"))
+            check["logprob_diff_max"] = metrics["rollout/logprob_diff_max"]
             result["steps"].append(check)
         if c.dims.rank == 0:
             result["server_starts"] = c.rollout.sidecar.server.starts
