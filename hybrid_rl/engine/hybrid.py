@@ -30,6 +30,7 @@ from typing import Protocol
 
 import torch
 
+from hybrid_rl.dist.collectives import all_gather_object
 from hybrid_rl.dist.fsdp import hf_name, is_sharded, local_tensor
 from hybrid_rl.dist.mesh import ParallelDims
 from hybrid_rl.dist.offload import OffloadManager, grad_tensors, optimizer_tensors, param_tensors
@@ -256,16 +257,31 @@ class HybridEngine:
         rep.buckets, rep.peak_buffer_bytes = stats.buckets, stats.peak_buffer_bytes
 
     def _verify(self, plan: ReshardPlan) -> None:
-        """Compare the senders' checksums with checksums of what vLLM now holds; raise on any mismatch."""
-        probes = [probe_for(ts, self.options.probe_cols, self.sync_index) for ts in plan.slices]
-        got = self.vllm.readback(list(zip(plan.slices, probes, strict=True)), _digest)
-        ok = checksums_match(plan.expected.to(got.device), got)
-        if not bool(ok.all()):
-            bad = [plan.slices[i].hf_name for i in torch.nonzero(~ok).flatten().tolist()]
-            raise WeightSyncError(
-                f"rank {self.dims.rank}: weights did not land in vLLM as sent (sync {self.sync_index}, "
-                f"{len(bad)} mismatched: {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''})"
-            )
+        """Compare the senders' checksums with checksums of what vLLM now holds; on a mismatch on any rank, every
+        rank raises the same WeightSyncError (collective)."""
+        error = None
+        try:
+            probes = [probe_for(ts, self.options.probe_cols, self.sync_index) for ts in plan.slices]
+            got = self.vllm.readback(list(zip(plan.slices, probes, strict=True)), _digest)
+            ok = checksums_match(plan.expected.to(got.device), got)
+            if not bool(ok.all()):
+                bad = [plan.slices[i].hf_name for i in torch.nonzero(~ok).flatten().tolist()]
+                error = f"rank {self.dims.rank}: {len(bad)} mismatched: {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}"
+        except Exception as e:  # a readback that fails here must still reach the other ranks' verdict
+            error = f"rank {self.dims.rank}: the readback failed: {type(e).__name__}: {e}"
+        if (failures := agreed_failures(error)) is not None:
+            raise WeightSyncError(f"weights did not land in vLLM as sent (sync {self.sync_index}; {failures})")
+
+
+def agreed_failures(error: str | None) -> str | None:
+    """Collective: every rank's local verdict (None: passed), agreed on: None on every rank when all passed, else
+    the same text on every rank naming each rank that failed.
+
+    A rank must never raise alone after a sync: its TP partners would go on into vLLM's next all-reduce and wait
+    there without a timeout. With the verdict agreed, every rank stops at the same point with the same error.
+    """
+    errors = [e for e in all_gather_object(error) if e is not None]
+    return "; ".join(errors) if errors else None
 
 
 def _digest(values: torch.Tensor, cols: torch.Tensor | None) -> torch.Tensor:
