@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs etcd (Debian package etcd-server) for sidecar mode and its tests, when `etcd` is not on PATH.
 #
-#   scripts/install_etcd.sh        (`make install` runs it)
+#   scripts/install_etcd.sh        (`make install-sidecar` runs it; `make test` too)
 #
 # As root, or with passwordless sudo; `apt-get update` first, because a fresh machine's package lists may be
 # empty. The tests start their own private etcd on free ports; a system service the package may start is not
@@ -10,7 +10,7 @@ set -u
 command -v etcd >/dev/null 2>&1 && exit 0
 if [ "$(id -u)" = 0 ]; then sudo=(); elif sudo -n true 2>/dev/null; then sudo=(sudo -n); else
   echo "error: etcd is not installed and this user cannot install it (needs root or passwordless sudo):" >&2
-  echo "  install the Debian package etcd-server (or any etcd >= 3.4 on PATH), then run make install again" >&2
+  echo "  install the Debian package etcd-server (or any etcd >= 3.4 on PATH), then run make install-sidecar again" >&2
   exit 1
 fi
 echo "installing etcd (${sudo[*]:+${sudo[*]} }apt-get install etcd-server) for sidecar mode"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Makes the code-execution reward's sandbox work here at its default isolation level, bubblewrap.
 #
-#   scripts/install_sandbox.sh PYTHON [required|optional]      (`make install` runs it; SANDBOX=optional)
+#   scripts/install_sandbox.sh PYTHON [required|optional]      (`make install-sandbox` runs it; `make test` too; SANDBOX=optional)
 #
 # Installs bubblewrap (Debian package) when it is missing, as root or with passwordless sudo, then runs the
 # sandbox's own probe with PYTHON (hybrid_rl.rewards.sandbox.check_isolation): bubblewrap can be installed and
@@ -25,7 +25,7 @@ stop() {  # $1: what is wrong; $2: what to do about it
     printf 'WARNING: code sandbox: %s\n  Going on without it (SANDBOX=optional). %s\n' "$1" "$without" >&2
     exit 0
   fi
-  printf 'error: code sandbox: %s\n%s\n  Then run make install again. Or go on without it: make install SANDBOX=optional.\n  %s\n' \
+  printf 'error: code sandbox: %s\n%s\n  Then run make install-sandbox again. Or go on without it: make install-sandbox SANDBOX=optional.\n  %s\n' \
     "$1" "$2" "$without" >&2
   exit 1
 }

@@ -4,7 +4,7 @@
 
 Each output row is `{"prompt": [chat messages], "ground_truth": "72"}`: the question as one user turn
 (rendered with the model's chat template at load time) and the number after GSM8K's `####`.
-Nothing is downloaded: fetch the dataset yourself (e.g. `huggingface-cli download openai/gsm8k
+Nothing is downloaded: fetch the dataset yourself (e.g. `hf download openai/gsm8k
 --repo-type dataset --local-dir gsm8k`).
 """
 

@@ -19,7 +19,7 @@ class EtcdProcess:
     def __init__(self, data_dir: Path, port: int = 0, peer_port: int = 0):
         binary = shutil.which("etcd")
         if binary is None:
-            raise RuntimeError("etcd is not installed (Debian package etcd-server; `make install` installs it)")
+            raise RuntimeError("etcd is not installed (Debian package etcd-server; `make install-sidecar` installs it)")
         self.binary, self.data_dir = binary, Path(data_dir)
         self.port, self.peer_port = port or free_port(), peer_port or free_port()
         self.pid_file = self.data_dir.with_suffix(".pid")

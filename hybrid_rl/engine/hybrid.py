@@ -30,7 +30,7 @@ from typing import Protocol
 
 import torch
 
-from hybrid_rl.dist.collectives import all_reduce
+from hybrid_rl.dist.collectives import all_gather_object
 from hybrid_rl.dist.fsdp import hf_name, is_sharded, local_tensor
 from hybrid_rl.dist.mesh import ParallelDims
 from hybrid_rl.dist.offload import OffloadManager, grad_tensors, optimizer_tensors, param_tensors
@@ -260,19 +260,36 @@ class HybridEngine:
 
     def _verify(self, plan: ReshardPlan) -> None:
         """Compare the senders' checksums with checksums of what vLLM's forward now reads (each weight where it
-        landed, a tied head through its own module); every rank raises the same error on any mismatch."""
-        targets = verify_targets(plan.slices, tied=self.layout.dims.tie_word_embeddings)
-        requests = [(ts, probe_for(ts, self.options.probe_cols, self.sync_index)) for _, ts in targets]
-        got = self.vllm.readback(requests, _digest)
-        expected = plan.expected[[i for i, _ in targets]].to(got.device)
-        # The ranks agree on one verdict (each rank checks its own TP slices): all stop, naming the same weights.
-        ok = all_reduce(checksums_match(expected, got).to(torch.float32), "min").bool()
-        if not bool(ok.all()):
-            bad = [target_label(plan.slices, *targets[j]) for j in torch.nonzero(~ok).flatten().tolist()]
+        landed, a tied head through its own module); on a mismatch on any rank, every rank raises the same
+        WeightSyncError (collective)."""
+        error = None
+        try:
+            targets = verify_targets(plan.slices, tied=self.layout.dims.tie_word_embeddings)
+            requests = [(ts, probe_for(ts, self.options.probe_cols, self.sync_index)) for _, ts in targets]
+            got = self.vllm.readback(requests, _digest)
+            expected = plan.expected[[i for i, _ in targets]].to(got.device)
+            ok = checksums_match(expected, got)
+            if not bool(ok.all()):
+                bad = [target_label(plan.slices, *targets[j]) for j in torch.nonzero(~ok).flatten().tolist()]
+                error = f"rank {self.dims.rank}: {len(bad)} mismatched: {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}"
+        except Exception as e:  # a readback that fails here must still reach the other ranks' verdict
+            error = f"rank {self.dims.rank}: the readback failed: {type(e).__name__}: {e}"
+        if (failures := agreed_failures(error)) is not None:
             raise WeightSyncError(
-                f"weights did not land in vLLM as sent (sync {self.sync_index}, {len(bad)} mismatched on some rank: "
-                f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}); vLLM would generate from other weights"
+                f"weights did not land in vLLM as sent (sync {self.sync_index}; {failures}); vLLM would generate "
+                "from other weights"
             )
+
+
+def agreed_failures(error: str | None) -> str | None:
+    """Collective: every rank's local verdict (None: passed), agreed on: None on every rank when all passed, else
+    the same text on every rank naming each rank that failed.
+
+    A rank must never raise alone after a sync: its TP partners would go on into vLLM's next all-reduce and wait
+    there without a timeout. With the verdict agreed, every rank stops at the same point with the same error.
+    """
+    errors = [e for e in all_gather_object(error) if e is not None]
+    return "; ".join(errors) if errors else None
 
 
 def _digest(values: torch.Tensor, cols: torch.Tensor | None) -> torch.Tensor:

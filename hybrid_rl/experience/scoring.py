@@ -65,7 +65,10 @@ class Scorer:
         """Start scoring `held` on this rank: the pool's handle (None without rule rewards). Local."""
         if self.pool is None:
             return None
-        texts = self.tokenizer.batch_decode([s.response_ids.tolist() for s in held], skip_special_tokens=True)
+        # Never batch_decode([]): transformers 5 returns [''] for an empty batch, one text for no sample (a rank of
+        # a TP group that holds none of the validation samples).
+        ids = [s.response_ids.tolist() for s in held]
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True) if ids else []
         return self.pool.submit(texts, [s.fields for s in held])
 
     def submit(self, held: list[Sample], size: int) -> Pending:

@@ -96,23 +96,37 @@ result["bucket_bytes"] = resident.options.bucket_bytes
 result["sync_bytes_received"] = resident.report.bytes_received
 result["model_bytes_fp32"] = sum(t.numel() * 4 for t in m_res.state_dict().values())
 
-# 4. A weight corrupted in flight (between the all-to-all and vLLM) is caught; the engine stays usable afterwards.
+# 4. A weight corrupted in flight (between the all-to-all and vLLM) on the last rank only is caught, and every rank
+# stops with the same error at about the same moment (its TP partner must not go on into vLLM's next all-reduce);
+# the engine stays usable afterwards.
+import time  # noqa: E402
+
 load_weights = resident.vllm.load_weights
+BAD_RANK = dims.world - 1
 
 
 def corrupt_second_slice(stream, path):
     load_weights((((ts, t.mul_(1.001)) if k == 1 else (ts, t)) for k, (ts, t) in enumerate(stream)), path)
 
 
-resident.vllm.load_weights = corrupt_second_slice
+if dims.rank == BAD_RANK:
+    resident.vllm.load_weights = corrupt_second_slice
 try:
     with resident.rollout_mode():
         pass
     result["corruption_caught"] = False
+    message = None
 except WeightSyncError as e:
     result["corruption_caught"] = True
-    result["corruption_message"] = str(e)
+    message = str(e)
+raised_at = time.time()
 resident.vllm.load_weights = load_weights
+seen = [None] * dims.world
+dist.all_gather_object(seen, (message, raised_at))
+result["corruption_messages"] = [m for m, _ in seen]
+result["corruption_spread_s"] = max(t for _, t in seen) - min(t for _, t in seen)
+result["corruption_message"] = message
+result["bad_rank"] = BAD_RANK
 result["mode_after_error"] = resident.mode.value
 with resident.rollout_mode():
     resident.generate(PROMPTS[:1], Sampling(max_tokens=2), seeds=[0])

@@ -1,6 +1,6 @@
 """The code sandbox is there, or the install and the tests say so: nothing skips silently.
 
-``scripts/install_sandbox.sh`` (run by ``make install``) is run for real, once on this machine's PATH
+``scripts/install_sandbox.sh`` (run by ``make install-sandbox``, which ``make test`` runs) is run for real, once on this machine's PATH
 and otherwise on a PATH holding only stand-ins for ``id``, ``apt-get``, ``sudo`` and ``bwrap``: they
 play the machines it must handle (not root, apt-get failing, bubblewrap that cannot create namespaces)
 and write down how they were called. The sandbox probe the script ends with is the real one.
@@ -42,7 +42,7 @@ def _calls(tmp_path: Path) -> str:
 def _apt_installs() -> str:
     """apt-get that 'installs' bubblewrap: links this machine's bwrap into the PATH folder."""
     real = shutil.which("bwrap")
-    assert real, "bubblewrap (bwrap) is not installed on this machine; CI must have it (make install installs it)"
+    assert real, "bubblewrap (bwrap) is not installed on this machine; CI must have it (make test installs it: make install-sandbox)"
     return f'[ "$1" = install ] && {shutil.which("ln")} -s {real} "$BIN/bwrap"; exit 0'
 
 
@@ -58,7 +58,7 @@ def test_user_without_root_or_sudo_is_told_what_to_do_and_the_install_stops(tmp_
     assert result.returncode == 1
     assert "bubblewrap (bwrap) is not installed, and this user can install it neither as root nor" in result.stderr
     assert "Ask an administrator to install the package 'bubblewrap'" in result.stderr
-    assert "make install SANDBOX=optional" in result.stderr
+    assert "make install-sandbox SANDBOX=optional" in result.stderr
     assert "apt_get" not in _calls(tmp_path)
 
 

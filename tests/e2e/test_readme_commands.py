@@ -1,0 +1,237 @@
+"""The README's commands are tests: every command in its ```bash blocks runs here, as a user would copy it, with
+small substitutions (a tiny model for the model folder, 4 CPU ranks for 8 GPUs, a few steps for 200), or is named
+below with the test that runs it. A README edit that breaks a command, or adds one this file does not know, fails.
+
+The GPU recipe ("Running a real recipe on GPUs") runs in order in one folder, as the user's shell would: `hf
+download` is checked offline (its arguments must parse; nothing is downloaded), the GSM8K conversion runs on a
+small parquet with GSM8K's columns at the path the README names, the planner's command plans the 7B shape (a
+config.json with Qwen2.5-7B's published shape) and must say it fits, and the training command runs with its own
+keys (rollout.tp=2, train and validation files) on 4 ranks with the tiny model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+README = REPO / "README.md"
+CPU_WORLD = 4  # the README's 8 GPUs become 4 CPU ranks (2 cores: more would only be slower)
+# Commands the README shows that this file does not run, and the test that does (or why none can).
+COVERED_ELSEWHERE = {
+    "make install": "runs first in `make test` itself; its decisions: tests/unit/test_install_scripts.py",
+    "make install-sidecar": "runs first in `make test` (install-all); decisions: tests/unit/test_install_scripts.py",
+    "make install-sandbox": "runs first in `make test` (install-all); decisions: tests/unit/rewards/test_install_sandbox.py",
+    "make test": "this suite",
+    "make test-fast": "a subset of this suite",
+    "make demo": "tests/e2e/test_demo.py (40 steps)",
+    "make lint": "not run by `make test` (ruff + import-linter; the layer rules: tests/unit/*/test_import_rule.py)",
+    "etcd": "tests/sidecar start their own etcd on free ports (the README's line is the stock etcd command)",
+}
+# Appended to every training command that runs here: the run's shape stays the README's, its size shrinks.
+SMALL = ["rollout.n=2", "rollout.max_new_tokens=8", "data.prompts_per_step=4", "data.val_prompts=4",
+         "trainer.micro_batch_tokens=512", "reward.num_workers=1", "trainer.show_progress=false", "rollout.bucket_mb=1"]
+REPLACE = {"trainer.total_steps": "2", "trainer.save_every": "1"}
+# Published config.json shapes the README's model folders name; the planner reads config.json only.
+QWEN25 = {  # hidden, intermediate, layers, heads, kv heads, tied, vocab
+    "0.5B": (896, 4864, 24, 14, 2, True, 151936),
+    "7B": (3584, 18944, 28, 28, 4, False, 152064),
+    "32B": (5120, 27648, 64, 40, 8, False, 152064),
+}
+
+
+def readme_commands(text: str | None = None) -> list[str]:
+    """Every command of the README's ```bash blocks, continuation lines joined, comments dropped."""
+    text = README.read_text() if text is None else text
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split(" #")[0].strip() if not line.lstrip().startswith("#") else ""
+            if line:
+                out.append(" ".join(line.split()))
+    return out
+
+
+def program(argv: list[str]) -> str:
+    """What a command runs: 'make demo', 'hf download', 'torchrun hybrid_rl.train', 'python hybrid_rl.plan', ..."""
+    exe = Path(argv[0]).name
+    if exe == "make":
+        return f"make {argv[1]}"
+    if exe in ("python", "python3") and argv[1] == "-m":
+        return f"python {argv[2]}"
+    if exe == "torchrun":
+        return f"torchrun {argv[argv.index('-m') + 1]}"
+    if exe == "hf":
+        return f"hf {argv[1]}"
+    return exe
+
+
+def override(argv: list[str], key: str) -> str | None:
+    for a in argv:
+        if a.startswith(key + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def with_overrides(argv: list[str], values: dict[str, str]) -> list[str]:
+    out = [a for a in argv if a.split("=", 1)[0] not in values]
+    return out + [f"{k}={v}" for k, v in values.items()]
+
+
+def shape_folder(root: Path, name: str) -> Path:
+    """A config.json (and a tiny tokenizer) with the published shape of the Qwen2.5 size `name` names."""
+    from transformers import Qwen2Config
+
+    from hybrid_rl.model.tiny import build_tokenizer
+
+    size = re.search(r"(\d+(?:\.\d+)?B)", name)
+    assert size and size.group(1) in QWEN25, f"README names model {name!r}: add its published shape to QWEN25"
+    out = root / "shapes" / size.group(1)
+    if not (out / "config.json").exists():
+        hidden, inter, layers, heads, kv, tied, vocab = QWEN25[size.group(1)]
+        tok = build_tokenizer()
+        cfg = Qwen2Config(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                          num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=tied,
+                          vocab_size=vocab, max_position_embeddings=32768, rope_theta=1e6, dtype="bfloat16",
+                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        cfg.architectures = ["Qwen2ForCausalLM"]
+        cfg.save_pretrained(out)
+        tok.save_pretrained(out)
+    return out
+
+
+def write_gsm8k(folder: Path, rows: int) -> Path:
+    """A parquet with GSM8K's columns (question, answer ending in '#### n')."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"question": [f"Tom has {i} apples and buys {i + 3} more. How many now?" for i in range(rows)],
+                      "answer": [f"{i} + {i + 3} = {2 * i + 3}\n#### {2 * i + 3}" for i in range(rows)]})
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, folder)
+    return folder
+
+
+def run(argv: list[str], cwd: Path, timeout: int, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def executable(argv: list[str]) -> list[str]:
+    """The README's `.venv/bin/python`, `python` and `torchrun` are this interpreter (the venv under test)."""
+    exe = Path(argv[0]).name
+    if exe in ("python", "python3"):
+        return [sys.executable, *argv[1:]]
+    if exe == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
+    if exe == "hf":
+        return [str(Path(sys.executable).parent / "hf"), *argv[1:]]
+    return argv
+
+
+class User:
+    """Runs README commands in one working folder, in order, as a user's shell would."""
+
+    def __init__(self, cwd: Path, tiny_model: str):
+        self.cwd, self.tiny_model = cwd, tiny_model
+        self.trained: list[Path] = []
+
+    def __call__(self, line: str) -> str:
+        argv = shlex.split(line)
+        what = program(argv)
+        if what in COVERED_ELSEWHERE or argv[0] in COVERED_ELSEWHERE:
+            return f"covered elsewhere: {COVERED_ELSEWHERE.get(what) or COVERED_ELSEWHERE[argv[0]]}"
+        handler = {"hf download": self.hf_download, "python hybrid_rl.data.gsm8k": self.gsm8k,
+                   "python hybrid_rl.plan": self.plan, "torchrun hybrid_rl.train": self.train,
+                   "python hybrid_rl.pod": self.check_config}.get(what)
+        assert handler is not None, f"the README shows a command this test does not know: {line}"
+        return handler(argv)
+
+    def hf_download(self, argv: list[str]) -> str:
+        # Offline: the arguments must parse (a usage error exits 2) and only the network may be missing.
+        r = run(executable(argv), self.cwd, 120, env={"HF_HUB_OFFLINE": "1"})
+        assert r.returncode == 1 and "offline mode is enabled" in r.stderr + r.stdout, r.stdout + r.stderr
+        repo = argv[2]
+        if "--repo-type" in argv and argv[argv.index("--repo-type") + 1] == "dataset":
+            assert repo == "openai/gsm8k", repo  # the next commands read GSM8K's files
+            local = self.cwd / argv[argv.index("--local-dir") + 1]
+            write_gsm8k(local / "main/train-00000-of-00001.parquet", 24)
+            write_gsm8k(local / "main/test-00000-of-00001.parquet", 6)
+        return "arguments accepted (offline)"
+
+    def gsm8k(self, argv: list[str]) -> str:
+        r = run(executable(argv), self.cwd, 120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        rows = [json.loads(x) for x in (self.cwd / argv[-1]).read_text().splitlines()]
+        assert rows and all(row["ground_truth"].isdigit() for row in rows)
+        return r.stdout.strip()
+
+    def model_for_plan(self, argv: list[str]) -> list[str]:
+        return with_overrides(argv, {"model.path": str(shape_folder(self.cwd, override(argv, "model.path")))})
+
+    def plan(self, argv: list[str]) -> str:
+        r = run(executable(self.model_for_plan(argv)), self.cwd, 300)
+        assert r.returncode == 0, f"the planner says the README's command does not fit (or fails):\n{r.stdout}{r.stderr}"
+        assert "FITS" in r.stdout
+        return [x for x in r.stdout.splitlines() if "FITS" in x][-1]
+
+    def check_config(self, argv: list[str], world: int | None = None) -> str:
+        """Commands of other deployments (tests/sidecar runs them with their own settings): their recipe and
+        keys must be accepted as written, checked by the planner, which loads and validates the config."""
+        args = argv[argv.index("-m") + 2:]
+        tiny = {"model.path": self.tiny_model}
+        world = world or 8
+        r = run([sys.executable, "-m", "hybrid_rl.plan", *with_overrides(args, tiny), "--world", str(world),
+                 "--device", "cuda", "--device-gib", "80"], self.cwd, 300)
+        assert r.returncode in (0, 1), f"the README's command has a bad key or value:\n{r.stdout}{r.stderr}"
+        return "config accepted"
+
+    def train(self, argv: list[str]) -> str:
+        nproc = int(next(a.split("=")[1] for a in argv if a.startswith("--nproc_per_node=")))
+        if override(argv, "rollout.mode") == "sidecar":
+            return self.check_config(argv, world=nproc)
+        out = self.cwd / f"run{len(self.trained)}"
+        launcher = [a for a in argv[:argv.index("-m")] if not a.startswith("--nproc_per_node")]
+        # --standalone: a free rendezvous port (other test runs may share this machine).
+        cmd = [*launcher, f"--nproc_per_node={min(nproc, CPU_WORLD)}", "--standalone", *argv[argv.index("-m"):]]
+        values = {**REPLACE, "model.path": self.tiny_model, "trainer.output_dir": str(out)}
+        cmd = with_overrides(cmd, values) + SMALL
+        r = run(executable(cmd), self.cwd, 900)
+        tail = "\n".join((r.stdout + r.stderr).splitlines()[-60:])
+        assert r.returncode == 0, f"the README's training command failed:\n{shlex.join(cmd)}\n{tail}"
+        metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        if override(argv, "data.val_files"):
+            assert any("val/reward_mean" in m for m in metrics), "no validation ran"
+        assert (out / "checkpoints/step_2/COMPLETE").is_file() and (out / "export/config.json").is_file()
+        self.trained.append(out)
+        return f"trained {len(metrics)} steps"
+
+
+def test_every_readme_command_is_known():
+    commands = readme_commands()
+    assert any(program(shlex.split(c)) == "torchrun hybrid_rl.train" for c in commands)
+    known = {"hf download", "python hybrid_rl.data.gsm8k", "python hybrid_rl.plan", "torchrun hybrid_rl.train",
+             "python hybrid_rl.pod", *COVERED_ELSEWHERE}
+    for c in commands:
+        argv = shlex.split(c)
+        assert program(argv) in known or argv[0] in known, f"README command with no test: {c}"
+    assert not any("huggingface-cli" in c for c in commands), "the lock ships `hf`, not huggingface-cli"
+
+
+def test_readme_commands_run(tiny_models, tmp_path):
+    """Every README command, in the README's order, in one folder (the GPU recipe's commands feed each other)."""
+    user = User(tmp_path, tiny_models["qwen2"])
+    done = [(c, user(c)) for c in readme_commands()]
+    print("\n".join(f"{what}\n    -> {c}" for c, what in done))
+    assert user.trained, "no training command ran"
