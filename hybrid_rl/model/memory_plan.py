@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 
 from hybrid_rl.model.activations import Attention, forward_activations, train_activations
@@ -398,20 +399,43 @@ def _vllm_items(x: PlanInputs, phase: str) -> list[Item]:
     return items
 
 
+_FUSED = re.compile(r"\.(q|k|v)_proj\.(weight|bias)$|\.(gate|up)_proj\.weight$")
+
+
+def _vllm_module(name: str) -> str:
+    """The vLLM module an HF weight lands in (`engine/layout.py`: q/k/v -> qkv_proj, gate/up -> gate_up_proj)."""
+    m = _FUSED.search(name)
+    if m is None:
+        return name.rsplit(".", 1)[0]
+    return name[: m.start()] + (".qkv_proj" if m.group(1) else ".gate_up_proj")
+
+
+def largest_module_bytes(x: PlanInputs) -> int:
+    """vLLM's largest module on one TP rank (fused parts together: the resharder never splits one over buckets)."""
+    r, sizes = x.rollout, {}
+    for p in x.actor.params:
+        if "lora_" not in p.name:
+            key = _vllm_module(p.name)
+            sizes[key] = sizes.get(key, 0) + vllm_weight_bytes(ModelSpec((p,), x.actor.dims), r.tp, r.dtype_bytes)
+    return max(sizes.values(), default=0)
+
+
 def sync_transient_bytes(x: PlanInputs) -> int:
     """Extra memory while the weights stream into vLLM (`engine/reshard.py`, `engine/vllm_weights.py`).
 
-    A bucket holds at least its largest weight. While a bucket moves, its send and receive buffers are
-    alive (2 buckets); while vLLM takes its slices, the assembled slices (1 bucket) and, on the CPU reload
-    path, vLLM's own copies of the weight it is processing (2 x the largest weight: the original layout it
-    rebuilds and the repacked result). The in-place path (CUDA) copies straight into vLLM's parameters.
+    A bucket holds at least its largest vLLM module. While a bucket moves, its send and receive buffers are
+    alive (2 buckets); then the received buffer and the assembled slices (2 buckets); the consumer still
+    holds the previous bucket's last slice when the next one starts (1 module). The in-place path (CUDA:
+    vLLM's own parameter classes, tests/unit/engine/test_inplace_vllm_layers.py) copies each slice straight
+    into vLLM's parameter, so nothing else is alive. On the CPU reload path vLLM's loader also holds its
+    own copies of the module it is processing (2 x the largest: the original layout it rebuilds and the
+    repacked result) beside the staged full-shape tensor.
     """
     r = x.rollout
-    largest = max((vllm_weight_bytes(ModelSpec((p,), x.actor.dims), r.tp, r.dtype_bytes) for p in x.actor.params
-                   if "lora_" not in p.name), default=0)
+    largest = largest_module_bytes(x)
     bucket = min(max(r.bucket_bytes, largest), vllm_weight_bytes(x.actor, r.tp, r.dtype_bytes))
     if x.device.kind == "cuda":
-        return 2 * bucket
+        return 2 * bucket + largest
     return max(2 * bucket, bucket + 2 * largest)
 
 
