@@ -37,7 +37,7 @@ from hybrid_rl.model.handle import Model
 from hybrid_rl.model.loading import DTYPES, empty_model, enable_activation_checkpointing, load_config, load_tokenizer
 from hybrid_rl.model.lora import LoraWeights, apply_lora, is_lora
 from hybrid_rl.model.materialize import materialize
-from hybrid_rl.model.memory_plan import MemoryPlan, sync_reserve_bytes
+from hybrid_rl.model.memory_plan import MemoryPlan, plan_sync_reserve
 from hybrid_rl.model.param_count import Head
 from hybrid_rl.planner import detect_device, plan_for, training_records
 from hybrid_rl.rewards import RewardPool, Rubric, RubricItem, resolve_reward
@@ -90,7 +90,7 @@ def build(cfg: Config) -> Components:
 
     actor = _actor(cfg, dims)
     offload = OffloadManager(cfg.offload.dir or Path(cfg.trainer.output_dir) / "offload", rank=dims.rank)
-    rollout = ROLLOUT_MODES[cfg.rollout.mode](cfg, dims, actor, offload, tokenizer)
+    rollout = ROLLOUT_MODES[cfg.rollout.mode](cfg, dims, actor, offload, tokenizer, plan)
     a = cfg.algorithm
     # With LoRA the reference is the actor's own frozen base (adapter disabled): no second copy.
     reference = _frozen(cfg.model.path, "lm", cfg, dims) if a.use_reference and not cfg.model.lora.rank else None
@@ -204,9 +204,11 @@ def sampling_settings(cfg: Config) -> SamplingSettings:
     return SamplingSettings(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
 
 
-def _colocated(cfg: Config, dims: ParallelDims, actor: Model, offload: OffloadManager, tokenizer) -> Sampler:
+def _colocated(cfg: Config, dims: ParallelDims, actor: Model, offload: OffloadManager, tokenizer,
+               plan: MemoryPlan) -> Sampler:
     """The hybrid engine: vLLM in-process on the training ranks."""
-    return Sampler(_engine(cfg, dims, actor, offload), tokenizer, dims, sampling_settings(cfg), seed=cfg.trainer.seed)
+    return Sampler(_engine(cfg, dims, actor, offload, plan), tokenizer, dims, sampling_settings(cfg),
+                   seed=cfg.trainer.seed)
 
 
 def _check_colocated(cfg: Config, world: int, hf_config) -> None:
@@ -248,7 +250,8 @@ def _check_sidecar(cfg: Config, world: int, hf_config) -> None:
         raise ConfigError(str(e)) from None
 
 
-def _sidecar(cfg: Config, dims: ParallelDims, actor: Model, offload: OffloadManager, tokenizer) -> SidecarRollout:
+def _sidecar(cfg: Config, dims: ParallelDims, actor: Model, offload: OffloadManager, tokenizer,
+             plan: MemoryPlan) -> SidecarRollout:
     """A vLLM server beside the trainer (started here by rank 0, serving after a minute), fed by the checkpoint
     engine; other pods (`python -m hybrid_rl.pod`) get each update through the pod group."""
     r, sc = cfg.rollout, cfg.sidecar
@@ -290,13 +293,13 @@ def server_spec(cfg: Config, *, port: int, log_path: Path) -> ServerSpec:
                       gpu_memory_utilization=d.gpu_memory_utilization, sleep_mode=d.release == "sleep", cuda=cuda)
 
 
-# rollout.mode -> builder of the rollout worker (one signature: cfg, dims, actor, offload, tokenizer)
+# rollout.mode -> builder of the rollout worker (one signature: cfg, dims, actor, offload, tokenizer, plan)
 ROLLOUT_MODES = {"colocated": _colocated, "sidecar": _sidecar}
 # rollout.mode -> its cheap start-up checks (cfg, world, the model's HF config), run before any weight is loaded
 ROLLOUT_CHECKS = {"colocated": _check_colocated, "sidecar": _check_sidecar}
 
 
-def _engine(cfg: Config, dims: ParallelDims, actor: Model, offload: OffloadManager) -> HybridEngine:
+def _engine(cfg: Config, dims: ParallelDims, actor: Model, offload: OffloadManager, plan: MemoryPlan) -> HybridEngine:
     r = cfg.rollout
     d = resolve_rollout(r, "cuda" if torch.cuda.is_available() else "cpu")  # as the memory planner resolves it
     bucket_bytes = int(r.bucket_mb * 2**20)
@@ -304,7 +307,7 @@ def _engine(cfg: Config, dims: ParallelDims, actor: Model, offload: OffloadManag
                       max_model_len=r.max_model_len or cfg.data.max_prompt_tokens + r.max_new_tokens,
                       seed=cfg.trainer.seed, enforce_eager=d.enforce_eager,
                       gpu_memory_utilization=d.gpu_memory_utilization,
-                      sync_reserve_bytes=sync_reserve_bytes(bucket_bytes), kv_cache_gb=d.kv_cache_gb,
+                      sync_reserve_bytes=plan_sync_reserve(plan.inputs), kv_cache_gb=d.kv_cache_gb,
                       sleep_mode=d.release == "sleep", shm_ledger_dir=str(Path(cfg.trainer.output_dir) / "vllm_shm"))
     o = cfg.offload
     options = SwitchOptions(bucket_bytes=bucket_bytes, verify=r.verify, probe_cols=r.verify_probe_cols,

@@ -33,7 +33,13 @@ import torch
 from hybrid_rl.dist.collectives import all_gather_object
 from hybrid_rl.dist.fsdp import hf_name, is_sharded, local_tensor
 from hybrid_rl.dist.mesh import ParallelDims
-from hybrid_rl.dist.offload import OffloadManager, grad_tensors, optimizer_tensors, param_tensors
+from hybrid_rl.dist.offload import (
+    OffloadManager,
+    grad_tensors,
+    optimizer_state_to_come,
+    optimizer_tensors,
+    param_tensors,
+)
 from hybrid_rl.engine.layout import Layout
 from hybrid_rl.engine.reshard import (
     ReshardPlan,
@@ -158,7 +164,7 @@ class HybridEngine:
             self.offload.offload("actor.grads", grad_tensors(self.policy), o.offload_grads)
         with self._step(rep, "vllm_weights_in"):
             if not self.vllm.started:
-                self.vllm.start()
+                self.vllm.start(pending_bytes=self._state_to_come())
                 self._vllm_current = False
             elif o.release == "sleep":
                 self.vllm.wake_up(["weights"])
@@ -186,6 +192,13 @@ class HybridEngine:
             self._reload_train_state()
         self.mode = Mode.TRAIN
         self._verbose = False
+
+    def _state_to_come(self) -> int:
+        """Device memory the trainer does not hold yet but will at every later rollout: AdamW's state before the
+        first step, unless `offload.actor_optim` moves it off the device for rollouts."""
+        if self.optimizer is None or (self.device.type == "cuda" and self.options.offload_optim != "none"):
+            return 0
+        return optimizer_state_to_come(self.optimizer)
 
     def _reload_train_state(self) -> None:
         for name in ("actor.params", "actor.grads", "actor.optim"):

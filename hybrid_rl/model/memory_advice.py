@@ -20,7 +20,7 @@ from hybrid_rl.model.memory_plan import (
     estimate,
     frees_device,
     kv_cache_bytes,
-    sync_reserve_bytes,
+    plan_sync_reserve,
     vllm_utilization,
 )
 
@@ -178,8 +178,9 @@ def _kv_note(x: PlanInputs) -> Iterator[str]:
     capacity = kv_cache_bytes(x) // per_token
     if r.kv_cache_bytes is None and r.gpu_memory_utilization is None:
         yield (f"rollout.gpu_memory_utilization=auto: {vllm_utilization(x):.2f} of the device, the memory the trainer "
-               f"leaves free at the first sync less {fmt(sync_reserve_bytes(r.bucket_bytes))} for the sync; at run "
-               "time it is measured when vLLM starts (minus the CUDA context and NCCL buffers)")
+               f"leaves free at the first sync (AdamW's state counted: it is resident at every later rollout) less "
+               f"{fmt(plan_sync_reserve(x))} for the sync; at run time the same rule is applied to the memory "
+               "measured when vLLM starts, less AdamW's state still to come")
     line = f"KV cache {fmt(kv_cache_bytes(x))} holds {capacity} tokens per TP group"
     if r.max_model_len and capacity < r.max_model_len:
         line += f"; fewer than one sequence of max_model_len={r.max_model_len}: vLLM will refuse to start"

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 
 from hybrid_rl.model.activations import Attention, forward_activations, train_activations
@@ -347,11 +348,17 @@ def _dtype(b: int) -> str:
     return {2: "16-bit", 4: "fp32"}[b]
 
 
-def sync_reserve_bytes(bucket_bytes: int) -> int:
+def sync_reserve_bytes(bucket_bytes: int, largest_module_bytes: int = 0) -> int:
     """GPU memory left outside vLLM's share for the weight sync, which runs while vLLM is resident: the
-    resharder's peak (two buckets in flight plus one layer's slices, which tests/engine bound by three
-    buckets and a layer) plus 1 GiB of allocator slack."""
-    return 3 * bucket_bytes + GIB
+    resharder's peak (`sync_transient_bytes` on CUDA: two buckets in flight plus one module, a bucket never
+    smaller than vLLM's largest module; at least three buckets) plus 1 GiB of allocator slack."""
+    bucket = max(bucket_bytes, largest_module_bytes)
+    return max(3 * bucket_bytes, 2 * bucket + largest_module_bytes) + GIB
+
+
+def plan_sync_reserve(x: PlanInputs) -> int:
+    """`sync_reserve_bytes` of a run: what both the planner and the engine (`build.py`) keep for the sync."""
+    return sync_reserve_bytes(x.rollout.bucket_bytes, largest_module_bytes(x))
 
 
 def auto_gpu_memory_utilization(free_bytes: int, total_bytes: int, reserve_bytes: int) -> float:
@@ -364,13 +371,16 @@ def auto_gpu_memory_utilization(free_bytes: int, total_bytes: int, reserve_bytes
 
 def vllm_utilization(x: PlanInputs) -> float:
     """vLLM's share of the device: the configured one, or the auto rule applied to the memory the trainer
-    is predicted to hold when vLLM first starts (the first sync, before any model was offloaded)."""
+    is predicted to hold when vLLM first starts (the first sync, before any model was offloaded) with
+    AdamW's state counted as resident (unless offloaded for rollouts): it does not exist before the first
+    step, but it does at every later rollout, when vLLM's KV cache must wake beside it. The engine applies
+    the same rule to the memory it measures (`VLLMEngine.gpu_utilization`, given the state still to come)."""
     r = x.rollout
     if r.gpu_memory_utilization is not None:
         return r.gpu_memory_utilization
     held = sum(i.on_device for i in _process_items(x, "sync") + _trainer_items(x, "sync", first_step=True))
     total = x.device.total_bytes
-    return max(0.0, auto_gpu_memory_utilization(total - held, total, sync_reserve_bytes(r.bucket_bytes)))
+    return max(0.0, auto_gpu_memory_utilization(total - held, total, plan_sync_reserve(x)))
 
 
 def kv_cache_bytes(x: PlanInputs) -> int:
@@ -398,20 +408,43 @@ def _vllm_items(x: PlanInputs, phase: str) -> list[Item]:
     return items
 
 
+_FUSED = re.compile(r"\.(q|k|v)_proj\.(weight|bias)$|\.(gate|up)_proj\.weight$")
+
+
+def _vllm_module(name: str) -> str:
+    """The vLLM module an HF weight lands in (`engine/layout.py`: q/k/v -> qkv_proj, gate/up -> gate_up_proj)."""
+    m = _FUSED.search(name)
+    if m is None:
+        return name.rsplit(".", 1)[0]
+    return name[: m.start()] + (".qkv_proj" if m.group(1) else ".gate_up_proj")
+
+
+def largest_module_bytes(x: PlanInputs) -> int:
+    """vLLM's largest module on one TP rank (fused parts together: the resharder never splits one over buckets)."""
+    r, sizes = x.rollout, {}
+    for p in x.actor.params:
+        if "lora_" not in p.name:
+            key = _vllm_module(p.name)
+            sizes[key] = sizes.get(key, 0) + vllm_weight_bytes(ModelSpec((p,), x.actor.dims), r.tp, r.dtype_bytes)
+    return max(sizes.values(), default=0)
+
+
 def sync_transient_bytes(x: PlanInputs) -> int:
     """Extra memory while the weights stream into vLLM (`engine/reshard.py`, `engine/vllm_weights.py`).
 
-    A bucket holds at least its largest weight. While a bucket moves, its send and receive buffers are
-    alive (2 buckets); while vLLM takes its slices, the assembled slices (1 bucket) and, on the CPU reload
-    path, vLLM's own copies of the weight it is processing (2 x the largest weight: the original layout it
-    rebuilds and the repacked result). The in-place path (CUDA) copies straight into vLLM's parameters.
+    A bucket holds at least its largest vLLM module. While a bucket moves, its send and receive buffers are
+    alive (2 buckets); then the received buffer and the assembled slices (2 buckets); the consumer still
+    holds the previous bucket's last slice when the next one starts (1 module). The in-place path (CUDA:
+    vLLM's own parameter classes, tests/unit/engine/test_inplace_vllm_layers.py) copies each slice straight
+    into vLLM's parameter, so nothing else is alive. On the CPU reload path vLLM's loader also holds its
+    own copies of the module it is processing (2 x the largest: the original layout it rebuilds and the
+    repacked result) beside the staged full-shape tensor.
     """
     r = x.rollout
-    largest = max((vllm_weight_bytes(ModelSpec((p,), x.actor.dims), r.tp, r.dtype_bytes) for p in x.actor.params
-                   if "lora_" not in p.name), default=0)
+    largest = largest_module_bytes(x)
     bucket = min(max(r.bucket_bytes, largest), vllm_weight_bytes(x.actor, r.tp, r.dtype_bytes))
     if x.device.kind == "cuda":
-        return 2 * bucket
+        return 2 * bucket + largest
     return max(2 * bucket, bucket + 2 * largest)
 
 
@@ -423,6 +456,12 @@ def _process_items(x: PlanInputs, phase: str) -> list[Item]:
     vllm = x.rollout.enabled and phase != "startup"
     what = "python, torch, transformers" + (", vllm" if vllm else "")
     return [Item("process", what, CPU_PROCESS_BYTES + (CPU_VLLM_IMPORT_BYTES if vllm else 0))]
+
+
+def cuda_resident_overhead_bytes(x: PlanInputs) -> int:
+    """What the plan counts in the rollout phase beside the models and vLLM's share: the process's CUDA
+    context and communicators (what a fake-CUDA ledger must hold too: tests/unit/engine/test_memory_ledger.py)."""
+    return sum(i.on_device for i in _process_items(x, "rollout"))
 
 
 def _phase(x: PlanInputs, name: str, *, first_step: bool = False) -> Phase:
