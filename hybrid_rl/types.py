@@ -85,6 +85,8 @@ class Rollout:
 
     held: list[Sample]
     index: BatchIndex
+    # what the rollout measured (the same on every rank), e.g. multi-turn's tool calls per trajectory
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

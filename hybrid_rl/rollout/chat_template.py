@@ -120,3 +120,25 @@ class ToolSuffix:
         turn stopped on it), the family's boundary tokens, then the suffix for `messages`."""
         head = [] if ended else [self.end_of_turn_id]
         return head + self.boundary_ids + self._encode(self.text(messages))
+
+
+class _WithTools:
+    """A tokenizer whose chat template always gets the tools (`with_tools`); everything else is the tokenizer's."""
+
+    def __init__(self, tokenizer, tools: list[dict]):
+        self._tokenizer, self._tools = tokenizer, tools
+
+    def __getattr__(self, name: str):
+        return getattr(self._tokenizer, name)
+
+    def __call__(self, *args, **kwargs):
+        return self._tokenizer(*args, **kwargs)
+
+    def apply_chat_template(self, conversation, **kwargs):
+        return self._tokenizer.apply_chat_template(conversation, tools=self._tools, **kwargs)
+
+
+def with_tools(tokenizer, tools: list[dict]):
+    """`tokenizer`, rendering every chat prompt with `tools=` (the data layer renders the prompts; it need not know
+    about tools)."""
+    return _WithTools(tokenizer, tools)

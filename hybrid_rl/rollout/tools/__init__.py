@@ -9,7 +9,14 @@
 """
 
 from hybrid_rl.rollout.tools.runner import ToolRequest, ToolResult, ToolRunner
-from hybrid_rl.rollout.tools.spec import Environment, ToolInfraError, ToolSpec, load_environment, resolve_tools
+from hybrid_rl.rollout.tools.spec import (
+                                          Environment,
+                                          EnvironmentReward,
+                                          ToolInfraError,
+                                          ToolSpec,
+                                          load_environment,
+                                          resolve_tools,
+)
 
-__all__ = ["Environment", "ToolInfraError", "ToolRequest", "ToolResult", "ToolRunner", "ToolSpec", "load_environment",
+__all__ = ["Environment", "EnvironmentReward", "ToolInfraError", "ToolRequest", "ToolResult", "ToolRunner", "ToolSpec", "load_environment",
            "resolve_tools"]

@@ -102,3 +102,11 @@ def load_environment(path: str) -> Environment:
                     if not n.startswith("_") and n not in _ENV_RESERVED)
     schemas = tuple(schema_of(getattr(probe, n), f"rollout.environment method {n!r}") for n in methods)
     return Environment(cls, methods, schemas, callable(getattr(cls, "reward", None)))
+
+
+class EnvironmentReward:
+    """The `environment` reward: the environment's `reward()` at the trajectory's end (`env_reward` in the sample's
+    fields; 0 where it has none). Picklable, for the reward workers."""
+
+    def __call__(self, completion: str, sample) -> float:
+        return float(sample.get("env_reward", 0.0))
