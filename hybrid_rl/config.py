@@ -67,7 +67,8 @@ class MultiTurnConfig:
     max_tool_calls: int = 4  # tool calls per trajectory
     max_tool_response_tokens: int = 256  # one tool result; longer ones are cut in the middle, with a marker
     template: str = "auto"  # chat-template family: auto | chatml | qwen3 | llama3 | mistral
-    parser: str = "auto"  # tool-call parser: auto (the family's) | hermes | llama3_json | mistral
+    parser: str = "auto"  # tool-call parser: auto (the family's) | hermes | llama3_json | mistral | pkg.module:function
+    max_turn_tokens: int = 0  # one model turn's token limit (0: the rest of rollout.max_new_tokens)
     tool_timeout_s: float = 10.0  # one tool call
     tool_workers: int = 2  # tool worker processes per rank
 
@@ -374,7 +375,6 @@ CHOICES = {
     "rollout.release": ("auto", "keep", "sleep", "restart"),
     "rollout.mode": ("colocated", "sidecar"),
     "rollout.multi_turn.template": ("auto", "chatml", "qwen3", "llama3", "mistral"),
-    "rollout.multi_turn.parser": ("auto", "hermes", "llama3_json", "mistral"),
     "algorithm.advantage": ("gae", "grpo", "rloo", "reinforce_pp"),
     "algorithm.objective": ("ppo_clip", "dpo"),
     "algorithm.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
@@ -399,7 +399,8 @@ POSITIVE = ("rollout.n", "rollout.max_new_tokens", "rollout.bucket_mb", "data.pr
             "rollout.multi_turn.tool_timeout_s", "rollout.multi_turn.tool_workers")
 NON_NEGATIVE = ("rollout.temperature", "rollout.kv_cache_gb", "algorithm.kl_coef", "algorithm.entropy_coef", "optim.grad_clip",
                 "optim.warmup_steps", "trainer.save_every", "trainer.val_every", "algorithm.overlong_buffer",
-                "reward.num_workers", "data.val_prompts", "sidecar.max_restarts", "rollout.max_staleness")
+                "reward.num_workers", "data.val_prompts", "sidecar.max_restarts", "rollout.max_staleness",
+                "rollout.multi_turn.max_turn_tokens")
 
 
 def get(cfg: Config, key: str) -> Any:

@@ -1,7 +1,7 @@
 """The multi-turn loop: turns in lockstep over a batch of trajectories, tools in between, everything as token ids.
 
-Each turn sends the still-active trajectories' ids to the engine (one request each, its remaining response budget
-as its token limit), appends the sampled ids and log-probs, parses the tool calls of the turn's text, runs all the
+Each turn sends the still-active trajectories' ids to the engine (one request each, its remaining response budget,
+or `max_turn_tokens` if less, as its token limit), appends the sampled ids and log-probs, parses the tool calls of the turn's text, runs all the
 batch's calls at once in the tool runner, and appends each result as the chat template's suffix
 (`chat_template.ToolSuffix`). A trajectory ends when a turn has no tool call, at `max_turns` model turns, when its
 tool calls reach `max_tool_calls`, when its response budget is spent (a tool result that would not fit ends it
@@ -37,6 +37,7 @@ class TurnLimits:
     max_tool_calls: int  # tool calls per trajectory
     max_tool_response_tokens: int  # one tool result, cut in the middle beyond this
     max_response_tokens: int  # the whole trajectory after the prompt: model and context tokens
+    max_turn_tokens: int = 0  # one model turn (0: what is left of the budget); a turn cut here is parsed as any other
 
 
 @dataclass
@@ -64,15 +65,14 @@ class ToolLoop:
                 break
             stats.turns += 1
             start = time.monotonic()
-            gens = generate([trajectories[i].context for i in active],
-                            [lim.max_response_tokens - len(trajectories[i].response_ids) for i in active],
+            gens = generate([trajectories[i].context for i in active], [self._turn_budget(trajectories[i]) for i in active],
                             [seeds[i] + turn * _TURN_SEED_STRIDE for i in active])
             stats.generate_seconds += time.monotonic() - start
             pending: list[tuple[int, list[ToolCall], bool]] = []
             for i, g in zip(active, gens, strict=True):
                 t = trajectories[i]
                 t.add_model(list(g.token_ids), list(g.logprobs))
-                if g.finish_reason == "length":
+                if g.finish_reason == "length" and len(t.response_ids) >= lim.max_response_tokens:
                     t.truncated, t.done = True, True
                     continue
                 ended = bool(g.token_ids) and int(g.token_ids[-1]) == self.suffix.end_of_turn_id
@@ -92,6 +92,10 @@ class ToolLoop:
             t.done = True
         stats.tool_restarts = self.runner.restarts
         return stats
+
+    def _turn_budget(self, t: Trajectory) -> int:
+        left = self.limits.max_response_tokens - len(t.response_ids)
+        return min(left, self.limits.max_turn_tokens) if self.limits.max_turn_tokens else left
 
     def _answer(self, trajectories: Sequence[Trajectory], envs: Sequence[object | None],
                 pending: list[tuple[int, list[ToolCall], bool]], stats: LoopStats) -> None:

@@ -7,6 +7,7 @@ it as malformed, so the model learns the format instead of the trajectory dying.
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 from collections.abc import Callable
@@ -75,6 +76,15 @@ PARSERS: dict[str, Callable[[str], list[ToolCall]]] = {"hermes": hermes, "llama3
 
 
 def get_parser(name: str) -> Callable[[str], list[ToolCall]]:
-    if name not in PARSERS:
-        raise ValueError(f"unknown tool-call parser {name!r}: expected one of {sorted(PARSERS)}")
-    return PARSERS[name]
+    """A parser by name, or a user's as `pkg.module:function` (text -> list of `ToolCall`)."""
+    if name in PARSERS:
+        return PARSERS[name]
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"rollout.multi_turn.parser={name!r}: cannot load it ({e})") from e
+        if callable(fn):
+            return fn
+    raise ValueError(f"unknown tool-call parser {name!r}: expected one of {sorted(PARSERS)} or 'pkg.module:function'")
