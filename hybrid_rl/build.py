@@ -41,9 +41,14 @@ from hybrid_rl.model.memory_plan import MemoryPlan, plan_sync_reserve
 from hybrid_rl.model.param_count import Head
 from hybrid_rl.planner import detect_device, plan_for, training_records
 from hybrid_rl.rewards import RewardPool, Rubric, RubricItem, resolve_reward
+from hybrid_rl.rollout.agentic import AgentSetup, MultiTurnRollout
 from hybrid_rl.rollout.base import RolloutWorker
+from hybrid_rl.rollout.chat_template import TemplateError, ToolSuffix, family_of, with_tools
+from hybrid_rl.rollout.multi_turn import ToolLoop, TurnLimits
 from hybrid_rl.rollout.sampler import Sampler, SamplingSettings
 from hybrid_rl.rollout.sidecar import SidecarOptions, SidecarRollout
+from hybrid_rl.rollout.tool_calls import get_parser
+from hybrid_rl.rollout.tools import EnvironmentReward, ToolRunner, load_environment, resolve_tools
 from hybrid_rl.utils.schedule import lr_multiplier
 
 log = logging.getLogger(__name__)
@@ -73,6 +78,8 @@ def check_inputs(cfg: Config, world: int) -> None:
     check_architecture(arch)
     resolve_rollout(cfg.rollout, "cuda" if torch.cuda.is_available() else "cpu")  # what this platform cannot do
     ROLLOUT_CHECKS[cfg.rollout.mode](cfg, world, hf)
+    if uses_tools(cfg):
+        agent_setup(cfg, load_tokenizer(cfg.model.path))  # tools, environment, template: fail now (workers start later)
     for name in (cfg.reward.model_path, cfg.critic.path):
         if name and not Path(name).is_dir():
             raise ConfigError(f"{name!r} (reward.model_path / critic.path) is not a model folder")
@@ -84,7 +91,8 @@ def build(cfg: Config) -> Components:
     tokenizer = load_tokenizer(cfg.model.path)
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"the tokenizer in model.path={cfg.model.path!r} has no EOS token: generation cannot stop")
-    loader, val_records = _datasets(cfg, tokenizer)
+    # With tools, prompts are rendered with their schemas (the chat template's `tools=`), as the model will see them.
+    loader, val_records = _datasets(cfg, with_tools(tokenizer, tool_schemas(cfg)) if uses_tools(cfg) else tokenizer)
     plan = _check_memory(cfg, dims, [len(r.prompt_ids) for r in loader.dataset])
     rewards = None if cfg.algorithm.offline_pairs else _rewards(cfg)
 
@@ -142,6 +150,8 @@ def _rewards(cfg: Config) -> RewardPool:
     for name, weight, pattern in specs:
         fn = resolve_reward(name, pattern=pattern) if name == "format" else resolve_reward(name)
         items.append(RubricItem(name.rsplit(":", 1)[-1], fn, weight))
+    if cfg.rollout.environment and load_environment(cfg.rollout.environment).has_reward:
+        items.append(RubricItem("environment", EnvironmentReward(), 1.0))  # the environment's reward(), weight 1
     return RewardPool(Rubric(items), r.num_workers, timeout_s=r.timeout_s)
 
 
@@ -205,10 +215,39 @@ def sampling_settings(cfg: Config) -> SamplingSettings:
 
 
 def _colocated(cfg: Config, dims: ParallelDims, actor: Model, offload: OffloadManager, tokenizer,
-               plan: MemoryPlan) -> Sampler:
-    """The hybrid engine: vLLM in-process on the training ranks."""
-    return Sampler(_engine(cfg, dims, actor, offload, plan), tokenizer, dims, sampling_settings(cfg),
-                   seed=cfg.trainer.seed)
+               plan: MemoryPlan) -> Sampler | MultiTurnRollout:
+    """The hybrid engine: vLLM in-process on the training ranks; with tools, driven turn by turn."""
+    sampler = Sampler(_engine(cfg, dims, actor, offload, plan), tokenizer, dims, sampling_settings(cfg),
+                      seed=cfg.trainer.seed)
+    return MultiTurnRollout(sampler, tokenizer, agent_setup(cfg, tokenizer)) if uses_tools(cfg) else sampler
+
+
+def uses_tools(cfg: Config) -> bool:
+    return bool(cfg.rollout.tools or cfg.rollout.environment)
+
+
+def tool_schemas(cfg: Config) -> list[dict]:
+    env = load_environment(cfg.rollout.environment) if cfg.rollout.environment else None
+    return [t.schema for t in resolve_tools(list(cfg.rollout.tools))] + (list(env.schemas) if env else [])
+
+
+def agent_setup(cfg: Config, tokenizer) -> AgentSetup:
+    """The tools, environment and chat-template rules of a multi-turn run (ConfigError for any bad one). The tool
+    workers start at the first call."""
+    r, m = cfg.rollout, cfg.rollout.multi_turn
+    try:
+        tools = resolve_tools(list(r.tools))
+        env = load_environment(r.environment) if r.environment else None
+        family = family_of(m.template, getattr(tokenizer, "chat_template", None))
+        schemas = [t.schema for t in tools] + (list(env.schemas) if env else [])
+        suffix = ToolSuffix(tokenizer, family, schemas)
+        parser = get_parser(family.parser if m.parser == "auto" else m.parser)
+    except (ValueError, TemplateError) as e:
+        raise ConfigError(str(e)) from None
+    runner = ToolRunner(tools, env.methods if env else (), workers=m.tool_workers,
+                        timeout_s=m.tool_timeout_s, max_chars=m.max_tool_response_tokens * 16)
+    limits = TurnLimits(m.max_turns, m.max_tool_calls, m.max_tool_response_tokens, r.max_new_tokens, m.max_turn_tokens)
+    return AgentSetup(ToolLoop(tokenizer, suffix, parser, runner, limits), runner, suffix, env)
 
 
 def _check_colocated(cfg: Config, world: int, hf_config) -> None:

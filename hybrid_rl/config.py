@@ -60,6 +60,20 @@ class DataConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn rollouts with tools (`rollout.tools` / `rollout.environment`; README "Tools and multi-turn")."""
+
+    max_turns: int = 4  # model turns per trajectory
+    max_tool_calls: int = 4  # tool calls per trajectory
+    max_tool_response_tokens: int = 256  # one tool result; longer ones are cut in the middle, with a marker
+    template: str = "auto"  # chat-template family: auto | chatml | qwen3 | llama3 | mistral
+    parser: str = "auto"  # tool-call parser: auto (the family's) | hermes | llama3_json | mistral | pkg.module:function
+    max_turn_tokens: int = 0  # one model turn's token limit (0: the rest of rollout.max_new_tokens)
+    tool_timeout_s: float = 10.0  # one tool call
+    tool_workers: int = 2  # tool worker processes per rank
+
+
+@dataclass
 class RolloutConfig:
     # colocated: vLLM in-process on the training ranks (the hybrid engine); sidecar: a vLLM server process beside
     # the trainer on each pod, fed by the checkpoint engine (see `SidecarConfig`)
@@ -84,6 +98,11 @@ class RolloutConfig:
     # while the trainer trains, and no sample trained at policy version v was started before version v - k. 0 is the
     # synchronous on-policy loop (the same samples and metrics as before the experience buffer existed).
     max_staleness: int = 0
+    # Tools the model may call, by import path (`pkg.module:function`) or built-in name (`python`): any tool or an
+    # environment makes every rollout multi-turn. rollout.max_new_tokens is then the budget of the whole trajectory.
+    tools: list[str] = field(default_factory=list)
+    environment: str = ""  # `pkg.module:Class`: one instance per trajectory, its public methods are tools
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass
@@ -360,6 +379,7 @@ CHOICES = {
     "rollout.dtype": ("float32", "bfloat16", "float16"),
     "rollout.release": ("auto", "keep", "sleep", "restart"),
     "rollout.mode": ("colocated", "sidecar"),
+    "rollout.multi_turn.template": ("auto", "chatml", "qwen3", "llama3", "mistral"),
     "algorithm.advantage": ("gae", "grpo", "rloo", "reinforce_pp"),
     "algorithm.objective": ("ppo_clip", "dpo"),
     "algorithm.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
@@ -379,10 +399,13 @@ POSITIVE = ("rollout.n", "rollout.max_new_tokens", "rollout.bucket_mb", "data.pr
             "algorithm.ppo_epochs", "algorithm.mini_batches", "optim.lr", "rollout.tp", "trainer.max_bad_steps",
             "algorithm.max_sampling_rounds", "sidecar.port", "sidecar.lease_ttl_s", "sidecar.slots",
             "sidecar.max_inflight", "sidecar.pods", "sidecar.etcd_wait_s", "sidecar.start_timeout_s",
-            "sidecar.update_timeout_s", "sidecar.request_timeout_s", "sidecar.pod_wait_s")
+            "sidecar.update_timeout_s", "sidecar.request_timeout_s", "sidecar.pod_wait_s", "rollout.multi_turn.max_turns",
+            "rollout.multi_turn.max_tool_calls", "rollout.multi_turn.max_tool_response_tokens",
+            "rollout.multi_turn.tool_timeout_s", "rollout.multi_turn.tool_workers")
 NON_NEGATIVE = ("rollout.temperature", "rollout.kv_cache_gb", "algorithm.kl_coef", "algorithm.entropy_coef", "optim.grad_clip",
                 "optim.warmup_steps", "trainer.save_every", "trainer.val_every", "algorithm.overlong_buffer",
-                "reward.num_workers", "data.val_prompts", "sidecar.max_restarts", "rollout.max_staleness")
+                "reward.num_workers", "data.val_prompts", "sidecar.max_restarts", "rollout.max_staleness",
+                "rollout.multi_turn.max_turn_tokens")
 
 
 def get(cfg: Config, key: str) -> Any:
@@ -437,6 +460,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"rollout.max_staleness={cfg.rollout.max_staleness} needs rollout.mode=sidecar: in colocated "
                           "mode the same ranks generate and train in turn, so generation cannot run ahead of training; "
                           "set rollout.mode=sidecar or rollout.max_staleness=0")
+    if (cfg.rollout.tools or cfg.rollout.environment) and cfg.rollout.mode == "colocated" and cfg.rollout.tp > 1:
+        raise ConfigError(f"rollout.tools with rollout.mode=colocated needs rollout.tp=1 (got {cfg.rollout.tp}): the TP "
+                          "ranks of a vLLM group must send identical requests, and tool results are not yet shared "
+                          "between them")
     util = cfg.rollout.gpu_memory_utilization
     if not (isinstance(util, int | float) and 0 <= util <= 1):
         raise ConfigError(f"rollout.gpu_memory_utilization={util!r} must be in (0, 1], or 0 for auto (the GPU memory "

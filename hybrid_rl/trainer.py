@@ -266,7 +266,7 @@ class Trainer:
         mean = float(self.scorer.score(rollout.held, rollout.index.size).total.mean())
         self.val_history.append((step, mean))
         if self.metrics is not None:
-            self.metrics.log(step, {"val/reward_mean": mean})
+            self.metrics.log(step, {"val/reward_mean": mean, **{f"val/{k}": v for k, v in rollout.metrics.items()}})
         return mean
 
     def _export(self) -> None:

@@ -33,6 +33,9 @@ class Sample:
     # [response tokens] int64: the policy version (optimizer steps taken) whose weights sampled each token; empty when
     # the generator does not record it (colocated, offline pairs: every token is the current policy's)
     token_versions: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    # [response tokens] bool: the tokens the loss covers (the model's own); empty: every response token. A multi-turn
+    # trajectory's tool results and template tokens sit inside the response as context, mask 0 (`rollout/trajectory`)
+    loss_mask: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
 
     @property
     def prompt_len(self) -> int:
@@ -82,6 +85,8 @@ class Rollout:
 
     held: list[Sample]
     index: BatchIndex
+    # what the rollout measured (the same on every rank), e.g. multi-turn's tool calls per trajectory
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

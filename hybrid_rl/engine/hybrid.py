@@ -223,10 +223,11 @@ class HybridEngine:
 
     # -- rollout ---------------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], sampling: Sampling, seeds: list[int]) -> list[list[Generation]]:
+    def generate(self, prompts: list[list[int]], sampling: Sampling, seeds: list[int],
+                 max_tokens: list[int] | None = None) -> list[list[Generation]]:
         if self.mode is not Mode.ROLLOUT:
             raise RuntimeError("HybridEngine.generate() needs rollout mode: use `with engine.rollout_mode():`")
-        return self.vllm.generate(prompts, sampling, seeds)
+        return self.vllm.generate(prompts, sampling, seeds, max_tokens)
 
     # -- weight sync -----------------------------------------------------------------------------
 

@@ -293,22 +293,26 @@ class VLLMEngine:
 
     # -- generation ------------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], sampling: Sampling, seeds: list[int]) -> list[list[Generation]]:
+    def generate(self, prompts: list[list[int]], sampling: Sampling, seeds: list[int],
+                 max_tokens: list[int] | None = None) -> list[list[Generation]]:
         """Sample `sampling.n` responses per prompt; returns them grouped by prompt.
 
         Each response is its own request with seed `seeds[i] + j`: vLLM's `n > 1` with a fixed seed
         draws the same sequence n times. Prefix caching shares the prompt's KV across the n requests.
+        `max_tokens`: each prompt's own token limit (multi-turn: what is left of its trajectory's budget);
+        None: `sampling.max_tokens` for all.
         """
         from vllm import SamplingParams
 
         n = sampling.n
+        limits = [sampling.max_tokens] * len(prompts) if max_tokens is None else max_tokens
         params = [
             SamplingParams(
                 n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                max_tokens=sampling.max_tokens, logprobs=0, seed=seed + j, detokenize=False,
+                max_tokens=limit, logprobs=0, seed=seed + j, detokenize=False,
                 stop_token_ids=list(sampling.stop_token_ids), flat_logprobs=True,
             )
-            for seed in seeds
+            for seed, limit in zip(seeds, limits, strict=True)
             for j in range(n)
         ]
         reqs = [{"prompt_token_ids": list(p)} for p in prompts for _ in range(n)]

@@ -57,7 +57,7 @@ def train_batch(share: Share, scores: torch.Tensor, passes: PassOutputs, s: Batc
     it trains (the optimizer steps taken so far), against which each token's staleness is counted."""
     samples = share.samples
     width = width_of(samples)
-    mask = torch.arange(width)[None, :] < torch.tensor([x.response_len for x in samples], dtype=torch.long)[:, None]
+    mask = loss_mask(samples, width)
     adv, returns = torch.zeros(len(samples), width), None
     if s.estimator:
         kl_tok = None
@@ -68,6 +68,16 @@ def train_batch(share: Share, scores: torch.Tensor, passes: PassOutputs, s: Batc
         adv, returns = get_estimator(s.estimator)(x, s.advantage)
     return TrainBatch(samples, mask, scores[share.rows], passes.old_logp, adv, passes.ref_logp, passes.values,
                       returns, share.paired, sampler_logprobs(samples, width), token_staleness(samples, width, version))
+
+
+def loss_mask(samples: list[Sample], width: int) -> torch.Tensor:
+    """`[B, width]` bool: the tokens the loss covers: every real response token, less a multi-turn sample's context
+    (tool results, template tokens: `Sample.loss_mask`)."""
+    mask = torch.arange(width)[None, :] < torch.tensor([x.response_len for x in samples], dtype=torch.long)[:, None]
+    for i, x in enumerate(samples):
+        if x.loss_mask.numel():
+            mask[i, : x.response_len] &= x.loss_mask
+    return mask
 
 
 def sampler_logprobs(samples: list[Sample], width: int) -> torch.Tensor | None:

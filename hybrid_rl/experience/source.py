@@ -95,7 +95,7 @@ class SyncSource:
             return Experience(rollout, Ready(Scores(torch.zeros(rollout.index.size))), fields)
         with self.timer.phase("rollout"), self.session(step - 1):
             rollout = self.rollout.generate(records, n=n, step=step, group_base=0)
-            metrics = sync_metrics(self.rollout, self.timer)
+            metrics = {**sync_metrics(self.rollout, self.timer), **rollout.metrics}
             if not s.dynamic_sampling:
                 return Experience(rollout, self.scorer.submit(rollout.held, rollout.index.size), fields, metrics)
             rounds = []

@@ -4,8 +4,9 @@ After generation every sample is held by one rank. Two things then travel:
 
 * `gather_index`: one small int64 row per sample (uid, lengths, group, truncated) to every rank, so
   that balancing, group statistics and metrics need no tokens (one all-gather).
-* `send_to_owners`: each sample's tokens, rollout log-probs and token versions to the rank that trains on
-  it (three all-to-alls: headers, token ids with the versions behind them, log-probs), never to the others.
+* `send_to_owners`: each sample's tokens, rollout log-probs, token versions and loss mask to the rank that trains
+  on it (three all-to-alls: headers, token ids with the versions and mask behind them, log-probs), never to the
+  others.
 
 Nothing is pickled and nothing loops over tokens in Python: at 4096 samples x 4k tokens the payload
 is a few hundred MB of tensors that the backend moves at memory speed.
@@ -22,13 +23,14 @@ from hybrid_rl.dist.collectives import all_gather_rows, all_to_all_rows
 from hybrid_rl.types import BatchIndex, Sample
 
 # Header columns of one sample on the wire.
-_UID, _PROMPT, _RESPONSE, _TRUNCATED, _GROUP, _RECORD, _LOGPROBS, _VERSIONS = range(8)
+_UID, _PROMPT, _RESPONSE, _TRUNCATED, _GROUP, _RECORD, _LOGPROBS, _VERSIONS, _MASK = range(9)
 
 
 def _headers(samples: Sequence[Sample]) -> torch.Tensor:
     rows = [(s.uid, s.prompt_len, s.response_len, int(s.truncated), s.group, s.record_index,
-             int(s.rollout_logprobs.shape[0]), int(s.token_versions.shape[0])) for s in samples]
-    return torch.tensor(rows, dtype=torch.int64).view(-1, 8)
+             int(s.rollout_logprobs.shape[0]), int(s.token_versions.shape[0]), int(s.loss_mask.shape[0]))
+            for s in samples]
+    return torch.tensor(rows, dtype=torch.int64).view(-1, 9)
 
 
 def gather_index(held: Sequence[Sample], size: int) -> BatchIndex:
@@ -55,8 +57,8 @@ def send_to_owners(held: Sequence[Sample], owner: torch.Tensor, world: int,
         if (dest := int(owner[s.uid])) >= 0:
             by_dest[dest].append(s)
     headers = all_to_all_rows([_headers(part) for part in by_dest])
-    ids = all_to_all_rows([_cat([t for s in part for t in (s.prompt_ids, s.response_ids, s.token_versions)],
-                                torch.int64) for part in by_dest])
+    ids = all_to_all_rows([_cat([t for s in part for t in (s.prompt_ids, s.response_ids, s.token_versions,
+                                                           s.loss_mask.long())], torch.int64) for part in by_dest])
     logps = all_to_all_rows([_cat([s.rollout_logprobs for s in part], torch.float32) for part in by_dest])
     out = []
     for head, flat_ids, flat_lp in zip(headers, ids, logps, strict=True):
@@ -71,7 +73,8 @@ def _cat(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
 def _unflatten(head: torch.Tensor, flat_ids: torch.Tensor, flat_lp: torch.Tensor,
                fields_of: Callable[[int], Mapping[str, Any]]) -> list[Sample]:
     h = head.tolist()
-    id_parts = flat_ids.split([n for row in h for n in (row[_PROMPT], row[_RESPONSE], row[_VERSIONS])])
+    id_parts = flat_ids.split([n for row in h for n in (row[_PROMPT], row[_RESPONSE], row[_VERSIONS], row[_MASK])])
     lp_parts = flat_lp.split([row[_LOGPROBS] for row in h])
-    return [Sample(row[_UID], id_parts[3 * k], id_parts[3 * k + 1], lp_parts[k], bool(row[_TRUNCATED]),
-                   row[_GROUP], row[_RECORD], fields_of(row[_RECORD]), id_parts[3 * k + 2]) for k, row in enumerate(h)]
+    return [Sample(row[_UID], id_parts[4 * k], id_parts[4 * k + 1], lp_parts[k], bool(row[_TRUNCATED]),
+                   row[_GROUP], row[_RECORD], fields_of(row[_RECORD]), id_parts[4 * k + 2], id_parts[4 * k + 3].bool())
+            for k, row in enumerate(h)]

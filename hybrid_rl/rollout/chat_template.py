@@ -1,0 +1,144 @@
+"""The ids a chat template adds between turns of a trajectory, without ever re-tokenising the model's own tokens.
+
+A multi-turn trajectory is kept as token ids (`trajectory.py`): the ids the model sampled, then the ids of the
+tool messages the template would write after them. Those are found as a *suffix*: the template renders a fixed
+conversation (`TemplateFamily.base`: a user turn and a finished assistant turn) with and without the new messages
+(plus the generation prompt); the text that the second rendering adds after the first is the suffix. The first
+rendering must be an exact prefix of the second: a template that rewrites earlier turns once more messages follow
+(one that drops reasoning from assistant turns that are no longer the last, say) would make the trainer see text
+the engine never saw, so `TemplateError` stops the run and names the difference.
+
+The boundary rule, per family: the model's turn ends with the family's end-of-turn token (its stop token); the
+template then writes `after_turn` (ChatML's newline) before the next message. The model never samples those
+boundary ids, so they are context (loss mask 0), as is an end-of-turn token the engine did not produce (a turn cut
+by the length limit). `ToolSuffix` checks the rule against the tokenizer's own template once, at start-up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+Message = Mapping[str, Any]
+
+
+class TemplateError(ValueError):
+    """The chat template cannot be extended append-only (or does not follow its family's boundary rule)."""
+
+
+@dataclass(frozen=True)
+class TemplateFamily:
+    """How one family of chat templates ends an assistant turn, and how its models write tool calls."""
+
+    name: str
+    end_of_turn: str  # the token that ends an assistant turn (the engine's stop token)
+    after_turn: str  # text the template writes after it, before the next message: boundary tokens, mask 0
+    parser: str  # the tool-call parser (`tool_calls.PARSERS`)
+    # The fixed conversation the suffix is rendered after: it must end with a finished assistant turn whose
+    # rendering stays the same when messages follow (Qwen3 keeps an assistant turn's reasoning only while it is
+    # the last one, unless it has reasoning of its own: hence the reasoning_content here).
+    base: tuple[Message, ...] = ({"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"})
+
+
+QWEN3_BASE = ({"role": "user", "content": "hi"},
+              {"role": "assistant", "content": "ok", "reasoning_content": "ok"})
+
+# rollout.multi_turn.template -> family. "chatml" covers Qwen2 / Qwen2.5 and SmolLM2 (<|im_start|> ... <|im_end|>\n).
+FAMILIES: dict[str, TemplateFamily] = {
+    "chatml": TemplateFamily("chatml", "<|im_end|>", "\n", "hermes"),
+    "qwen3": TemplateFamily("qwen3", "<|im_end|>", "\n", "hermes", QWEN3_BASE),
+    "llama3": TemplateFamily("llama3", "<|eot_id|>", "", "llama3_json"),
+    "mistral": TemplateFamily("mistral", "</s>", "", "mistral"),
+}
+
+
+def detect_family(chat_template: str | None) -> TemplateFamily:
+    """The family of a chat template, from the markers it writes (the order matters: Qwen3 is ChatML + <think>)."""
+    t = chat_template or ""
+    if "<|im_start|>" in t:
+        return FAMILIES["qwen3" if "<think>" in t else "chatml"]
+    if "<|start_header_id|>" in t:
+        return FAMILIES["llama3"]
+    if "[INST]" in t:
+        return FAMILIES["mistral"]
+    raise TemplateError("cannot tell the chat template's family (no <|im_start|>, <|start_header_id|> or [INST] in "
+                        f"it); set rollout.multi_turn.template to one of {sorted(FAMILIES)}")
+
+
+def family_of(name: str, chat_template: str | None) -> TemplateFamily:
+    if name == "auto":
+        return detect_family(chat_template)
+    if name not in FAMILIES:
+        raise TemplateError(f"rollout.multi_turn.template={name!r}: expected auto or one of {sorted(FAMILIES)}")
+    return FAMILIES[name]
+
+
+class ToolSuffix:
+    """The context ids appended after a model turn: boundary tokens, then the rendered tool messages and the next
+    generation prompt. Built once per run (it renders and checks the base conversation)."""
+
+    def __init__(self, tokenizer, family: TemplateFamily, tools: Sequence[dict] | None = None):
+        self.tokenizer, self.family, self.tools = tokenizer, family, list(tools) if tools else None
+        self.base_text = self._render(family.base, generation_prompt=False)
+        eot = family.end_of_turn + family.after_turn
+        if not self.base_text.endswith(eot):
+            tail = self.base_text[-40:]
+            raise TemplateError(f"the chat template does not end an assistant turn with {eot!r} as the {family.name} "
+                                f"family does (it ends with {tail!r}); set rollout.multi_turn.template to its family")
+        self.end_of_turn_id = self._single_id(family.end_of_turn)
+        self.boundary_ids = self._encode(family.after_turn)
+
+    def _single_id(self, token: str) -> int:
+        ids = self._encode(token)
+        if len(ids) != 1:
+            raise TemplateError(f"the end-of-turn marker {token!r} is {len(ids)} tokens for this tokenizer, expected "
+                                "one special token")
+        return ids[0]
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+    def _render(self, messages: Sequence[Message], *, generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(list(messages), tools=self.tools, tokenize=False,
+                                                  add_generation_prompt=generation_prompt)
+
+    def text(self, messages: Sequence[Message]) -> str:
+        """The text the template adds after a finished assistant turn for `messages` and the next generation prompt."""
+        full = self._render([*self.family.base, *messages], generation_prompt=True)
+        if not full.startswith(self.base_text):
+            at = next((i for i, (a, b) in enumerate(zip(self.base_text, full, strict=False)) if a != b),
+                      len(full))
+            raise TemplateError(
+                "the chat template is not append-only: adding tool messages changes the earlier turns' text at char "
+                f"{at} ({self.base_text[at:at + 40]!r} becomes {full[at:at + 40]!r}), so the trainer would see text the "
+                "engine never saw. Use a template that renders earlier turns the same whatever follows.")
+        return full[len(self.base_text):]
+
+    def ids(self, messages: Sequence[Message], *, ended: bool) -> list[int]:
+        """Context ids after a model turn: its end-of-turn token when the engine did not produce it (`ended`: the
+        turn stopped on it), the family's boundary tokens, then the suffix for `messages`."""
+        head = [] if ended else [self.end_of_turn_id]
+        return head + self.boundary_ids + self._encode(self.text(messages))
+
+
+class _WithTools:
+    """A tokenizer whose chat template always gets the tools (`with_tools`); everything else is the tokenizer's."""
+
+    def __init__(self, tokenizer, tools: list[dict]):
+        self._tokenizer, self._tools = tokenizer, tools
+
+    def __getattr__(self, name: str):
+        return getattr(self._tokenizer, name)
+
+    def __call__(self, *args, **kwargs):
+        return self._tokenizer(*args, **kwargs)
+
+    def apply_chat_template(self, conversation, **kwargs):
+        return self._tokenizer.apply_chat_template(conversation, tools=self._tools, **kwargs)
+
+
+def with_tools(tokenizer, tools: list[dict]):
+    """`tokenizer`, rendering every chat prompt with `tools=` (the data layer renders the prompts; it need not know
+    about tools)."""
+    return _WithTools(tokenizer, tools)

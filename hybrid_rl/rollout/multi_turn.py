@@ -1,0 +1,145 @@
+"""The multi-turn loop: turns in lockstep over a batch of trajectories, tools in between, everything as token ids.
+
+Each turn sends the still-active trajectories' ids to the engine (one request each, its remaining response budget,
+or `max_turn_tokens` if less, as its token limit), appends the sampled ids and log-probs, parses the tool calls of the turn's text, runs all the
+batch's calls at once in the tool runner, and appends each result as the chat template's suffix
+(`chat_template.ToolSuffix`). A trajectory ends when a turn has no tool call, at `max_turns` model turns, when its
+tool calls reach `max_tool_calls`, when its response budget is spent (a tool result that would not fit ends it
+before being appended: never cut mid-token), or when a tool's infrastructure fails (then it is marked, and the
+rollout drops it).
+
+The engine is a function (`Generate`), so this loop is the same for any engine that takes token ids.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from hybrid_rl.engine.vllm_engine import Generation
+from hybrid_rl.rollout.chat_template import ToolSuffix
+from hybrid_rl.rollout.tool_calls import ToolCall
+from hybrid_rl.rollout.tools._worker import ERROR, INFRA, TIMEOUT
+from hybrid_rl.rollout.tools.runner import ToolRequest, ToolResult, ToolRunner
+from hybrid_rl.rollout.trajectory import Trajectory
+
+# (contexts, max new tokens of each, seeds) -> one generation per context
+Generate = Callable[[list[list[int]], list[int], list[int]], list[Generation]]
+
+TRUNCATION_MARKER = "\n...[{n} tokens truncated]...\n"
+_TURN_SEED_STRIDE = 1_000_003  # turn t of a trajectory draws with seed + t * stride
+
+
+@dataclass(frozen=True)
+class TurnLimits:
+    max_turns: int  # model turns per trajectory
+    max_tool_calls: int  # tool calls per trajectory
+    max_tool_response_tokens: int  # one tool result, cut in the middle beyond this
+    max_response_tokens: int  # the whole trajectory after the prompt: model and context tokens
+    max_turn_tokens: int = 0  # one model turn (0: what is left of the budget); a turn cut here is parsed as any other
+
+
+@dataclass
+class LoopStats:
+    tool_seconds: float = 0.0  # wall time waiting on tools
+    generate_seconds: float = 0.0
+    turns: int = 0  # lockstep turns run
+    tool_restarts: int = 0
+    per_call_seconds: list[float] = field(default_factory=list)
+
+
+class ToolLoop:
+    def __init__(self, tokenizer, suffix: ToolSuffix, parser: Callable[[str], list[ToolCall]], runner: ToolRunner,
+                 limits: TurnLimits):
+        self.tokenizer, self.suffix, self.parser, self.runner, self.limits = tokenizer, suffix, parser, runner, limits
+
+    def run(self, trajectories: Sequence[Trajectory], envs: Sequence[object | None], generate: Generate,
+            seeds: Sequence[int]) -> LoopStats:
+        """Play every trajectory to its end (in place)."""
+        stats = LoopStats()
+        lim = self.limits
+        for turn in range(lim.max_turns):
+            active = [i for i, t in enumerate(trajectories) if not t.done]
+            if not active:
+                break
+            stats.turns += 1
+            start = time.monotonic()
+            gens = generate([trajectories[i].context for i in active], [self._turn_budget(trajectories[i]) for i in active],
+                            [seeds[i] + turn * _TURN_SEED_STRIDE for i in active])
+            stats.generate_seconds += time.monotonic() - start
+            pending: list[tuple[int, list[ToolCall], bool]] = []
+            for i, g in zip(active, gens, strict=True):
+                t = trajectories[i]
+                t.add_model(list(g.token_ids), list(g.logprobs))
+                if g.finish_reason == "length" and len(t.response_ids) >= lim.max_response_tokens:
+                    t.truncated, t.done = True, True
+                    continue
+                ended = bool(g.token_ids) and int(g.token_ids[-1]) == self.suffix.end_of_turn_id
+                # special tokens kept (Mistral's [TOOL_CALLS] is one), the end-of-turn token not
+                text = self.tokenizer.decode(list(g.token_ids)[: -1 if ended else None], skip_special_tokens=False)
+                calls = self.parser(text)
+                room = lim.max_tool_calls - t.tool_calls
+                if not calls or t.turns >= lim.max_turns or room <= 0:
+                    t.done = True
+                    continue
+                pending.append((i, calls, ended))
+            if pending:
+                start = time.monotonic()
+                self._answer(trajectories, envs, pending, stats)
+                stats.tool_seconds += time.monotonic() - start
+        for t in trajectories:
+            t.done = True
+        stats.tool_restarts = self.runner.restarts
+        return stats
+
+    def _turn_budget(self, t: Trajectory) -> int:
+        left = self.limits.max_response_tokens - len(t.response_ids)
+        return min(left, self.limits.max_turn_tokens) if self.limits.max_turn_tokens else left
+
+    def _answer(self, trajectories: Sequence[Trajectory], envs: Sequence[object | None],
+                pending: list[tuple[int, list[ToolCall], bool]], stats: LoopStats) -> None:
+        """Run every pending call of the turn at once; append each trajectory's results as one suffix."""
+        requests, owners = [], []
+        for i, calls, _ in pending:
+            room = self.limits.max_tool_calls - trajectories[i].tool_calls
+            for k, c in enumerate(calls):
+                if k >= room:  # answered without running: the model learns the limit
+                    c = ToolCall(c.name, c.arguments, error=f"the limit of {self.limits.max_tool_calls} tool calls "
+                                                            "per conversation is reached")
+                requests.append(ToolRequest(c, envs[i]))
+                owners.append(i)
+        results = self.runner.run(requests)
+        by_owner: dict[int, list[tuple[ToolCall, ToolResult]]] = {}
+        for r, i, res in zip(requests, owners, results, strict=True):
+            by_owner.setdefault(i, []).append((r.call, res))
+            stats.per_call_seconds.append(res.seconds)
+        for i, calls, ended in pending:
+            t = trajectories[i]
+            answered = by_owner[i]
+            t.tool_calls += len(calls)
+            t.malformed_calls += sum(1 for c, _ in answered if c.error and not c.name)
+            t.tool_errors += sum(1 for _, r in answered if r.status == ERROR)
+            t.tool_timeouts += sum(1 for _, r in answered if r.status == TIMEOUT)
+            t.log += [{"name": c.name, "arguments": c.arguments, "status": r.status, "result": r.text[:2000]}
+                      for c, r in answered]
+            if any(r.status == INFRA for _, r in answered):
+                t.infra_failed, t.done = True, True
+                continue
+            messages = [{"role": "tool", "name": c.name or "invalid", "content": self._cut(r.text)}
+                        for c, r in answered]
+            ids = self.suffix.ids(messages, ended=ended)
+            if len(t.response_ids) + len(ids) >= self.limits.max_response_tokens:
+                t.truncated, t.done = True, True  # no room for the result and a reply: end here, nothing cut
+                continue
+            t.add_context(ids)
+
+    def _cut(self, text: str) -> str:
+        """A tool result of at most `max_tool_response_tokens` tokens: the middle replaced by a marker."""
+        keep = self.limits.max_tool_response_tokens
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) <= keep:
+            return text
+        head = keep // 2
+        return (self.tokenizer.decode(ids[:head]) + TRUNCATION_MARKER.format(n=len(ids) - keep)
+                + self.tokenizer.decode(ids[len(ids) - (keep - head):]))

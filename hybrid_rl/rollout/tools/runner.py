@@ -1,0 +1,164 @@
+"""Run a turn's tool calls in parallel, each bounded: a hang, a crash or a flood costs that call only.
+
+Function tools (`rollout.tools`, the built-in `python`) run in worker processes started once (spawned, as the
+reward pool's, with its helpers: a hidden `__main__`, workers that leave with the trainer, a kill-and-reap stop).
+At most one call per worker is in flight, so each call's clock starts when it is sent:
+
+* past `timeout_s` the worker's own limit ends a call in Python code: the model reads a timeout error;
+* past `timeout_s + grace_s` (stuck in C code) the workers are killed and restarted: that call is an
+  infrastructure failure, and the other calls in flight are sent again;
+* a worker that dies (segfault, `os._exit`, out of memory) takes its in-flight calls with it: each of them is then
+  run again alone, and one that kills its worker alone is an infrastructure failure;
+* output is cut to `max_chars` inside the worker.
+
+Environment methods (per-trajectory state) run in threads of this process under the same time limit.
+"""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from typing import Any
+
+from hybrid_rl.rewards._time_limit import time_limit
+from hybrid_rl.rewards.pool import _main_module_hidden, _stop_workers
+from hybrid_rl.rollout.tool_calls import ToolCall
+from hybrid_rl.rollout.tools import _worker
+from hybrid_rl.rollout.tools._worker import ERROR, INFRA, OK, TIMEOUT, as_text, middle_cut
+from hybrid_rl.rollout.tools.spec import ToolInfraError, ToolSpec
+
+_POLL_S = 0.02
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    call: ToolCall
+    env: Any = None  # the trajectory's environment instance (its methods are tools)
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    text: str
+    status: str  # ok | error | timeout | infra
+    seconds: float = 0.0
+
+
+class ToolRunner:
+    def __init__(self, tools: list[ToolSpec], env_methods: tuple[str, ...] = (), *, workers: int = 2,
+                 timeout_s: float = 10.0, grace_s: float = 5.0, max_chars: int = 16384,
+                 start_method: str = "spawn", startup_timeout_s: float = 120.0):
+        self.tools = {t.name: t for t in tools}
+        self.env_methods = set(env_methods)
+        self.workers, self.timeout_s, self.grace_s, self.max_chars = max(1, workers), timeout_s, grace_s, max_chars
+        self._ctx = multiprocessing.get_context(start_method)
+        self._startup_timeout_s = startup_timeout_s
+        self._executor: ProcessPoolExecutor | None = None
+        self._threads = ThreadPoolExecutor(self.workers * 4, thread_name_prefix="env-tool")
+        self.restarts = 0
+
+    # -- workers ---------------------------------------------------------------------------------
+
+    def _pool(self) -> ProcessPoolExecutor:
+        if self._executor is None:
+            ex = ProcessPoolExecutor(self.workers, mp_context=self._ctx, initializer=_worker.init)
+            with _main_module_hidden():
+                probes = [ex.submit(_worker.ready) for _ in range(self.workers)]
+            done, pending = wait(probes, timeout=self._startup_timeout_s)
+            if pending or any(f.exception() for f in done):
+                _stop_workers(ex, grace_s=0.0)
+                raise RuntimeError("tool workers failed to start (their traceback is above)")
+            self._executor = ex
+        return self._executor
+
+    def _restart(self) -> None:
+        if self._executor is not None:
+            _stop_workers(self._executor, grace_s=0.0)
+            self._executor = None
+            self.restarts += 1
+
+    def close(self) -> None:
+        self._restart()
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+    # -- calls -----------------------------------------------------------------------------------
+
+    def run(self, requests: list[ToolRequest]) -> list[ToolResult]:
+        """The result of every request, in order; returns when all are answered (each within its bounds)."""
+        results: list[ToolResult | None] = [None] * len(requests)
+        functions, envs = [], {}
+        for i, r in enumerate(requests):
+            if r.call.error:
+                results[i] = ToolResult(f"Error: {r.call.error}", ERROR)
+            elif r.env is not None and r.call.name in self.env_methods:
+                envs[i] = self._threads.submit(self._env_call, r.env, r.call)
+            elif r.call.name in self.tools:
+                functions.append(i)
+            else:
+                known = sorted(self.tools) + sorted(self.env_methods)
+                results[i] = ToolResult(f"Error: unknown tool {r.call.name!r}; the tools are {known}", ERROR)
+        if functions:
+            self._run_functions(requests, functions, results)
+        for i, f in envs.items():
+            results[i] = f.result()
+        return results  # type: ignore[return-value]
+
+    def _env_call(self, env: Any, call: ToolCall) -> ToolResult:
+        start = time.monotonic()
+        try:
+            with time_limit(self.timeout_s) as limit:
+                out = getattr(env, call.name)(**call.arguments)
+            if limit.expired:
+                return ToolResult(f"Error: the tool timed out after {self.timeout_s:g}s", TIMEOUT,
+                                  time.monotonic() - start)
+            status, text = OK, as_text(out)
+        except ToolInfraError as e:
+            status, text = INFRA, str(e)
+        except Exception as e:  # noqa: BLE001 - the environment's failure goes back to the model
+            status, text = ERROR, f"Error: {type(e).__name__}: {e}"
+        return ToolResult(middle_cut(text, self.max_chars), status, time.monotonic() - start)
+
+    def _run_functions(self, requests: list[ToolRequest], todo: list[int], results: list) -> None:
+        queue = collections.deque(todo)
+        suspects: collections.deque[int] = collections.deque()  # in flight when a worker died: each runs alone
+        inflight: dict[Future, tuple[int, float, bool]] = {}  # future -> (request, sent at, alone)
+        while queue or suspects or inflight:
+            pool = self._pool()
+            if suspects and not inflight:
+                i = suspects.popleft()
+                inflight[self._send(pool, requests[i])] = (i, time.monotonic(), True)
+            while not suspects and queue and len(inflight) < self.workers:
+                i = queue.popleft()
+                inflight[self._send(pool, requests[i])] = (i, time.monotonic(), False)
+            done, _ = wait(list(inflight), timeout=_POLL_S, return_when=FIRST_COMPLETED)
+            broken = False
+            for f in done:
+                i, sent, alone = inflight.pop(f)
+                try:
+                    status, text = f.result()
+                    results[i] = ToolResult(text, status, time.monotonic() - sent)
+                except BrokenProcessPool:
+                    broken = True
+                    if alone:
+                        results[i] = ToolResult("Error: the tool's worker process died", INFRA,
+                                                time.monotonic() - sent)
+                    else:
+                        suspects.append(i)
+            now = time.monotonic()
+            stuck = [f for f, (_, sent, _) in inflight.items() if now - sent > self.timeout_s + self.grace_s]
+            if broken or stuck:
+                for f in stuck:
+                    i, sent, _ = inflight.pop(f)
+                    results[i] = ToolResult(f"Error: the tool did not return within {self.timeout_s:g}s and was "
+                                            "killed", INFRA, now - sent)
+                for i, _, _ in inflight.values():  # innocent bystanders: sent again (alone if a worker died)
+                    (suspects if broken else queue).appendleft(i)
+                inflight.clear()
+                self._restart()
+
+    def _send(self, pool: ProcessPoolExecutor, r: ToolRequest) -> Future:
+        return pool.submit(_worker.call, self.tools[r.call.name].path, dict(r.call.arguments), self.timeout_s,
+                           self.max_chars)

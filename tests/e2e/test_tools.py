@@ -1,0 +1,44 @@
+"""Multi-turn GRPO with tools, colocated, end to end: 2 ranks, real vLLM, real FSDP, the python tool in its sandbox.
+
+A random model never writes a tool call, so the run plugs in a parser that reads one from every turn
+(`tests.e2e.tools:always_python`) and bounds each turn (`rollout.multi_turn.max_turn_tokens`): every trajectory then
+alternates model turns and tool results until its budget ends. The trainer's recomputed log-probs equal the
+engine's on the model's tokens (fp32): the ids trained are the ids sampled, and the mask is where they are.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_torchrun
+from tests.e2e.conftest import tiny_overrides
+
+WORKER = Path(__file__).parent / "workers" / "run_recipes.py"
+pytestmark = pytest.mark.slow
+
+TOOL_KEYS = {"rollout/turns_mean", "rollout/tool_calls_mean", "rollout/tool_call_rate", "rollout/malformed_calls",
+             "rollout/tool_errors", "rollout/tool_timeouts", "rollout/infra_failed_rate", "rollout/model_tokens_mean",
+             "rollout/context_tokens_mean", "timing/tool_s", "rollout/tool_time_share"}
+
+
+def test_grpo_with_the_tool_loop_colocated_runs_two_steps(tiny_models, task_files, tmp_path):
+    overrides = tiny_overrides(tiny_models["qwen2"], task_files, tmp_path / "tools", **{
+        "rollout.max_new_tokens": 48, "data.apply_chat_template": "true", "trainer.micro_batch_tokens": 512,
+        "rollout.tools": "[python,tests.e2e.tools:lookup]", "rollout.multi_turn.parser": "tests.e2e.tools:always_python",
+        "rollout.multi_turn.max_turn_tokens": 6, "rollout.multi_turn.max_turns": 3,
+        "rollout.multi_turn.tool_workers": 1, "reward.fn": "tests.e2e.rewards:length_parity"})
+    result = run_torchrun(WORKER, json.dumps([{"name": "tools", "recipe": "grpo", "overrides": overrides}]),
+                          tmp_path=tmp_path, timeout=600)
+    assert result["tools"]["ok"], result["tools"].get("error")
+    steps = {d["step"]: d for d in map(json.loads, (tmp_path / "tools" / "metrics.jsonl").read_text().splitlines())}
+    for step in (1, 2):
+        m = steps[step]
+        assert TOOL_KEYS <= set(m), sorted(TOOL_KEYS - set(m))
+        assert m["rollout/tool_call_rate"] == 1.0 and m["rollout/tool_calls_mean"] >= 1
+        assert m["rollout/turns_mean"] >= 2 and m["rollout/context_tokens_mean"] > 0
+        assert m["rollout/tool_errors"] == 0 and m["rollout/infra_failed_rate"] == 0
+        assert m["rollout/logprob_diff_max"] < 1e-3, m["rollout/logprob_diff_max"]
+        assert "actor/pg_loss" in m
+    assert "val/rollout/tool_call_rate" in steps[2]
+    assert (tmp_path / "tools" / "checkpoints" / "step_2" / "COMPLETE").exists()
