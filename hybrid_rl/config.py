@@ -167,6 +167,7 @@ class AlgorithmConfig:
 
 @dataclass
 class OptimConfig:
+    name: str = "adamw"  # adamw | adamw8bit (torchao's 8-bit moments); the actor's and the critic's (model/optimizers.py)
     lr: float = 1e-6
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -400,6 +401,10 @@ def validate(cfg: Config) -> None:
         v = get(cfg, key)
         if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
             raise ConfigError(f"{key}={v!r} must be >= 0")
+    from hybrid_rl.model.optimizers import OPTIMIZERS  # the registry is the list of choices
+
+    if cfg.optim.name not in OPTIMIZERS:
+        raise ConfigError(f"optim.name={cfg.optim.name!r} is not allowed; choose one of: {', '.join(OPTIMIZERS)}")
     a = cfg.algorithm
     if not 0 <= a.clip_low < 1 or a.clip_high < 0:
         raise ConfigError(f"algorithm.clip_low={a.clip_low} must be in [0, 1) and clip_high={a.clip_high} >= 0")
