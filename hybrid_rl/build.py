@@ -38,6 +38,8 @@ from hybrid_rl.model.loading import DTYPES, empty_model, enable_activation_check
 from hybrid_rl.model.lora import LoraWeights, apply_lora, is_lora
 from hybrid_rl.model.materialize import materialize
 from hybrid_rl.model.memory_plan import MemoryPlan, plan_sync_reserve
+from hybrid_rl.model.optimizers import build_optimizer
+from hybrid_rl.model.optimizers import build_optimizer
 from hybrid_rl.model.param_count import Head
 from hybrid_rl.planner import detect_device, plan_for, training_records
 from hybrid_rl.rewards import RewardPool, Rubric, RubricItem, resolve_reward
@@ -181,7 +183,7 @@ def _actor(cfg: Config, dims: ParallelDims) -> Model:
     _shard(module, cfg.model.path, cfg, dims)
     o = cfg.optim
     trainable = [p for p in module.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+    opt = build_optimizer(o.name, trainable, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
     return Model(module, opt, _scheduler(opt, cfg, o.warmup_steps))
 
 
@@ -198,7 +200,8 @@ def _critic(cfg: Config, dims: ParallelDims) -> Model:
     module = empty_model(path, "value")
     module.config.use_cache = False
     _shard(module, path, cfg, dims)
-    opt = torch.optim.AdamW(module.parameters(), lr=cfg.critic.lr, betas=tuple(cfg.optim.betas))
+    opt = build_optimizer(cfg.optim.name, module.parameters(), lr=cfg.critic.lr, betas=cfg.optim.betas,
+                          weight_decay=0.01)  # torch AdamW's default, which the critic has always used
     return Model(module, opt, _scheduler(opt, cfg, cfg.critic.warmup_steps))
 
 

@@ -186,6 +186,7 @@ class AlgorithmConfig:
 
 @dataclass
 class OptimConfig:
+    name: str = "adamw"  # adamw | adamw8bit (torchao's 8-bit moments); the actor's and the critic's (model/optimizers.py)
     lr: float = 1e-6
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -431,6 +432,10 @@ def validate(cfg: Config) -> None:
     g = cfg.trainer.max_logprob_diff
     if g is not None and not (isinstance(g, int | float) and math.isfinite(g) and g >= 0):
         raise ConfigError(f"trainer.max_logprob_diff={g!r} must be >= 0 (null or 0: off)")
+    from hybrid_rl.model.optimizers import OPTIMIZERS  # the registry is the list of choices
+
+    if cfg.optim.name not in OPTIMIZERS:
+        raise ConfigError(f"optim.name={cfg.optim.name!r} is not allowed; choose one of: {', '.join(OPTIMIZERS)}")
     a = cfg.algorithm
     if not 0 <= a.clip_low < 1 or a.clip_high < 0:
         raise ConfigError(f"algorithm.clip_low={a.clip_low} must be in [0, 1) and clip_high={a.clip_high} >= 0")

@@ -54,7 +54,7 @@ def plan_for(cfg: Config, world: int, *, device: DeviceSpec | None = None, atten
         reward_model=_spec(cfg.reward.model_path, "score", frozen) if cfg.reward.model_path else None,
         activation_checkpointing=cfg.model.activation_checkpointing,
         attention=_attention(attention, device), entropy=a.objective == "ppo_clip",
-        old_logp_pass=not a.old_logp_from_update,
+        old_logp_pass=not a.old_logp_from_update, optimizer=cfg.optim.name,
     )
     plan = estimate(inputs)
     notes = tuple(_config_notes(cfg, actor, device))

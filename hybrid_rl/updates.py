@@ -135,7 +135,7 @@ def update_actor(actor: Model, batch: TrainBatch, objective: Objective, settings
             finite &= ok
     out = stats.means("actor")
     out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
-    out["actor/lr"] = actor.optimizer.param_groups[0]["lr"]
+    out["actor/lr"] = float(actor.optimizer.param_groups[0]["lr"])  # a tensor in torchao's optimizers
     if batch.paired:
         out["train/pairs_used"] = all_reduce_sum([pairs_used / u.epochs])[0]
     return out, finite, seen

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +67,27 @@ def optimizer_state_to_come(optimizer: torch.optim.Optimizer) -> int:
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The optimizer's state tensors (Adam moments, even of a one-element bias); the 0-dim `step` counters stay put."""
+    """The optimizer's state tensors (Adam moments, even of a one-element bias); the 0-dim `step` counters stay put.
+
+    8-bit moments (`optim.name=adamw8bit`) are tensor subclasses without storage of their own: their codes,
+    scales and code table are what is moved."""
     out = []
     for state in optimizer.state.values():
         for v in state.values():
             if isinstance(v, torch.Tensor) and v.dim() > 0:
-                out.append(v.to_local() if hasattr(v, "to_local") else v)
+                out += plain_tensors(v)
     return out
+
+
+def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold a tensor's bytes: its local shard, or the inner tensors of a tensor subclass
+    (torchao's `OptimState8bit`: codes, scales, code table), found by PyTorch's `__tensor_flatten__` protocol."""
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [inner for name in names for inner in plain_tensors(getattr(t, name))]
 
 
 def param_tensors(module: torch.nn.Module) -> list[torch.Tensor]:

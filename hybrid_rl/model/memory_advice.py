@@ -39,6 +39,7 @@ COST = {
     "rollout.kv_cache_gb": (3, "fewer sequences decoded at once"),
     "rollout.gpu_memory_utilization": (3, "fewer sequences decoded at once"),
     "offload.actor_optim": (3, "moves the AdamW state to {target} and back around every rollout"),
+    "optim.name": (3, "8-bit AdamW moments (torchao): a quarter of the state, a slightly coarser update"),
     "model.activation_checkpointing": (4, "recomputes every block in backward (about a third more update compute)"),
     "offload.actor_params": (5, "moves the policy's shards to {target} and back around every rollout"),
     "rollout.tp": (5, "tensor-parallel decoding: fewer vLLM replicas, an all-reduce per layer"),
@@ -58,6 +59,8 @@ def _candidates(x: PlanInputs) -> Iterator[tuple[str, str, PlanInputs]]:
         if present and not frees_device(getattr(o, name), x.device):
             yield (f"offload.{name}={target}", f"offload.{name}",
                    _with(x, offload=dataclasses.replace(o, **{name: target})))
+    if x.optimizer != "adamw8bit":
+        yield "optim.name=adamw8bit", "optim.name", _with(x, optimizer="adamw8bit")
     r = x.rollout
     if r.enabled and r.release == "keep":
         release = "sleep" if x.device.kind == "cuda" else "restart"

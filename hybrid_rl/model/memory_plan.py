@@ -35,6 +35,7 @@ import re
 from dataclasses import dataclass
 
 from hybrid_rl.model.activations import Attention, forward_activations, train_activations
+from hybrid_rl.model.optimizers import OPTIMIZERS
 from hybrid_rl.model.param_count import ArchDims, Head, ParamShape
 
 GIB = 2**30
@@ -90,7 +91,7 @@ class ShardBytes:
 
     params: int  # stored shards (float32 master weights unless frozen), dim 0 padded to a multiple of the world
     grads: int  # float32, padded like the params (views into FSDP's reduce-scatter output); trainable only
-    optim: int  # AdamW exp_avg + exp_avg_sq of the unpadded local shard + a float32 `step` per trainable tensor
+    optim: int  # the moments of the unpadded local shard (`model/optimizers.py`) + a float32 `step` per trainable tensor
 
 
 def shard_rows(dim0: int, world: int, rank: int) -> tuple[int, int]:
@@ -100,9 +101,11 @@ def shard_rows(dim0: int, world: int, rank: int) -> tuple[int, int]:
 
 
 def shard_bytes(params: tuple[ParamShape, ...] | list[ParamShape], world: int, rank: int = 0, *,
-                param_bytes: int = 4, frozen_bytes: int | None = None) -> ShardBytes:
-    """`frozen_bytes`: storage of the parameters that do not train (a LoRA base); None = `param_bytes`."""
-    stored = trained_padded = trained_local = 0
+                param_bytes: int = 4, frozen_bytes: int | None = None, optimizer: str = "adamw") -> ShardBytes:
+    """`frozen_bytes`: storage of the parameters that do not train (a LoRA base); None = `param_bytes`.
+    `optimizer`: an `optim.name`; its state is counted per trainable tensor (8-bit moments depend on each size)."""
+    state_bytes = OPTIMIZERS[optimizer].state_bytes
+    stored = trained_padded = moments = 0
     for p in params:
         dim0 = p.shape[0] if p.shape else 1
         rest = p.numel // dim0 if dim0 else 0
@@ -110,9 +113,9 @@ def shard_bytes(params: tuple[ParamShape, ...] | list[ParamShape], world: int, r
         stored += pad_rows * rest * (param_bytes if p.trainable or frozen_bytes is None else frozen_bytes)
         if p.trainable:
             trained_padded += pad_rows * rest
-            trained_local += real_rows * rest
+            moments += state_bytes(real_rows * rest)
     steps = sum(p.trainable for p in params)
-    return ShardBytes(params=stored, grads=4 * trained_padded, optim=8 * trained_local + 4 * steps)
+    return ShardBytes(params=stored, grads=4 * trained_padded, optim=moments + 4 * steps)
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,7 @@ class PlanInputs:
     entropy: bool = True  # the PPO-clip objective computes token entropies in the update
     old_logp_pass: bool = True  # False: the update's own forward gives the old log-probs
     load_chunk_bytes: int = 8 * 2**20  # model/materialize.READ_CHUNK_BYTES: the largest single checkpoint read
+    optimizer: str = "adamw"  # optim.name: the actor's and the critic's
 
 
 @dataclass(frozen=True)
@@ -226,7 +230,7 @@ class MemoryPlan:
         """Exact per-rank params / grads / optimizer bytes of one model."""
         spec = getattr(self.inputs, component)
         return shard_bytes(spec.params, self.inputs.world, rank, param_bytes=spec.param_bytes,
-                           frozen_bytes=spec.frozen_param_bytes)
+                           frozen_bytes=spec.frozen_param_bytes, optimizer=self.inputs.optimizer)
 
     def table(self, measured: dict[str, float] | None = None) -> str:
         """The plan as text; `measured` (phase -> peak GiB) adds a row beside the prediction."""
@@ -282,8 +286,8 @@ def _copies(spec: ModelSpec, b: int, *, train: bool) -> int:
 
 def _model_items(name: str, spec: ModelSpec, x: PlanInputs, *, active: str, phase: str) -> list[Item]:
     """The items of model `name` in `phase`; `active` = "" (idle), "pass" or "train"."""
-    s, b = shard_bytes(spec.params, x.world, param_bytes=spec.param_bytes,
-                       frozen_bytes=spec.frozen_param_bytes), x.compute_bytes
+    s, b = shard_bytes(spec.params, x.world, param_bytes=spec.param_bytes, frozen_bytes=spec.frozen_param_bytes,
+                       optimizer=x.optimizer), x.compute_bytes
     out = []
     target = getattr(x.offload, name) if name in OFFLOADABLE else "none"
     idle_off = target if not active and frees_device(target, x.device) else ""
@@ -295,7 +299,7 @@ def _model_items(name: str, spec: ModelSpec, x: PlanInputs, *, active: str, phas
             optim_off = x.offload.actor_optim
         if name == "critic" and not trains and frees_device(target, x.device):
             optim_off = target
-        out.append(Item(name, "AdamW states (2 x fp32)", s.optim, optim_off))
+        out.append(Item(name, OPTIMIZERS[x.optimizer].label, s.optim, optim_off))
         if trains:
             out.append(Item(name, "grads (fp32 shard)", s.grads))
     if active:
