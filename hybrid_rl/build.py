@@ -39,7 +39,6 @@ from hybrid_rl.model.lora import LoraWeights, apply_lora, is_lora
 from hybrid_rl.model.materialize import materialize
 from hybrid_rl.model.memory_plan import MemoryPlan, plan_sync_reserve
 from hybrid_rl.model.optimizers import build_optimizer
-from hybrid_rl.model.optimizers import build_optimizer
 from hybrid_rl.model.param_count import Head
 from hybrid_rl.planner import detect_device, plan_for, training_records
 from hybrid_rl.rewards import RewardPool, Rubric, RubricItem, resolve_reward

@@ -469,6 +469,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"rollout.tools with rollout.mode=colocated needs rollout.tp=1 (got {cfg.rollout.tp}): the TP "
                           "ranks of a vLLM group must send identical requests, and tool results are not yet shared "
                           "between them")
+    _validate_truncation(cfg.rollout)
     util = cfg.rollout.gpu_memory_utilization
     if not (isinstance(util, int | float) and 0 <= util <= 1):
         raise ConfigError(f"rollout.gpu_memory_utilization={util!r} must be in (0, 1], or 0 for auto (the GPU memory "
@@ -566,3 +567,13 @@ def split_command_line(argv: list[str], default: str = "grpo") -> tuple[str, lis
             overrides.append(arg)
         i += 1
     return name, overrides
+
+def _validate_truncation(r: RolloutConfig) -> None:
+    """Top-p / top-k sampling is refused (both modes): vLLM's processed log-probs are renormalised over the kept set,
+    the trainer's are over the whole vocabulary at the temperature, so every ratio between them (PPO's old/new when
+    the old log-probs come from the sampler, the rollout correction's weights) would be biased by the mass cut off."""
+    if r.top_p < 1 or r.top_k > 0:
+        raise ConfigError(f"rollout.top_p={r.top_p}, rollout.top_k={r.top_k}: truncated sampling is not supported. The "
+                          "sampler's log-probs would be renormalised over the top-p/top-k set while the trainer's are "
+                          "over the whole vocabulary, which biases every importance ratio; sample with "
+                          "rollout.top_p=1.0 and rollout.top_k=-1 (shape the distribution with rollout.temperature)")

@@ -75,3 +75,19 @@ def test_torch_compile_is_disabled_on_cpu_only(monkeypatch):
     assert "TORCH_COMPILE_DISABLE" not in os.environ
     set_runtime_defaults(platform="cpu")
     assert os.environ["TORCH_COMPILE_DISABLE"] == "1"
+
+
+@pytest.mark.parametrize("override", [{"top_p": 0.9}, {"top_k": 20}])
+def test_truncated_sampling_is_refused_in_both_modes(override):
+    """vLLM's log-probs under top-p/top-k are renormalised over the kept set, the trainer's are not: refused."""
+    for mode in ("colocated", "sidecar"):
+        cfg = Config()
+        cfg.model.path, cfg.data.train_files, cfg.rollout.mode = "/m", ["/t.jsonl"], mode
+        for k, v in override.items():
+            setattr(cfg.rollout, k, v)
+        with pytest.raises(ConfigError, match="truncated sampling is not supported"):
+            validate(cfg)
+    cfg = Config()
+    cfg.model.path, cfg.data.train_files = "/m", ["/t.jsonl"]
+    cfg.rollout.top_k = 0  # vLLM's "off", as -1
+    validate(cfg)
