@@ -20,7 +20,7 @@ import torch
 from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransferEngineFactory
 
 from hybrid_rl.engine.layout import TPSlice
-from hybrid_rl.engine.vllm_weights import load_inplace, model_params, staged
+from hybrid_rl.engine.vllm_weights import load_inplace, model_params, refresh_tied, staged, tied_modules
 
 BACKEND = "hybrid_rl_inprocess"
 PATHS = ("inplace", "reload")
@@ -45,8 +45,11 @@ class LandingEngine(WeightTransferEngine):
     an update runs inside vLLM's layerwise reload, and no accelerator call is made on a CPU-only torch."""
 
     path: str | None = None
+    ties: list[tuple[str, str]] | None = None  # (alias, owner) modules sharing a weight (a tied lm_head)
 
     def begin_landing(self) -> None:
+        if self.ties is None:  # recorded before any reload could separate the shared parameter
+            self.ties = tied_modules(self.model)
         if self.path == "reload":
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
@@ -63,6 +66,7 @@ class LandingEngine(WeightTransferEngine):
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
             finalize_layerwise_reload(self.model, self.model_config)
+        refresh_tied(self.model, self.ties or [])
 
 
 class InProcessTransfer(LandingEngine):

