@@ -4,13 +4,15 @@ Saving is collective and goes in three agreed phases, each closed by one all-gat
 errors, so a failure on any rank becomes the same `CheckpointError` on all of them (no rank is left
 in a barrier) and nothing is published:
 
-1. rank 0 removes stale `*.tmp` directories and creates `step_<n>.tmp/`;
-2. every rank writes its DCP shards, its `rank<r>.pt` and a `done.rank<r>` marker (rank 0 also `shared.pt`);
-3. rank 0 checks every marker against what it sees on disk, writes the `COMPLETE` manifest and renames
-   `step_<n>.tmp/` to `step_<n>/`; then it prunes to the newest `keep_last`.
+1. each filesystem's leader (rank 0 when all ranks share one; `sites.py`) removes stale `*.tmp` directories and
+   creates `step_<n>.tmp/`;
+2. every rank writes its own DCP folder per component, its `rank<r>.pt` and a `done.rank<r>` marker listing its
+   files with their sizes (each leader also `shared.pt`, rank 0's);
+3. each leader checks the markers of the ranks on its filesystem against what it sees there, writes the
+   `COMPLETE` manifest and renames `step_<n>.tmp/` to `step_<n>/`; then it prunes to the newest `keep_last`.
 
-Loading is decided on rank 0 (which checkpoint, is it intact) and broadcast, so all ranks load the
-same one. See `layout.py` for the directory format.
+Loading is agreed the same way: every rank checks its own copy, and all load the newest checkpoint that every
+rank found intact. See `layout.py` for the directory format.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import json
 import logging
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +30,15 @@ from hybrid_rl.checkpoint.collective import (
     CAUGHT,
     CheckpointError,
     barrier,
-    decide_on_rank0,
+    broadcast_from_rank0,
+    gather_errors,
     is_distributed,
     raise_if_any_failed,
 )
 from hybrid_rl.checkpoint.files import fsync_dir, replace_dir, torch_bytes, torch_read, write_durable
-from hybrid_rl.checkpoint.state import Component, load_component, save_component
+from hybrid_rl.checkpoint.sites import Site, find_site
+from hybrid_rl.checkpoint.state import Component, load_component, rank_dir, save_component
+from hybrid_rl.dist import collectives
 from hybrid_rl.utils.faults import maybe_die
 
 log = logging.getLogger(__name__)
@@ -45,7 +50,8 @@ class Checkpointer:
     """Saves to and resumes from `root`.
 
     Every public method except `latest_complete` is collective: all ranks call it, with the same
-    step and component names. `root` must be one filesystem seen by all ranks.
+    step and component names. `root` is one filesystem seen by all ranks, or one per node (each node's ranks
+    see theirs): the ranks find out at the first save or load.
     """
 
     def __init__(self, root: str | Path, *, keep_last: int, rank: int, world: int):
@@ -56,6 +62,14 @@ class Checkpointer:
         self.keep_last = keep_last
         self.rank = rank
         self.world = world
+        self._site: Site | None = None
+        self._misplaced: list[str] = []  # copies found holding other ranks' files (node-local folders, ranks moved)
+
+    def site(self) -> Site:
+        """Collective at the first call: the ranks that share this rank's checkpoint filesystem."""
+        if self._site is None:
+            self._site = find_site(self.root, rank=self.rank, world=self.world)
+        return self._site
 
     # ---- save ----------------------------------------------------------------------------------
 
@@ -66,9 +80,12 @@ class Checkpointer:
         On failure the partial `.tmp` directory is removed and older checkpoints are untouched.
         """
         _check_names(components)
+        site = self.site()
         final, tmp = layout.step_dir(self.root, step), layout.tmp_dir(self.root, step)
         what = f"saving checkpoint step {step} to"
-        self._agree(self._on_rank0(self._prepare, tmp), what, tmp)
+        self._agree(self._on_leader(self._prepare, tmp), what, tmp)
+        if not site.shared:  # every filesystem gets rank 0's shared state (the same on all ranks, by contract)
+            shared_state = broadcast_from_rank0(shared_state, world=self.world)
         error = None
         try:
             self._write(tmp, components, rank_state, shared_state)
@@ -76,10 +93,10 @@ class Checkpointer:
             error = e
         maybe_die("checkpoint_write", step)  # fault-injection tests only (HYBRID_RL_FAULT)
         self._agree(error, what, tmp)
-        self._agree(self._on_rank0(self._commit, step, tmp, final, components), what, tmp)
-        if self.rank == 0:
+        self._agree(self._on_leader(self._commit, step, tmp, final, components), what, tmp)
+        if self.rank == site.leader:
             self._prune()
-            log.info("saved checkpoint %s", final)
+            log.info("saved checkpoint %s%s", final, "" if site.shared else f" (ranks {list(site.ranks)})")
         barrier(self.world)  # nobody moves on (or exits) before the checkpoint is published
         return final
 
@@ -92,41 +109,46 @@ class Checkpointer:
 
     def _write(self, tmp: Path, components: dict[str, Component], rank_state: dict[str, Any],
                shared_state: dict[str, Any]) -> None:
-        """This rank's part: DCP shards (collective), then its own files, then its done marker."""
+        """This rank's part: its DCP folder per component, then its own files, then its done marker."""
+        leader = self.rank == self.site().leader
         for name, (model, optimizer) in components.items():
-            save_component(tmp / name, model, optimizer, single=not is_distributed(self.world))
+            save_component(tmp / name, model, optimizer, rank=self.rank)
         write_durable(tmp / layout.rank_file(self.rank), torch_bytes(rank_state))
-        if self.rank == 0:
+        if leader:
             write_durable(tmp / layout.SHARED, torch_bytes(shared_state))
-        # The marker lists this rank's files as it wrote them; rank 0 checks it sees the same sizes
+        # The marker lists this rank's files as it wrote them; the leader checks it sees the same sizes
         # (on a network filesystem a file can lag behind for other clients).
-        mine = [layout.rank_file(self.rank)] + [f"{n}/{f.name}" for n in components
-                                                 for f in (tmp / n).glob(f"__{self.rank}_*")]
-        if self.rank == 0:
-            mine += [layout.SHARED] + [f"{n}/.metadata" for n in components]
+        mine = [layout.rank_file(self.rank)] + [f"{n}/{f.relative_to(tmp / n).as_posix()}" for n in components
+                                                 for f in sorted(rank_dir(tmp / n, self.rank).rglob("*"))
+                                                 if f.is_file()]
+        if leader:
+            mine.append(layout.SHARED)
         sizes = {rel: (tmp / rel).stat().st_size for rel in mine}
         write_durable(tmp / layout.done_marker(self.rank), json.dumps(sizes).encode())
 
     def _commit(self, step: int, tmp: Path, final: Path, components: dict[str, Component]) -> None:
+        """On each filesystem's leader: every rank of that filesystem finished, and what they wrote is all there."""
         files = layout.scan_files(tmp)
-        for r in range(self.world):
+        ranks = self.site().ranks
+        for r in ranks:
             marker = tmp / layout.done_marker(r)
             if not marker.is_file():
                 raise CheckpointError(f"rank {r} left no {marker.name} marker")
             for rel, size in json.loads(marker.read_text()).items():
                 if files.get(rel) != size:
-                    raise CheckpointError(f"rank {r} wrote {rel} with {size} bytes; rank 0 sees {files.get(rel)}")
-        manifest = layout.Manifest(step=step, world=self.world, files=files,
+                    raise CheckpointError(f"rank {r} wrote {rel} with {size} bytes; rank {self.rank} sees "
+                                          f"{files.get(rel)}")
+        manifest = layout.Manifest(step=step, world=self.world, files=files, ranks=ranks,
                                    components={n: opt is not None for n, (_, opt) in components.items()})
         write_durable(tmp / layout.COMPLETE, manifest.to_json().encode())
         fsync_dir(tmp)
         replace_dir(tmp, final)
 
     def _prune(self) -> None:
-        """Delete complete checkpoints older than the newest `keep_last` (rank 0, after a commit).
+        """Delete complete checkpoints older than the newest `keep_last` (each filesystem's leader, after a commit).
 
         Never raises: the new checkpoint is committed, and a leftover old one only costs disk (while
-        raising here, on rank 0 alone, would leave the other ranks waiting in the final barrier).
+        raising here, on one rank alone, would leave the other ranks waiting in the final barrier).
         """
         try:
             complete = [p for p in layout.candidates(self.root) if layout.problem(p) is None]
@@ -141,13 +163,14 @@ class Checkpointer:
         try:
             raise_if_any_failed(error, rank=self.rank, world=self.world, what=what, path=tmp)
         except CheckpointError:
-            if self.rank == 0:
+            if self.rank == self.site().leader:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
 
-    def _on_rank0(self, fn: Callable[..., None], *args: Any) -> BaseException | None:
-        """Run `fn` on rank 0 only; return its exception instead of raising (the ranks agree on it next)."""
-        if self.rank != 0:
+    def _on_leader(self, fn: Callable[..., None], *args: Any) -> BaseException | None:
+        """Run `fn` on this filesystem's leader only; return its exception instead of raising (the ranks agree on
+        it next)."""
+        if self.rank != self.site().leader:
             return None
         try:
             fn(*args)
@@ -162,27 +185,56 @@ class Checkpointer:
         return self._newest_valid(skipped=set())
 
     def _newest_valid(self, skipped: set[Path]) -> Path | None:
+        for path in self._valid(skipped):
+            return path
+        return None
+
+    def _valid(self, skipped: set[Path]) -> Iterator[Path]:
+        """This rank's intact checkpoints, newest first (each found damaged is logged once and skipped)."""
         for path in layout.candidates(self.root):
             if path in skipped:
                 continue
-            if (reason := layout.problem(path)) is None:
-                return path
-            log.warning("skipping checkpoint %s: %s", path, reason)
+            if (reason := layout.problem(path, self.rank)) is None:
+                yield path
+                continue
+            if reason.startswith(layout.OTHER_RANKS):
+                self._misplaced.append(f"rank {self.rank}: {path}: {reason}")
+            if self.rank == (self._site.leader if self._site else 0):  # said once per filesystem
+                log.warning("skipping checkpoint %s: %s", path, reason)
             skipped.add(path)
-        return None
+
+    def _agreed_newest(self, skipped: set[Path]) -> Path | None:
+        """Collective: the newest step that every rank found intact in its own copy (its path under this rank's
+        root), or None. On one filesystem every rank sees the same copies; on node-local disks a save that
+        committed on one node but not another is skipped."""
+        self._misplaced = []
+        steps = [int(p.name.split("_")[1]) for p in self._valid(skipped)]
+        views = [(steps, self._misplaced)]
+        if is_distributed(self.world):
+            views = collectives.all_gather_object(views[0])
+        misplaced = [m for _, ms in views for m in ms]
+        if misplaced:  # resuming from nothing would silently throw the run away
+            raise CheckpointError(
+                f"a rank runs on a node whose checkpoints hold other ranks' files ({'; '.join(misplaced[:4])}). "
+                "With node-local checkpoint folders every node must keep its ranks across restarts: torchrun's c10d "
+                "rendezvous numbers nodes in the order of their addresses (--local-addr, else the host name), so "
+                "relaunch on the same hosts (or use one filesystem that every node mounts)")
+        common = set.intersection(*(set(s) for s, _ in views))
+        return layout.step_dir(self.root, max(common)) if common else None
 
     def load(self, path: str | Path, *, components: dict[str, Component]) -> tuple[dict[str, Any], dict[str, Any]]:
         """Collective: restore `components` in place from `path`; returns (rank_state, shared_state)."""
+        self.site()
         _, rank_state, shared_state = self._load(Path(path), components)
         return rank_state, shared_state
 
     def resume_auto(self, components: dict[str, Component]) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
         """Collective: restore the newest loadable checkpoint -> (step, rank_state, shared_state), or None
         when there is none. Partial or damaged checkpoints are skipped with a warning, newest first."""
+        self.site()
         skipped: set[Path] = set()
         failures = []
-        while (path := decide_on_rank0(lambda: self._newest_valid(skipped), rank=self.rank, world=self.world,
-                                       what=f"looking for checkpoints in {self.root}")) is not None:
+        while (path := self._agreed_newest(skipped)) is not None:
             try:
                 manifest, rank_state, shared_state = self._load(path, components)
             except CheckpointError as e:
@@ -201,15 +253,16 @@ class Checkpointer:
         return None
 
     def _load(self, path: Path, components: dict[str, Component]) -> tuple[layout.Manifest, Any, Any]:
-        reason, manifest = decide_on_rank0(lambda: _inspect(path), rank=self.rank, world=self.world,
-                                           what=f"checking checkpoint {path}")
-        if reason is not None:
-            raise CheckpointError(f"cannot load checkpoint {path}: {reason}")
+        # Every rank checks its own copy; all agree (one rank's damaged copy stops them all, with its reason).
+        reason, manifest = _inspect(path, self.rank)
+        errors = gather_errors(None if reason is None else f"rank {self.rank}: {reason}", world=self.world)
+        if errors:
+            raise CheckpointError(f"cannot load checkpoint {path}: {'; '.join(dict.fromkeys(errors.values()))}")
         _check_compatible(manifest, components, path, world=self.world)
         error = rank_state = shared_state = None
         try:
             for name, (model, optimizer) in components.items():
-                load_component(path / name, model, optimizer, single=not is_distributed(self.world))
+                load_component(path / name, model, optimizer, rank=self.rank)
             rank_state = torch_read(path / layout.rank_file(self.rank))
             shared_state = torch_read(path / layout.SHARED)
         except CAUGHT as e:
@@ -218,9 +271,9 @@ class Checkpointer:
         return manifest, rank_state, shared_state
 
 
-def _inspect(path: Path) -> tuple[str | None, layout.Manifest | None]:
-    """(why not to load `path`, or None; its manifest when it is fine)."""
-    reason = layout.problem(path)
+def _inspect(path: Path, rank: int) -> tuple[str | None, layout.Manifest | None]:
+    """(why `rank` must not load `path`, or None; its manifest when it is fine)."""
+    reason = layout.problem(path, rank)
     return reason, None if reason else layout.read_manifest(path)
 
 

@@ -1,8 +1,12 @@
-"""One component (a model and its optimizer) to and from a DCP directory, sharded: no rank gathers anything.
+"""One component (a model and its optimizer) to and from DCP files, sharded: no rank gathers anything.
 
-`get_state_dict` returns the FSDP2 parameters and optimizer moments as DTensors; DCP writes each
-rank's local shards to its own file and records the global layout in `.metadata`, so a checkpoint
-can also be read back by a different number of ranks (the per-rank state cannot; see Checkpointer).
+`get_state_dict` returns the FSDP2 parameters and optimizer moments as DTensors; each rank writes its own local
+shards, and the metadata that describes them, to a folder of its own (`<component>/rank<r>/`, DCP without a
+process group). A rank's folder is complete by itself: it never needs a file that another rank wrote, so a run
+whose nodes each keep their checkpoints on a local disk can resume (a global DCP checkpoint keeps one
+`.metadata`, on the coordinator's disk, and stores each replicated tensor once, in some rank's file). A
+checkpoint is therefore read back by the same number of ranks, which the per-rank state (RNG, data position)
+requires anyway (see Checkpointer).
 """
 
 from __future__ import annotations
@@ -38,20 +42,23 @@ def component_state(model: nn.Module, optimizer: Optimizer | None) -> dict[str, 
     return {"model": model_sd, "optimizer": optim_sd}
 
 
-def save_component(directory: Path, model: nn.Module, optimizer: Optimizer | None, *, single: bool) -> None:
-    """Collective (unless `single`, a world of one): every rank writes its shards under `directory`.
-
-    DCP itself gathers every rank's write errors and raises the same exception on all of them.
-    """
-    with _expected_single_process(single):
-        dcp.save(component_state(model, optimizer), checkpoint_id=directory, no_dist=single)
+def rank_dir(directory: Path, rank: int) -> Path:
+    """Where rank `rank` keeps its part of a component."""
+    return directory / f"rank{rank}"
 
 
-def load_component(directory: Path, model: nn.Module, optimizer: Optimizer | None, *, single: bool) -> None:
-    """Collective (unless `single`): read `directory` into the model (and optimizer) in place, strictly."""
+def save_component(directory: Path, model: nn.Module, optimizer: Optimizer | None, *, rank: int) -> None:
+    """This rank's shards of the component under `directory/rank<r>/`. Local: no collective (the Checkpointer
+    agrees on every rank's errors afterwards)."""
+    with _no_process_group():
+        dcp.save(component_state(model, optimizer), checkpoint_id=rank_dir(directory, rank), no_dist=True)
+
+
+def load_component(directory: Path, model: nn.Module, optimizer: Optimizer | None, *, rank: int) -> None:
+    """Read this rank's shards from `directory/rank<r>/` into the model (and optimizer) in place, strictly."""
     state = component_state(model, optimizer)
-    with _expected_single_process(single):
-        dcp.load(state, checkpoint_id=directory, no_dist=single)
+    with _no_process_group():
+        dcp.load(state, checkpoint_id=rank_dir(directory, rank), no_dist=True)
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
@@ -59,9 +66,9 @@ def load_component(directory: Path, model: nn.Module, optimizer: Optimizer | Non
 
 
 @contextmanager
-def _expected_single_process(single: bool) -> Iterator[None]:
-    """DCP warns on every call without a process group; for a world of one that is the intent."""
+def _no_process_group() -> Iterator[None]:
+    """DCP warns at every call made without its process group; each rank's own folder is the intent here."""
     with warnings.catch_warnings():
-        if single:
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        warnings.filterwarnings("ignore", message=".*no_dist.*", category=UserWarning)
         yield

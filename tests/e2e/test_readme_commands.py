@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from hybrid_rl.dist.mesh import free_port
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -62,8 +63,28 @@ def readme_commands(text: str | None = None) -> list[str]:
     return out
 
 
+def split_env(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """`A=1 B=2 cmd args` -> ({A: 1, B: 2}, [cmd, args])."""
+    env = {}
+    while argv and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", argv[0]):
+        k, v = argv[0].split("=", 1)
+        env[k], argv = v, argv[1:]
+    return env, argv
+
+
+def flag(argv: list[str], name: str) -> str | None:
+    """The value of torchrun's `--name=value` (or `--name value`)."""
+    for i, a in enumerate(argv):
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+        if a == name:
+            return argv[i + 1]
+    return None
+
+
 def program(argv: list[str]) -> str:
     """What a command runs: 'make demo', 'hf download', 'torchrun hybrid_rl.train', 'python hybrid_rl.plan', ..."""
+    argv = split_env(argv)[1]
     exe = Path(argv[0]).name
     if exe == "make":
         return f"make {argv[1]}"
@@ -122,6 +143,12 @@ def write_gsm8k(folder: Path, rows: int) -> Path:
     return folder
 
 
+def failure(text: str) -> str:
+    """The ranks' own error lines (the first ones say what went wrong), then the output's end."""
+    errors = [x for x in text.splitlines() if re.search(r"Error|error:|Traceback", x) and "errors.html" not in x]
+    return "\n".join(errors[:20] + ["..."] + text.splitlines()[-40:])
+
+
 def run(argv: list[str], cwd: Path, timeout: int, env: dict | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
@@ -148,7 +175,7 @@ class User:
         self.trained: list[Path] = []
 
     def __call__(self, line: str) -> str:
-        argv = shlex.split(line)
+        env, argv = split_env(shlex.split(line))
         what = program(argv)
         if what in COVERED_ELSEWHERE or argv[0] in COVERED_ELSEWHERE:
             return f"covered elsewhere: {COVERED_ELSEWHERE.get(what) or COVERED_ELSEWHERE[argv[0]]}"
@@ -156,6 +183,8 @@ class User:
                    "python hybrid_rl.plan": self.plan, "torchrun hybrid_rl.train": self.train,
                    "python hybrid_rl.pod": self.check_config}.get(what)
         assert handler is not None, f"the README shows a command this test does not know: {line}"
+        if flag(argv, "--nnodes"):
+            return self.nodes(env, argv)
         return handler(argv)
 
     def hf_download(self, argv: list[str]) -> str:
@@ -197,6 +226,52 @@ class User:
         assert r.returncode in (0, 1), f"the README's command has a bad key or value:\n{r.stdout}{r.stderr}"
         return "config accepted"
 
+    def nodes(self, env: dict[str, str], argv: list[str]) -> str:
+        """A multi-node command as 2 "nodes" of 1 rank on this machine: c10d rendezvous on loopback, each node its
+        own output folder (node-local disks) and address; trained, then launched again to resume."""
+        assert env.get("GLOO_SOCKET_IFNAME"), "the multi-node command should show GLOO_SOCKET_IFNAME"
+        env = {k: "lo" if k.endswith("_SOCKET_IFNAME") else v for k, v in env.items()}
+        m = argv.index("-m")
+        keep = [a for a in argv[1:m] if not a.startswith(("--nnodes", "--nproc_per_node", "--rdzv-endpoint",
+                                                          "--rdzv-id", "--local-addr"))]
+        assert flag(argv, "--rdzv-backend") == "c10d" and flag(argv, "--rdzv-endpoint"), argv
+        out = self.cwd / "nodes"
+        logs = []
+        for total in (2, 3):
+            port = free_port()
+            procs = []
+            for node in (0, 1):
+                # One rank per "node": vLLM's TP groups stay inside a node, as the README asks.
+                values = {**REPLACE, "trainer.total_steps": str(total), "model.path": self.tiny_model,
+                          "rollout.tp": "1", "trainer.output_dir": str(out / f"node{node}")}
+                cmd = [sys.executable, "-m", "torch.distributed.run", *keep, "--nnodes=2", "--nproc_per_node=1",
+                       f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=readme-{total}",
+                       f"--local-addr=127.0.0.{node + 1}",  # the nodes' order (and so their ranks) stays put
+                       f"--rdzv-conf=is_host={int(node == 0)}", *with_overrides(argv[m:], values), *SMALL]
+                env_all = dict(os.environ, PYTHONUNBUFFERED="1", **env)
+                env_all["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env_all.get("PYTHONPATH")]))
+                procs.append(subprocess.Popen(cmd, cwd=self.cwd, env=env_all, stdout=subprocess.PIPE,
+                                              stderr=subprocess.STDOUT, text=True))
+            try:
+                outs = [p.communicate(timeout=900)[0] for p in procs]
+            finally:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait()
+            for node, (p, text) in enumerate(zip(procs, outs, strict=True)):
+                assert p.returncode == 0, f"node {node} of the multi-node command failed ({total} steps):\n{failure(text)}"
+            logs.append(outs)
+        for node in (0, 1):
+            ckpt = out / f"node{node}" / "checkpoints"
+            manifest = json.loads((ckpt / "step_3/COMPLETE").read_text())
+            assert manifest["ranks"] == [node] and manifest["world"] == 2, manifest
+            assert (ckpt / f"step_3/rank{node}.pt").is_file() and not (ckpt / f"step_3/rank{1 - node}.pt").exists()
+        assert "resumed from the checkpoint of step 2" in logs[1][0], logs[1][0][-3000:]
+        steps = [json.loads(x)["step"] for x in (out / "node0/metrics.jsonl").read_text().splitlines()]
+        assert steps[-1] == 3 and steps.count(3) == 1, steps
+        return "2 nodes trained 2 steps, then resumed from their node-local checkpoints and trained step 3"
+
     def train(self, argv: list[str]) -> str:
         nproc = int(next(a.split("=")[1] for a in argv if a.startswith("--nproc_per_node=")))
         if override(argv, "rollout.mode") == "sidecar":
@@ -208,8 +283,7 @@ class User:
         values = {**REPLACE, "model.path": self.tiny_model, "trainer.output_dir": str(out)}
         cmd = with_overrides(cmd, values) + SMALL
         r = run(executable(cmd), self.cwd, 900)
-        tail = "\n".join((r.stdout + r.stderr).splitlines()[-60:])
-        assert r.returncode == 0, f"the README's training command failed:\n{shlex.join(cmd)}\n{tail}"
+        assert r.returncode == 0, f"the README's training command failed:\n{shlex.join(cmd)}\n{failure(r.stdout + r.stderr)}"
         metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         if override(argv, "data.val_files"):
             assert any("val/reward_mean" in m for m in metrics), "no validation ran"
@@ -224,8 +298,9 @@ def test_every_readme_command_is_known():
     known = {"hf download", "python hybrid_rl.data.gsm8k", "python hybrid_rl.plan", "torchrun hybrid_rl.train",
              "python hybrid_rl.pod", *COVERED_ELSEWHERE}
     for c in commands:
-        argv = shlex.split(c)
+        argv = split_env(shlex.split(c))[1]
         assert program(argv) in known or argv[0] in known, f"README command with no test: {c}"
+    assert any("--nnodes" in c for c in commands), "the README shows no multi-node command"
     assert not any("huggingface-cli" in c for c in commands), "the lock ships `hf`, not huggingface-cli"
 
 

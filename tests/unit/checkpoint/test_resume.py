@@ -85,11 +85,11 @@ def _damaged_checkpoints(rank: int, world: int, rec: dict, model, opt, root: Pat
         if step == 10:
             intact = snapshot(model, opt)
     if rank == 0:
-        metadata = root / "step_11/policy/.metadata"  # same size, garbled bytes: only loading can tell
+        metadata = root / "step_11/policy/rank0/.metadata"  # same size, garbled bytes: only loading can tell
         metadata.write_bytes(b"\0" * metadata.stat().st_size)
         (root / "step_12/rank1.pt").unlink()
         (root / "step_13/COMPLETE").unlink()
-        shard = root / "step_14/policy/__1_0.distcp"
+        shard = root / "step_14/policy/rank1/__0_0.distcp"
         os.truncate(shard, shard.stat().st_size // 2)
         (root / "step_15.tmp/policy").mkdir(parents=True)  # a save that crashed half-way
     dist.barrier()
