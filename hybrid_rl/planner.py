@@ -99,8 +99,9 @@ def detect_device(kind: str = "auto", *, gib: float | None = None, local_ranks: 
     if kind == "cuda":
         if not cuda:
             raise ConfigError("--device cuda on a machine without CUDA: also give its size, e.g. --device-gib 80")
-        props = torch.cuda.get_device_properties(0)
-        return DeviceSpec("cuda", props.total_memory, props.name)
+        # The total vLLM's share is a fraction of (its start-up reads mem_get_info): an "80 GB" H100 is ~79.6 GiB.
+        _, total = torch.cuda.mem_get_info(0)
+        return DeviceSpec("cuda", total, torch.cuda.get_device_properties(0).name)
     available = memory.available_bytes()
     return DeviceSpec("cpu", available // local_ranks,
                       f"host memory available now ({available / GIB:.1f} GiB) / {local_ranks} local rank(s)")

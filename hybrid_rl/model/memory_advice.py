@@ -19,6 +19,7 @@ from hybrid_rl.model.memory_plan import (
     PlanInputs,
     estimate,
     frees_device,
+    host_offload_bytes,
     kv_cache_bytes,
     plan_sync_reserve,
     vllm_utilization,
@@ -40,7 +41,9 @@ COST = {
     "rollout.gpu_memory_utilization": (3, "fewer sequences decoded at once"),
     "offload.actor_optim": (3, "moves the AdamW state to {target} and back around every rollout"),
     "optim.name": (3, "8-bit AdamW moments (torchao): a quarter of the state, a slightly coarser update"),
-    "model.activation_checkpointing": (4, "recomputes every block in backward (about a third more update compute)"),
+    # First: recomputing blocks costs about a third more *update* compute, a small share of an RL step that
+    # rollout dominates, and moves nothing over PCIe.
+    "model.activation_checkpointing": (0, "recomputes every block in backward (about a third more update compute)"),
     "offload.actor_params": (5, "moves the policy's shards to {target} and back around every rollout"),
     "rollout.tp": (5, "tensor-parallel decoding: fewer vLLM replicas, an all-reduce per layer"),
     "rollout.release": (6, "releases vLLM in every train phase ({release}; restart rebuilds it at every step)"),
@@ -110,7 +113,7 @@ def fixes_for(plan: MemoryPlan) -> list[Fix]:
     lowers the peak most is applied and the search goes on. Each `Fix` says what its change saved on top of
     the ones before it; the same knob changed twice is one line.
     """
-    x, device = plan.inputs, plan.device_bytes
+    x, device = plan.inputs, plan.usable_bytes
     peak, applied = _peak(x), []
     for _ in range(MAX_FIXES):
         if peak <= device:
@@ -153,6 +156,11 @@ def notes_for(plan: MemoryPlan, first_rollout: Phase | None) -> Iterator[str]:
     for name in ("actor_params", "actor_grads", "actor_optim", *OFFLOADABLE):
         if getattr(x.offload, name) == "cpu" and x.device.kind == "cpu":
             yield f"offload.{name}=cpu frees nothing on a CPU-only device (use disk)"
+    host = host_offload_bytes(x)
+    if host:
+        parts = ", ".join(f"{k} {fmt(v)}" for k, v in host.items())
+        yield (f"host memory per rank: {fmt(sum(host.values()))} of pinned offload buffers ({parts}), held for the "
+               "run; a node needs that times its local ranks beyond the processes themselves")
     if x.offload.actor_grads != "none":
         yield ("offload.actor_grads has nothing to move: gradients are freed after every optimizer step "
                "(zero_grad(set_to_none=True)) and do not exist in rollout")
@@ -182,7 +190,7 @@ def _kv_note(x: PlanInputs) -> Iterator[str]:
     if r.kv_cache_bytes is None and r.gpu_memory_utilization is None:
         yield (f"rollout.gpu_memory_utilization=auto: {vllm_utilization(x):.2f} of the device, the memory the trainer "
                f"leaves free at the first sync (AdamW's state counted: it is resident at every later rollout) less "
-               f"{fmt(plan_sync_reserve(x))} for the sync; at run time the same rule is applied to the memory "
+               f"{fmt(plan_sync_reserve(x))} for the sync and the safety margin; at run time the same rule is applied to the memory "
                "measured when vLLM starts, less AdamW's state still to come")
     line = f"KV cache {fmt(kv_cache_bytes(x))} holds {capacity} tokens per TP group"
     if r.max_model_len and capacity < r.max_model_len:
@@ -193,8 +201,9 @@ def _kv_note(x: PlanInputs) -> Iterator[str]:
 def unlisted(kind: str) -> str:
     """What the plan leaves out, so a measured peak above it is not a surprise."""
     if kind == "cuda":
-        return ("not counted: allocator fragmentation; the CUDA context and NCCL buffers are a typical figure "
-                "(not measured: no GPU was lent to this project)")
+        return ("CUDA context, NCCL communicators, what vLLM keeps asleep and fragmentation are typical figures "
+                "(not measured: no GPU was lent to this project), hence the safety margin; check them against a "
+                "run's first-step table (measured peak row) and vLLM's log (CUDA graph pool)")
     return ("measured on CPU as each rank's peak RSS; not counted: small allocations glibc keeps after frees "
             "(hybrid_rl sets malloc to return every freed buffer of 1 MiB or more at once)")
 

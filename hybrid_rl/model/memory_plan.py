@@ -50,7 +50,22 @@ CPU_VLLM_IMPORT_BYTES = int(0.18 * GIB)
 CPU_VLLM_RUNTIME_BYTES = int(0.22 * GIB)
 CPU_VLLM_RUNTIME_PER_VOCAB = int(0.49 * GIB / 151936)
 CPU_VLLM_RUNTIME_PER_WEIGHT_BYTE = 0.046
-CUDA_CONTEXT_BYTES = int(0.5 * GIB)  # CUDA context + NCCL buffers per GPU: typical, not measured here
+# CUDA figures no CPU can measure (no GPU was lent to this project): typical values, stated so a user can check
+# them against a run's own log (vLLM logs its graph pool; `nvidia-smi` shows the context) and adjust the margin.
+CUDA_CONTEXT_BYTES = int(0.6 * GIB)  # CUDA context + torch's and NCCL's kernels (CUDA 12 lazy loading), per GPU
+# One NCCL communicator on an NVLink node: NCCL_BUFFSIZE (4 MiB) x send/recv x up to 32 channels, plus its
+# proxy and work FIFOs. A rank joins: the trainer's world group (FSDP's collectives) and its point-to-point
+# channels (the resharder's all-to-all); with rollout.tp > 1 vLLM's TP group twice (its PyNccl communicator and
+# torch's group), plus vLLM's custom all-reduce IPC buffers.
+NCCL_COMMUNICATOR_BYTES = int(0.3 * GIB)
+VLLM_CUSTOM_ALLREDUCE_BYTES = 64 * 2**20
+# What vLLM keeps on the GPU while asleep (sleep mode frees only its weights and KV cache): the CUDA-graph pool
+# (vLLM logs "CUDA graph pool memory: N GiB (actual)" at start; typically 0.3-1 GiB for 7B-32B decoders with its
+# default capture sizes) and the model runner's persistent input buffers.
+VLLM_GRAPH_POOL_BYTES = int(0.75 * GIB)
+VLLM_MAX_BATCHED_TOKENS = 8192  # vLLM's default token budget per scheduler step: sizes its persistent buffers
+FRAGMENTATION = 0.05  # torch's caching allocator: share of the trainer's allocations lost to fragmentation
+SAFETY_MARGIN = 0.05  # of a GPU: kept free beyond every counted item (a plan with less than this does not fit)
 MAX_AUTO_UTILIZATION = 0.9  # the most of a GPU `rollout.gpu_memory_utilization=auto` gives vLLM
 VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this before splitting it over TP ranks
 OFFLOADABLE = ("reference", "critic", "reward_model")  # offloaded after their pass / update (`offload.<name>`)
@@ -220,8 +235,17 @@ class MemoryPlan:
         return max(self.phases, key=lambda p: p.total)
 
     @property
+    def margin_bytes(self) -> int:
+        """Kept free beyond every counted item: `SAFETY_MARGIN` of a GPU (none on CPU, measured as RSS)."""
+        return safety_margin_bytes(self.inputs.device)
+
+    @property
+    def usable_bytes(self) -> int:
+        return self.device_bytes - self.margin_bytes
+
+    @property
     def fits(self) -> bool:
-        return self.peak.total <= self.device_bytes
+        return self.peak.total <= self.usable_bytes
 
     def phase(self, name: str) -> Phase:
         return next(p for p in self.phases if p.name == name)
@@ -246,6 +270,10 @@ class MemoryPlan:
 
 # ---------------------------------------------------------------------------------------------
 # Estimation
+
+
+def safety_margin_bytes(device: DeviceSpec) -> int:
+    return int(SAFETY_MARGIN * device.total_bytes) if device.kind == "cuda" else 0
 
 
 def frees_device(target: str, device: DeviceSpec) -> bool:
@@ -361,8 +389,9 @@ def sync_reserve_bytes(bucket_bytes: int, largest_module_bytes: int = 0) -> int:
 
 
 def plan_sync_reserve(x: PlanInputs) -> int:
-    """`sync_reserve_bytes` of a run: what both the planner and the engine (`build.py`) keep for the sync."""
-    return sync_reserve_bytes(x.rollout.bucket_bytes, largest_module_bytes(x))
+    """What the auto share keeps outside vLLM, in the planner and in the engine (`build.py` passes it): the
+    sync's reserve (`sync_reserve_bytes`) and the safety margin every GPU plan keeps free."""
+    return sync_reserve_bytes(x.rollout.bucket_bytes, largest_module_bytes(x)) + safety_margin_bytes(x.device)
 
 
 def auto_gpu_memory_utilization(free_bytes: int, total_bytes: int, reserve_bytes: int) -> float:
@@ -387,11 +416,22 @@ def vllm_utilization(x: PlanInputs) -> float:
     return max(0.0, auto_gpu_memory_utilization(total - held, total, plan_sync_reserve(x)))
 
 
+def vllm_kept_asleep_bytes(x: PlanInputs) -> int:
+    """What vLLM keeps on the GPU through sleep mode (CUDA): its CUDA-graph pool (unless eager) and the model
+    runner's persistent buffers (token ids, positions, hidden-size staging for `VLLM_MAX_BATCHED_TOKENS`)."""
+    r = x.rollout
+    runner = VLLM_MAX_BATCHED_TOKENS * (4 * x.actor.dims.hidden_size * r.dtype_bytes + 64)
+    return VLLM_GRAPH_POOL_BYTES + runner
+
+
 def kv_cache_bytes(x: PlanInputs) -> int:
+    """vLLM's KV cache: the configured size, or (CUDA) its share less its weights and what it keeps asleep."""
     r = x.rollout
     if r.kv_cache_bytes is not None:
         return r.kv_cache_bytes
-    return max(0, int(vllm_utilization(x) * x.device.total_bytes) - vllm_weight_bytes(x.actor, r.tp, r.dtype_bytes))
+    kept = vllm_kept_asleep_bytes(x) if x.device.kind == "cuda" else 0
+    return max(0, int(vllm_utilization(x) * x.device.total_bytes) - vllm_weight_bytes(x.actor, r.tp, r.dtype_bytes)
+               - kept)
 
 
 def _vllm_items(x: PlanInputs, phase: str) -> list[Item]:
@@ -403,6 +443,9 @@ def _vllm_items(x: PlanInputs, phase: str) -> list[Item]:
     weights = vllm_weight_bytes(x.actor, r.tp, r.dtype_bytes)
     items = [Item("vllm", f"weights ({_dtype(r.dtype_bytes)}, 1/{r.tp} TP)", weights, released),
              Item("vllm", "KV cache", kv_cache_bytes(x), kv_off)]
+    if x.device.kind == "cuda" and r.release != "restart":
+        # Inside vLLM's share while it is awake; what stays on the GPU while it sleeps.
+        items.append(Item("vllm", "kept asleep: CUDA graphs, runner buffers", vllm_kept_asleep_bytes(x)))
     if x.device.kind == "cpu":  # on CUDA vLLM's workspace is inside its share (gpu_memory_utilization)
         runtime = (CPU_VLLM_RUNTIME_BYTES + CPU_VLLM_RUNTIME_PER_VOCAB * x.actor.dims.vocab_size
                    + int(CPU_VLLM_RUNTIME_PER_WEIGHT_BYTE * weights))
@@ -456,10 +499,50 @@ def _process_items(x: PlanInputs, phase: str) -> list[Item]:
     """The rank's process itself: on CPU its host memory before any model (and vLLM's import once started),
     on CUDA the context and NCCL buffers."""
     if x.device.kind == "cuda":
-        return [Item("process", "CUDA context + NCCL buffers (typical)", CUDA_CONTEXT_BYTES)]
+        return [Item("process", "CUDA context and kernels (typical)", CUDA_CONTEXT_BYTES),
+                Item("process", f"NCCL: {nccl_communicators(x)} communicators (typical)", nccl_bytes(x))]
     vllm = x.rollout.enabled and phase != "startup"
     what = "python, torch, transformers" + (", vllm" if vllm else "")
     return [Item("process", what, CPU_PROCESS_BYTES + (CPU_VLLM_IMPORT_BYTES if vllm else 0))]
+
+
+def nccl_communicators(x: PlanInputs) -> int:
+    """NCCL communicators a rank holds (see `NCCL_COMMUNICATOR_BYTES`): none in a world of one."""
+    trainer = 2 if x.world > 1 else 0
+    return trainer + (2 if x.rollout.enabled and x.rollout.tp > 1 else 0)
+
+
+def nccl_bytes(x: PlanInputs) -> int:
+    custom = VLLM_CUSTOM_ALLREDUCE_BYTES if x.rollout.enabled and x.rollout.tp > 1 else 0
+    return nccl_communicators(x) * NCCL_COMMUNICATOR_BYTES + custom
+
+
+def _fragmentation(items: list[Item]) -> list[Item]:
+    """torch's caching allocator keeps partly used segments of the trainer's churn (activations, compute copies)."""
+    churn = sum(i.on_device for i in items if i.component not in ("process", "vllm"))
+    return [Item("allocator", f"fragmentation ({FRAGMENTATION:.0%} of the trainer's)", int(FRAGMENTATION * churn))]
+
+
+def host_offload_bytes(x: PlanInputs) -> dict[str, int]:
+    """Host memory of `offload.*=cpu` from a GPU, per component: one flat pinned buffer each, exactly the size
+    of what it moves (`dist/offload.py`), registered once and kept for the run."""
+    if x.device.kind != "cuda":
+        return {}
+    o, out = x.offload, {}
+    actor = shard_bytes(x.actor.params, x.world, param_bytes=x.actor.param_bytes,
+                        frozen_bytes=x.actor.frozen_param_bytes)
+    if o.actor_params == "cpu":
+        out["actor params"] = actor.params
+    if o.actor_optim == "cpu":
+        out["actor AdamW"] = actor.optim
+    for name in OFFLOADABLE:
+        spec = getattr(x, name)
+        if spec is not None and getattr(o, name) == "cpu":
+            b = shard_bytes(spec.params, x.world, param_bytes=spec.param_bytes, frozen_bytes=spec.frozen_param_bytes)
+            out[name] = b.params
+            if name == "critic":
+                out["critic AdamW"] = b.optim
+    return out
 
 
 def cuda_resident_overhead_bytes(x: PlanInputs) -> int:
@@ -471,8 +554,10 @@ def cuda_resident_overhead_bytes(x: PlanInputs) -> int:
 def _phase(x: PlanInputs, name: str, *, first_step: bool = False) -> Phase:
     if name == "startup":
         return _startup(x)
-    return Phase(name, tuple(_process_items(x, name) + _trainer_items(x, name, first_step=first_step)
-                             + _vllm_items(x, name)))
+    trainer = _trainer_items(x, name, first_step=first_step)
+    # Training phases churn the caching allocator; before the sync and the KV cache's wake-up the engine empties it.
+    frag = _fragmentation(trainer) if x.device.kind == "cuda" and name not in ("sync", "rollout") else []
+    return Phase(name, tuple(_process_items(x, name) + trainer + frag + _vllm_items(x, name)))
 
 
 def _trainer_items(x: PlanInputs, name: str, *, first_step: bool = False) -> list[Item]:

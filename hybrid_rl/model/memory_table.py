@@ -40,14 +40,17 @@ def render(plan: MemoryPlan, measured: dict[str, float] | None = None) -> str:
         lines.append(f"{'measured peak':<{LABEL}}" + "".join(
             f"{measured[n] * GIB / scale:>{cell_width}.2f}" if n in measured else f"{'':>{cell_width}}" for n in names))
     lines.append(f"{'device memory per rank':<{LABEL}}" + f"{plan.device_bytes / scale:>{cell_width}.2f}")
+    if plan.margin_bytes:
+        lines.append(f"{'usable (less the safety margin)':<{LABEL}}" + f"{plan.usable_bytes / scale:>{cell_width}.2f}")
     lines += ["", verdict(plan)]
     lines += [f"  note: {n}" for n in plan.notes]
     lines.append(f"  {unlisted(x.device.kind)}")
     return "\n".join(lines)
 
 
-COMPONENTS = ("process", "actor", "reference", "critic", "reward_model", "vllm", "loading")
-ITEMS = ("params", "grads", "AdamW", "compute", "activations", "weights", "KV", "runtime", "weight sync")
+COMPONENTS = ("process", "actor", "reference", "critic", "reward_model", "allocator", "vllm", "loading")
+ITEMS = ("CUDA", "NCCL", "params", "grads", "AdamW", "compute", "activations", "fragmentation", "weights", "KV",
+         "kept", "runtime", "weight sync")
 
 
 def _order(component: str, what: str) -> tuple[int, int]:
@@ -64,16 +67,17 @@ def _title(plan: MemoryPlan) -> str:
 
 
 def verdict(plan: MemoryPlan) -> str:
-    peak, device = plan.peak, plan.device_bytes
+    peak, device, usable = plan.peak, plan.device_bytes, plan.usable_bytes
+    margin = f", beyond the {fmt(plan.margin_bytes)} safety margin" if plan.margin_bytes else ""
     if plan.fits:
         return (f"FITS: peak {fmt(peak.total)} in {peak.name} of {fmt(device)} per rank "
-                f"({fmt(device - peak.total)} to spare)")
+                f"({fmt(usable - peak.total)} to spare{margin})")
     lines = []
     for p in plan.phases:
-        if p.total <= device:
+        if p.total <= usable:
             continue
         largest = max((i for i in p.items if i.on_device), key=lambda i: i.bytes)
-        lines.append(f"  {p.name} needs {fmt(p.total)} ({fmt(p.total - device)} over; largest item "
+        lines.append(f"  {p.name} needs {fmt(p.total)} ({fmt(p.total - usable)} over{margin}; largest item "
                      f"{largest.component} {largest.what} {fmt(largest.bytes)})")
     if plan.fixes:
         fits = plan.fixes[-1].fits

@@ -1,13 +1,22 @@
 """Storage-level offload: every target round-trips bitwise, frees the storages it moves, and brackets a model.
 
-On this CPU-only machine the `cpu` target copies into separate (unpinned) host buffers: the same
-code as from an accelerator, so these tests run it.
+On this CPU-only machine the `cpu` target copies into one flat (unpinned) host buffer per component: the
+same code as from an accelerator, so these tests run it; the pinned branch runs here with the two CUDA calls
+(`_pin`: cudaHostRegister, and the stream synchronisation) recorded instead of made.
 """
 
 import pytest
 import torch
 
-from hybrid_rl.dist.offload import OffloadManager, optimizer_tensors, param_tensors
+from hybrid_rl.dist import offload as offload_mod
+from hybrid_rl.dist.offload import (
+    HOST_ALIGN,
+    OffloadManager,
+    flat_layout,
+    optimizer_tensors,
+    param_tensors,
+    power_of_two_bytes,
+)
 
 
 def _tensors() -> list[torch.Tensor]:
@@ -102,3 +111,54 @@ def test_close_deletes_the_files_of_components_still_on_disk(tmp_path):
     assert (tmp_path / "reference.rank0.bin").stat().st_size > 0
     m.close()
     assert not list(tmp_path.iterdir()) and m.offloaded_bytes() == {}
+
+
+def test_cpu_target_packs_a_component_into_one_flat_aligned_buffer(tmp_path):
+    tensors = _tensors()
+    before = [t.clone() for t in tensors]
+    m = OffloadManager(tmp_path)
+    m.offload("c", tensors, "cpu")
+    stashes = m._components["c"].stashes
+    flat = {s.cpu.untyped_storage().data_ptr() for s in stashes}
+    assert len(flat) == 1  # one host allocation for the whole component
+    assert all(s.offset % HOST_ALIGN == 0 for s in stashes)
+    offsets, total = flat_layout(s.nbytes for s in stashes)
+    assert [s.offset for s in stashes] == offsets and stashes[0].cpu.untyped_storage().nbytes() == total
+    assert m.host_bytes() == total
+    m.reload("c")
+    assert all(torch.equal(t, b) for t, b in zip(tensors, before, strict=True))
+    assert m.host_bytes() == 0  # unpinned buffers go with the reload
+
+
+def test_flat_layout_costs_what_is_offloaded_where_per_tensor_pinned_blocks_cost_up_to_twice():
+    offsets, total = flat_layout([3, 1000, 512, 1])
+    assert offsets == [0, 512, 1536, 2048] and total == 2049
+    # A 7B Qwen2 block's fp32 shards on 8 ranks (q, k, v, o, gate, up, down, and the biases and norms).
+    h, i, kv = 3584, 18944, 512
+    sizes = [4 * n // 8 for n in (h * h, h, kv * h, kv, kv * h, kv, h * h, i * h, i * h, h * i, h, h)]
+    _, flat = flat_layout(sizes)
+    assert flat <= sum(sizes) + HOST_ALIGN * len(sizes)
+    assert power_of_two_bytes(sizes) > 1.3 * flat  # what the caching host allocator's rounding held
+
+
+def test_pinned_buffer_is_registered_once_reused_across_offloads_and_unpinned_at_close(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(offload_mod, "_pin", lambda t: calls.append(("pin", t.data_ptr(), t.numel())))
+    monkeypatch.setattr(offload_mod, "_unpin", lambda t: calls.append(("unpin", t.data_ptr(), t.numel())))
+    monkeypatch.setattr(offload_mod, "_on_accelerator", lambda tensors: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    tensors = _tensors()
+    before = [t.clone() for t in tensors]
+    m = OffloadManager(tmp_path)
+    ptrs = []
+    for _ in range(3):  # every rollout: out and back, into the same registered buffer
+        m.offload("actor.optim", tensors, "cpu")
+        ptrs.append(m._components["actor.optim"].stashes[0].cpu.untyped_storage().data_ptr())
+        m.reload("actor.optim")
+        assert all(torch.equal(t, b) for t, b in zip(tensors, before, strict=True))
+    _, total = flat_layout(sorted({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                                   for t in tensors}.values(), key=lambda n: -n))
+    assert len(set(ptrs)) == 1 and [c[0] for c in calls] == ["pin"] and calls[0][2] == m.host_bytes()
+    assert m.host_bytes() >= total - HOST_ALIGN  # the component's size, exactly (plus alignment), kept for the run
+    m.close()
+    assert [c[0] for c in calls] == ["pin", "unpin"] and calls[1][1] == calls[0][1] and m.host_bytes() == 0

@@ -6,13 +6,15 @@ import pytest
 
 from hybrid_rl.config import load_config
 from hybrid_rl.model.memory_plan import (
-    CUDA_CONTEXT_BYTES,
     GIB,
     DeviceSpec,
     _trainer_items,
     auto_gpu_memory_utilization,
+    cuda_resident_overhead_bytes,
     kv_cache_bytes,
+    plan_sync_reserve,
     sync_reserve_bytes,
+    vllm_kept_asleep_bytes,
     vllm_utilization,
     vllm_weight_bytes,
 )
@@ -32,16 +34,18 @@ def test_the_rule():
 
 
 def test_planner_gives_vllm_what_the_trainer_leaves_at_the_first_sync(tiny_models):
-    device = DeviceSpec("cuda", 2 * GIB)
+    device = DeviceSpec("cuda", 4 * GIB)
     plan = plan_for(_cfg(tiny_models["mid"], "rollout.bucket_mb=16"), 2, device=device)
     x = plan.inputs
     assert x.rollout.gpu_memory_utilization is None and x.rollout.release == "sleep"
     held = sum(i.on_device for i in _trainer_items(x, "sync", first_step=True))
     assert held > 0  # actor shards + AdamW + the reference and critic, resident until their first pass
-    held += CUDA_CONTEXT_BYTES  # and the CUDA context, which vLLM's start-up check also sees as used
+    held += cuda_resident_overhead_bytes(x)  # and the CUDA context and NCCL, which vLLM's start-up check sees as used
     share = vllm_utilization(x)
-    assert share == auto_gpu_memory_utilization(2 * GIB - held, 2 * GIB, 3 * 16 * 2**20 + GIB) > 0
-    assert kv_cache_bytes(x) == int(share * 2 * GIB) - vllm_weight_bytes(x.actor, 1, 2)
+    # The sync's reserve (three 16 MiB buckets: the mid model's largest module is smaller) and the 5% margin.
+    assert plan_sync_reserve(x) == 3 * 16 * 2**20 + GIB + int(0.05 * 4 * GIB)
+    assert share == auto_gpu_memory_utilization(4 * GIB - held, 4 * GIB, plan_sync_reserve(x)) > 0
+    assert kv_cache_bytes(x) == int(share * 4 * GIB) - vllm_weight_bytes(x.actor, 1, 2) - vllm_kept_asleep_bytes(x)
     assert any("gpu_memory_utilization=auto" in n for n in plan.notes)
     # Offloading the optimizer state before the sync leaves vLLM more.
     offloaded = plan_for(_cfg(tiny_models["mid"], "rollout.bucket_mb=16", "offload.actor_optim=cpu"), 2, device=device)
