@@ -258,10 +258,12 @@ def sidecar_namespace(cfg: Config, pod: int, server: int = 0, run_id: str = "") 
 
 
 def servers_per_node(cfg: Config, local_world: int) -> int:
-    """The training pod's servers per node: one per TP group of the node's trainer ranks, at most
-    `sidecar.servers_per_node` when set."""
+    """The training pod's servers per node: `sidecar.servers_per_node` (at most one per TP group of the node's
+    trainer ranks); 0 = one per TP group on GPUs (each on its own GPUs), one on CPU (servers there share the same
+    cores, so a second one adds processes and memory, not throughput)."""
     groups = max(1, local_world // cfg.rollout.tp)
-    return groups if cfg.sidecar.servers_per_node == 0 else min(cfg.sidecar.servers_per_node, groups)
+    n = cfg.sidecar.servers_per_node or (groups if torch.cuda.is_available() else 1)
+    return min(n, groups)
 
 
 def max_inflight(cfg: Config, world: int, servers: int) -> int:

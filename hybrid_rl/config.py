@@ -103,7 +103,7 @@ class SidecarConfig:
     slots: int = 3  # shared-memory buckets in flight per server TP rank (memory: slots x rollout.bucket_mb)
     max_inflight: int = 0  # generation requests in flight per trainer rank; 0 = the servers' max_num_seqs shared out
     max_num_seqs: int = 256  # each server's `--max-num-seqs` (sequences it batches at once)
-    servers_per_node: int = 0  # training pod: vLLM servers per node, one per TP group of its ranks; 0 = all groups
+    servers_per_node: int = 0  # training pod: vLLM servers per node (<= its TP groups); 0 = every TP group on GPUs, 1 on CPU
     max_restarts: int = 3  # server restarts (or lost servers) tolerated within one rollout before the run stops
     pods: int = 1  # pods that receive each update: this one plus those started with `python -m hybrid_rl.pod`
     pod: int = 0  # `python -m hybrid_rl.pod` only: this pod's number, 1 .. pods-1 (0 is the trainer's)

@@ -80,7 +80,8 @@ def test_a_pod_of_four_ranks_at_tp2_runs_two_tp2_servers_both_fed_and_generating
     out = tmp_path / "run"
     overrides = tiny_overrides(tiny_models["qwen2"], task_files, out, **{
         "rollout.mode": "sidecar", "rollout.tp": 2, "sidecar.port": free_port(),
-        "rollout.kv_cache_gb": 0.0625, "data.val_prompts": 4, "sidecar.max_num_seqs": 16})
+        "rollout.kv_cache_gb": 0.0625, "data.val_prompts": 4, "sidecar.max_num_seqs": 16,
+        "sidecar.servers_per_node": 2})  # one per TP group (the default on GPUs; on CPU it is 1)
     r = run_torchrun(WORKER, json.dumps({"overrides": overrides, "faults": False}), nproc=4, tmp_path=tmp_path,
                      timeout=900)
     assert r["private_etcd"].startswith("http://127.0.0.1:")

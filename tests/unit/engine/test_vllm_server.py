@@ -154,3 +154,18 @@ def test_a_cuda_servers_memory_share_is_measured_once_the_trainer_is_placed():
                                 ).gpu_memory_utilization == 0.9  # at most vLLM's own default
     with pytest.raises(ServerError, match="too little for the vLLM sidecar"):
         measured_utilization(spec, bucket_bytes=0, mem_get_info=lambda: (2**29, 80 * 2**30))
+
+
+def test_servers_per_node_one_per_tp_group_on_gpus_one_on_cpu_unless_set():
+    from hybrid_rl.build import max_inflight, servers_per_node
+    from hybrid_rl.config import Config
+
+    cfg = Config()
+    cfg.rollout.tp = 2
+    assert servers_per_node(cfg, 8) == 1  # CPU (this machine): the servers would share the same cores
+    cfg.sidecar.servers_per_node = 3
+    assert servers_per_node(cfg, 8) == 3 and servers_per_node(cfg, 4) == 2  # at most one per TP group
+    cfg.sidecar.max_num_seqs = 256
+    assert max_inflight(cfg, 8, 4) == 128  # the servers' batches shared out over the ranks
+    cfg.sidecar.max_inflight = 5
+    assert max_inflight(cfg, 8, 4) == 5
