@@ -34,12 +34,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 
 SECOND_POD_TARGET = 1.2
+RUN_ID = "bench"  # the pod is told which run it serves (no trainer announces one here)
 
 
 def _overrides(model: str, a, etcd: str, prefix: str, out: Path, train_file: Path) -> list[str]:
     return [f"model.path={model}", f"data.train_files=[{train_file}]", f"rollout.dtype={a.dtype}",
             "rollout.tp=1", "rollout.mode=sidecar", f"rollout.bucket_mb={a.bucket_mb}", "rollout.kv_cache_gb=0.125",
-            f"sidecar.etcd={etcd}", f"sidecar.prefix={prefix}", "sidecar.pods=2", f"trainer.output_dir={out}"]
+            f"sidecar.etcd={etcd}", f"sidecar.prefix={prefix}", "sidecar.pods=2", f"trainer.output_dir={out}",
+            f"sidecar.run_id={RUN_ID}"]
 
 
 # =================================================================================================
@@ -99,7 +101,7 @@ def _sidecar(cfg, a) -> dict:
     dims = init_distributed(1)
     module = load_causal_lm(a.model)
     shard_model(module, fsdp_mesh(dims), param_dtype=DTYPES[a.dtype])
-    etcd = Etcd(cfg.sidecar.etcd, sidecar_prefix(cfg), wait_s=60)
+    etcd = Etcd(cfg.sidecar.etcd, sidecar_prefix(cfg, RUN_ID), wait_s=60)
     sidecar = None
     if dims.rank == 0:
         sidecar = Sidecar(server_spec(cfg, port=a.port, log_path=common.CACHE / "logs" / "ckpt_server_pod0.log"),
@@ -111,7 +113,8 @@ def _sidecar(cfg, a) -> dict:
         rank=dims.rank, world=dims.world, layout=layout, namespace=ns, options=options, device=device(),
         dtype=DTYPES[a.dtype], server=(lambda: sidecar.server) if sidecar else None, link=link)
     one = make(sidecar_namespace(cfg, 0) + "a", None)
-    two = make(sidecar_namespace(cfg, 0), pod_link(etcd, dims, host="127.0.0.1", tp=1, pods=2, wait_s=600))
+    two = make(sidecar_namespace(cfg, 0), pod_link(etcd, dims, host="127.0.0.1", tp=1, pods=2, wait_s=600,
+                                                             op_timeout_s=600))
     sources = [SourceParam(n, t, s) for n, t, s in ModuleWeights(module).weights() if not layout.skip(n)]
     pushes = {"n": 0}
 

@@ -109,7 +109,7 @@ class RolloutConfig:
 class SidecarConfig:
     """`rollout.mode=sidecar`: vLLM servers beside the trainer, coordinated in etcd (README "Sidecar mode")."""
 
-    etcd: str = "http://127.0.0.1:2379"  # etcd's client URL (its v3 HTTP gateway)
+    etcd: str = ""  # etcd's client URL (its v3 HTTP gateway); "" = a private etcd started by the run (one pod only)
     prefix: str = ""  # the run's etcd key prefix; "" = /hybrid_rl/<trainer.output_dir's name>
     etcd_wait_s: float = 300.0  # etcd unreachable mid-run: wait this long for it, then stop cleanly
     lease_ttl_s: int = 10  # a pod whose supervisor stops refreshing its lease drops out after this long
@@ -120,11 +120,15 @@ class SidecarConfig:
     update_timeout_s: float = 600.0  # a weight update step (a bucket, a request) before the update fails
     request_timeout_s: float = 900.0  # one generation request
     slots: int = 3  # shared-memory buckets in flight per server TP rank (memory: slots x rollout.bucket_mb)
-    max_inflight: int = 64  # generation requests in flight per trainer rank
+    max_inflight: int = 0  # generation requests in flight per trainer rank; 0 = the servers' max_num_seqs shared out
+    max_num_seqs: int = 256  # each server's `--max-num-seqs` (sequences it batches at once)
+    servers_per_node: int = 0  # training pod: vLLM servers per node (<= its TP groups); 0 = every TP group on GPUs, 1 on CPU
     max_restarts: int = 3  # server restarts (or lost servers) tolerated within one rollout before the run stops
     pods: int = 1  # pods that receive each update: this one plus those started with `python -m hybrid_rl.pod`
     pod: int = 0  # `python -m hybrid_rl.pod` only: this pod's number, 1 .. pods-1 (0 is the trainer's)
-    pod_wait_s: float = 900.0  # how long the trainer waits at start for the other pods to join
+    run_id: str = ""  # `python -m hybrid_rl.pod` only: the run to serve; "" = the one live run of this output folder name
+    pod_wait_s: float = 900.0  # start-up only: how long the trainer and the pods wait for each other to join
+    pod_timeout_s: float = 86400.0  # one pod-group operation; a pod waits this long for the next update (a step)
     sleep_level: int = 1  # CUDA: the server's sleep while the trainer trains (1: weights kept in host memory, 2: dropped)
 
 
@@ -399,14 +403,15 @@ POSITIVE = ("rollout.n", "rollout.max_new_tokens", "rollout.bucket_mb", "data.pr
             "data.max_prompt_tokens", "trainer.total_steps", "trainer.micro_batch_tokens", "trainer.keep_last",
             "algorithm.ppo_epochs", "algorithm.mini_batches", "optim.lr", "rollout.tp", "trainer.max_bad_steps",
             "algorithm.max_sampling_rounds", "sidecar.port", "sidecar.lease_ttl_s", "sidecar.slots",
-            "sidecar.max_inflight", "sidecar.pods", "sidecar.etcd_wait_s", "sidecar.start_timeout_s",
-            "sidecar.update_timeout_s", "sidecar.request_timeout_s", "sidecar.pod_wait_s", "rollout.multi_turn.max_turns",
-            "rollout.multi_turn.max_tool_calls", "rollout.multi_turn.max_tool_response_tokens",
-            "rollout.multi_turn.tool_timeout_s", "rollout.multi_turn.tool_workers")
+            "sidecar.max_num_seqs", "sidecar.pods", "sidecar.etcd_wait_s", "sidecar.start_timeout_s",
+            "sidecar.update_timeout_s", "sidecar.request_timeout_s", "sidecar.pod_wait_s", "sidecar.pod_timeout_s",
+            "rollout.multi_turn.max_turns", "rollout.multi_turn.max_tool_calls",
+            "rollout.multi_turn.max_tool_response_tokens", "rollout.multi_turn.tool_timeout_s",
+            "rollout.multi_turn.tool_workers")
 NON_NEGATIVE = ("rollout.temperature", "rollout.kv_cache_gb", "algorithm.kl_coef", "algorithm.entropy_coef", "optim.grad_clip",
                 "optim.warmup_steps", "trainer.save_every", "trainer.val_every", "algorithm.overlong_buffer",
                 "reward.num_workers", "data.val_prompts", "sidecar.max_restarts", "rollout.max_staleness",
-                "rollout.multi_turn.max_turn_tokens")
+                "sidecar.max_inflight", "sidecar.servers_per_node", "rollout.multi_turn.max_turn_tokens")
 
 
 def get(cfg: Config, key: str) -> Any:
@@ -567,6 +572,7 @@ def split_command_line(argv: list[str], default: str = "grpo") -> tuple[str, lis
             overrides.append(arg)
         i += 1
     return name, overrides
+
 
 def _validate_truncation(r: RolloutConfig) -> None:
     """Top-p / top-k sampling is refused (both modes): vLLM's processed log-probs are renormalised over the kept set,

@@ -43,11 +43,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     run(cfg, etcd, log_path=Path(cfg.trainer.output_dir) / f"vllm_server_pod{sc.pod}.log",
-        namespace=sidecar_namespace(cfg, sc.pod), spec=server_spec)
+        namespace=lambda run_id: sidecar_namespace(cfg, sc.pod, run_id=run_id), spec=server_spec,
+        prefix=lambda run_id: sidecar_prefix(cfg, run_id))
     return 0
 
 
-def run(cfg, etcd, *, log_path: Path, namespace: str, spec) -> None:
+def run(cfg, etcd, *, log_path: Path, namespace, spec, prefix) -> None:
     import os
 
     import torch
@@ -61,22 +62,41 @@ def run(cfg, etcd, *, log_path: Path, namespace: str, spec) -> None:
                       start_timeout_s=sc.start_timeout_s)
     receiver = None
     try:
-        sidecar.start(wait=False)
+        sidecar.server.spawn()  # it loads (a minute) while the trainer starts
+        run_id = sc.run_id or _live_run(etcd, sc.pod_wait_s)
+        etcd.prefix = prefix(run_id).rstrip("/")  # the run's own keys from here on
+        log.info("pod %d serves run %s (keys under %s)", sc.pod, run_id, etcd.prefix)
+        sidecar.register()
         where = _wait_for(etcd, GROUP_KEY, sc.pod_wait_s)
         member = where["tp"] + sc.pod - 1
         store = pod_store(where["host"], where["port"], member=member, tp=where["tp"], pods=where["pods"],
                           timeout_s=sc.pod_wait_s)
         device = payload_device_for(cuda=torch.cuda.is_available(), local_rank=int(os.environ.get("LOCAL_RANK", 0)))
-        group = PodGroup(store, member=member, tp=where["tp"], pods=where["pods"], timeout_s=sc.pod_wait_s,
+        group = PodGroup(store, member=member, tp=where["tp"], pods=where["pods"], timeout_s=sc.pod_timeout_s,
                          payload_device=device)
         sidecar.ensure_running()
         log.info("pod %d joined the trainer's pod group; waiting for weight updates", sc.pod)
-        receiver = PodReceiver(group, sidecar, namespace=namespace, slots=sc.slots, timeout_s=sc.update_timeout_s)
+        receiver = PodReceiver(group, sidecar, namespace=namespace(run_id), slots=sc.slots, timeout_s=sc.update_timeout_s)
         receiver.run()
     finally:
         if receiver is not None:
             receiver.close()
         sidecar.close()
+
+
+def _live_run(etcd, wait_s: float) -> str:
+    """The id of the one live run announced under this output folder's prefix (several: name one, sidecar.run_id)."""
+    deadline = time.monotonic() + wait_s
+    while not (runs := sorted(etcd.get_prefix("runs"))):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no trainer announced a run under {etcd.key('runs')} in etcd at {etcd.endpoint} "
+                               f"within {wait_s:.0f} s")
+        time.sleep(1.0)
+    if len(runs) > 1:
+        raise RuntimeError(f"{len(runs)} live runs share this output folder's name in etcd ({', '.join(runs)}): "
+                           "start the pod with sidecar.run_id=<id> (the trainer logs it, and writes it in "
+                           "<output_dir>/run_id)")
+    return runs[0]
 
 
 def _wait_for(etcd, key: str, wait_s: float) -> dict:

@@ -291,7 +291,7 @@ class Trainer:
                       if m is not None and m.scheduler is not None}
         shared = {"step": step, "loader": self.c.train_loader.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
                   "schedulers": schedulers, "skipped_steps": self.skipped_steps, "val_history": self.val_history,
-                  "config": to_dict(self.cfg), "source": self.source.state_dict()}
+                  "config": to_dict(self.cfg), "source": self.source.state_dict(), "run_id": self.c.run_id}
         rank_state = {"torch_rng": torch.get_rng_state(), "source": self.source.rank_state()}
         with self._critic_resident():
             self.checkpointer.save(step, components=self._components(), rank_state=rank_state, shared_state=shared)
@@ -312,6 +312,9 @@ class Trainer:
         self.val_history = [tuple(x) for x in shared["val_history"]]
         self.source.load_state_dict(shared.get("source", {}), rank_state.get("source", {}))
         torch.set_rng_state(rank_state["torch_rng"])
+        if shared.get("run_id") and self.c.run_id and shared["run_id"] != self.c.run_id:
+            log.warning("the checkpoint was written by run %s; going on as run %s (the output folder's run_id file "
+                        "differs): servers of the old run are not used", shared["run_id"], self.c.run_id)
         self._say(f"resumed from the checkpoint of step {step} in {self.checkpointer.root}")
         return step
 

@@ -11,7 +11,11 @@ import sys
 import tomllib
 from pathlib import Path
 
-ENTRY_POINTS = "[vllm.general_plugins]\nhybrid_rl = hybrid_rl.engine.vllm_plugin:register\n"
+
+def entry_points(project: dict) -> str:
+    """pyproject.toml's `[project.entry-points]` as an `entry_points.txt` (the same metadata `pip install .` writes)."""
+    return "".join(f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in points.items()) + "\n"
+                   for group, points in project.get("entry-points", {}).items())
 
 
 def main(site: Path) -> None:
@@ -24,7 +28,7 @@ def main(site: Path) -> None:
     info = site / f"{name}-{version}.dist-info"
     info.mkdir(parents=True)
     files = {"METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
-             "entry_points.txt": ENTRY_POINTS, "INSTALLER": "hybrid_rl-makefile\n"}
+             "entry_points.txt": entry_points(project), "INSTALLER": "hybrid_rl-makefile\n"}
     for fname, text in files.items():
         (info / fname).write_text(text)
     (info / "RECORD").write_text("".join(f"{info.name}/{f},,\n" for f in [*files, "RECORD"]))

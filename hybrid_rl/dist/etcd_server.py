@@ -1,5 +1,8 @@
-"""A private etcd server (the tests', the demo's and the benchmarks'): on free ports, its data in a folder of its
-own; stopped (or restarted) at will. Production runs point `sidecar.etcd` at an etcd they run themselves."""
+"""A private etcd server: on free ports, its data in a folder of its own; stopped (or restarted) at will.
+
+Started by a one-pod sidecar run given no `sidecar.etcd` (`build.py`: stopped with the run, and with
+the trainer if it dies: parent-death signal), by the demo, the benchmarks and the tests. Multi-pod runs
+point `sidecar.etcd` at an etcd they run themselves."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from hybrid_rl.dist.mesh import free_port
 class EtcdProcess:
     """Any process may stop or restart the server: its pid is kept in `<data_dir>.pid`."""
 
-    def __init__(self, data_dir: Path, port: int = 0, peer_port: int = 0):
+    def __init__(self, data_dir: Path, port: int = 0, peer_port: int = 0, *, die_with_parent: bool = False):
         binary = shutil.which("etcd")
         if binary is None:
             raise RuntimeError("etcd is not installed (Debian package etcd-server; `make install-sidecar` installs it)")
@@ -24,6 +27,7 @@ class EtcdProcess:
         self.port, self.peer_port = port or free_port(), peer_port or free_port()
         self.pid_file = self.data_dir.with_suffix(".pid")
         self.proc: subprocess.Popen | None = None
+        self.die_with_parent = die_with_parent  # SIGTERM when the process that started it dies (Linux `setpriv`)
 
     @property
     def endpoint(self) -> str:
@@ -32,8 +36,9 @@ class EtcdProcess:
     def start(self, timeout_s: float = 30.0) -> None:
         url, peer = self.endpoint, f"http://127.0.0.1:{self.peer_port}"
         log = open(self.data_dir.with_suffix(".log"), "ab")  # noqa: SIM115 - the child keeps it
+        setpriv = shutil.which("setpriv") if self.die_with_parent else None
         self.proc = subprocess.Popen(
-            [self.binary, "--name", "test", "--data-dir", str(self.data_dir), "--listen-client-urls", url,
+            [*([setpriv, "--pdeathsig", "TERM"] if setpriv else []), self.binary, "--name", "test", "--data-dir", str(self.data_dir), "--listen-client-urls", url,
              "--advertise-client-urls", url, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
              "--initial-cluster", f"test={peer}"], stdout=log, stderr=subprocess.STDOUT)
         log.close()

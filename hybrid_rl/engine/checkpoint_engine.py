@@ -32,7 +32,7 @@ from typing import Protocol
 
 import torch
 
-from hybrid_rl.dist.collectives import all_reduce, barrier
+from hybrid_rl.dist.collectives import all_gather_object, all_reduce, barrier
 from hybrid_rl.engine.layout import Layout, TPSlice
 from hybrid_rl.engine.reshard import (
     ReshardPlan,
@@ -51,6 +51,7 @@ from hybrid_rl.engine.shm_ring import (
     RingAborted,
     RingTimeout,
     ShmRing,
+    ShmSpaceError,
     abort_path,
     layout_bucket,
     write_manifest,
@@ -85,7 +86,9 @@ class PodLink(Protocol):
 
     def begin(self, update: int, version: str, manifest: Manifest, rank: int) -> None: ...
 
-    def send(self, tp_rank: int, data: torch.Tensor) -> None: ...
+    def send(self, tp_rank: int, k: int, data: torch.Tensor) -> None: ...
+
+    def abort(self, rank: int, why: str) -> None: ...
 
     def end(self, expected: torch.Tensor, rank: int) -> None: ...
 
@@ -97,21 +100,30 @@ class CheckpointEngine:
 
     def __init__(self, *, rank: int, world: int, layout: Layout, namespace: str, options: PushOptions,
                  device: torch.device, dtype: torch.dtype, server: Callable[[], VLLMServer] | None,
-                 link: PodLink | None = None):
+                 link: PodLink | None = None, servers: int = 1, local_world: int | None = None):
         self.rank, self.world, self.layout, self.namespace = rank, world, layout, namespace
         self.options, self.device, self.dtype, self.link = options, device, dtype, link
-        self.server = server  # rank 0: the server this pod feeds (looked up at each push: it may restart)
+        self.server = server  # a server's leader: the server it feeds (looked up at each push: it may restart)
         self.tp = layout.tp
-        if world < self.tp:
-            raise ValueError(f"the vLLM sidecar's TP size ({self.tp}) is larger than the pod's {world} trainer "
-                             "ranks: each server TP rank needs one trainer rank to write its slices")
-        self.writer = rank < self.tp
+        self.local_world = local_world or world
+        if self.local_world < self.tp * servers:
+            raise ValueError(f"{servers} vLLM sidecar(s) at TP {self.tp} need {self.tp * servers} trainer ranks, the "
+                             f"node has {self.local_world}: each server TP rank needs one trainer rank to write its "
+                             "slices")
+        # `servers` per node: server g of a node is fed by its local ranks g*tp .. g*tp+tp-1 (rank r writes TP slice
+        # r % tp into the ring of its server's namespace; the first, its leader, drives it over HTTP). Ranks beyond
+        # the servers' only send their FSDP rows.
+        self.servers = servers
+        self.writer = self._writes(rank)
+        self.tp_rank = rank % self.tp
+        self.leader = self.writer and self.tp_rank == 0
         self._plans: dict[tuple[str, ...], tuple[ReshardPlan, list[list[Entry]]]] = {}
         self.ring: ShmRing | None = None
         self.seq = 0  # buckets written over the ring's life
         self.updates = 0
-        self.http = ServerUpdate(namespace, timeout_s=options.timeout_s) if rank == 0 else None
+        self.http = ServerUpdate(namespace, timeout_s=options.timeout_s) if self.leader else None
         self._failed = ""  # this rank's reason the update in progress failed
+        self._link_open = False  # other pods are receiving an update that has not ended
 
     # -- one update ------------------------------------------------------------------------------
 
@@ -124,8 +136,13 @@ class CheckpointEngine:
             rep = self._push(sources, version, sharded=sharded)
             ok = True
             return rep
+        except Exception as e:
+            if self._link_open:  # the other pods' receivers wait for the rest of it: tell them it is abandoned
+                self._link_open = False
+                self.link.abort(self.rank, f"{type(e).__name__}: {e}")
+            raise
         finally:
-            if self.rank == 0 and (error := self.http.end(ok=ok)):
+            if self.leader and (error := self.http.end(ok=ok)):
                 log.warning("server %s after update %s (resuming generation): %s", self.http.server.url, version, error)
 
     def _push(self, sources: list[SourceParam], version: str, *, sharded: bool) -> PushReport:
@@ -135,43 +152,50 @@ class CheckpointEngine:
         update = self.updates
         self._failed = ""
         manifest = Manifest(update, self.options.probe_cols, buckets, tied=self.layout.dims.tie_word_embeddings)
+        error = ""
         if self.writer:
-            self._ring(buckets).reset()
-            write_manifest(self.ring, manifest)
-        if self.rank == 0:
+            try:
+                self._ring(buckets).reset()
+                write_manifest(self.ring, manifest)
+            except (ShmSpaceError, RuntimeError) as e:  # no room in /dev/shm, pinning refused: every rank stops
+                error = str(e)
+        if bool(all_reduce(torch.tensor([float(bool(error))]), "max")[0]):
+            raise ShmSpaceError(next(e for e in all_gather_object(error) if e))
+        if self.leader:
             abort_path(self.namespace).unlink(missing_ok=True)
         if self.link is not None:
             self.link.begin(update, version, manifest, self.rank)
+            self._link_open = True
         barrier()  # every writer's manifest is in place before the server reads them
-        if self.rank == 0:
+        if self.leader:
             self.http.begin(self.server())
         for k, items in stream_buckets(plan, sources, device=self.device, probe_cols=self.options.probe_cols,
                                        sync_index=update, alloc=self._alloc(rep)):
             if self.writer and not self._failed:
                 self.ring.publish(self.seq)
-                nbytes = _bucket_bytes(buckets[k])
                 rep.bytes_written += sum(t.numel() * t.element_size() for _, t in items)
-                if self.link is not None:
-                    self.link.send(self.rank, self.ring.buffers[self.ring.slot_of(self.seq)][:nbytes])
-            if self.rank == 0 and not self._failed:
+            if self.link is not None and self.rank < self.tp:  # other pods get server 0's slices (stale once failed)
+                self.link.send(self.rank, k, self.ring.buffers[self.ring.slot_of(self.seq)][:_bucket_bytes(buckets[k])])
+            if self.leader and not self._failed:
                 self.http.bucket(self.seq, k)
             rep.buckets += 1
             self._agree()  # a failure on any rank stops every rank at the same bucket
         rep.phases["stream_s"] = time.perf_counter() - t0
-        if self.rank == 0:
+        if self.leader:
             self._failed = self._failed or self.http.finish()
         self._agree()
         targets = verify_targets(plan.slices, tied=manifest.tied)
         expected = plan.expected.cpu()[[i for i, _ in targets]]  # the senders' checksum of each target
         ok = all_reduce(self._verified(expected), "min").bool()  # one verdict on every rank
         if self.link is not None:
+            self._link_open = False
             self.link.end(expected, self.rank)
         if not bool(ok.all()):
             bad = [target_label(plan.slices, *targets[j]) for j in torch.nonzero(~ok).flatten().tolist()]
             raise WeightSyncError(f"weight update {update} (version {version}) did not land in vLLM as sent "
                                   f"({len(bad)} mismatched: {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}); "
                                   "the server keeps its previous version stamp")
-        if self.rank == 0:
+        if self.leader:
             try:
                 self.http.stamp(version)
             except (ServerError, WeightSyncError) as e:
@@ -181,9 +205,12 @@ class CheckpointEngine:
         rep.seconds = time.perf_counter() - t0
         return rep
 
+    def _writes(self, rank: int) -> bool:
+        return rank % self.local_world < self.tp * self.servers
+
     def _agree(self) -> None:
         """Every rank learns whether any rank failed; all raise the same ServerError if so."""
-        if self.rank == 0:
+        if self.leader:
             self._failed = self._failed or self.http.error()
             if self._failed:
                 abort_path(self.namespace).touch()  # writers waiting on the server stop waiting
@@ -195,7 +222,7 @@ class CheckpointEngine:
         key = tuple(s.name for s in sources)
         if key not in self._plans:
             plan = build_plan(sources, self.layout, rank=self.rank, world=self.world,
-                              tp_rank_of=lambda r: r % self.tp, receives=lambda r: r < self.tp,
+                              tp_rank_of=lambda r: r % self.tp, receives=self._writes,
                               bucket_bytes=self.options.bucket_bytes, dtype=self.dtype, sharded=sharded)
             buckets = [layout_bucket([plan.slices[i] for i in b.indices], self.dtype)[0] for b in plan.buckets]
             self._plans[key] = plan, buckets
@@ -206,7 +233,7 @@ class CheckpointEngine:
         if self.ring is None or self.ring.slot_bytes < need:
             if self.ring is not None:
                 self.ring.close()
-            self.ring = ShmRing(self.namespace, self.rank, slots=self.options.slots, slot_bytes=need, create=True,
+            self.ring = ShmRing(self.namespace, self.tp_rank, slots=self.options.slots, slot_bytes=need, create=True,
                                 pin=self.device.type == "cuda")
             if self.http is not None:
                 self.http.reinit()  # the server must map the new files
@@ -218,7 +245,7 @@ class CheckpointEngine:
         abort = abort_path(self.namespace)
 
         def aborted() -> bool:
-            return abort.exists() or (self.rank == 0 and bool(self.http.error()))
+            return abort.exists() or (self.leader and bool(self.http.error()))
 
         def alloc(k: int, slices: list[TPSlice]) -> list[torch.Tensor]:
             if not self._failed:

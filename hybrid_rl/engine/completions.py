@@ -9,14 +9,19 @@ weight-version spans the server's engine core stamps on its outputs: a request p
 weights change (asynchronous training) reports which tokens each version sampled.
 
 Requests go from a thread pool, many in flight; each thread has its own HTTP session. `run` waits for
-a set of requests; `submit` sends them and returns, their results collected later with `drain`.
+a set of requests; `submit` sends them and returns, their results collected later with `drain`. A
+`Router` picks each request's server: the one with the fewest outstanding tokens (prompt plus token
+budget of the requests in flight), except that requests of one trajectory (`Request.affinity`: a
+group's samples share their prompt, a multi-turn episode its history) stay on the server that got the
+first one, so its prefix cache serves the rest.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterable
+from collections import OrderedDict
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -29,11 +34,55 @@ GENERATE = "/inference/v1/generate"
 _ERRORS = (requests.RequestException, RuntimeError, ValueError, KeyError, TypeError)
 
 
+UNAVAILABLE = "http://server-unavailable.invalid"  # no server listed: every request fails and the caller recovers
+
+
 @dataclass(frozen=True)
 class Request:
     key: int  # the caller's id for the sample
     prompt: list[int]
     seed: int
+    affinity: int | None = None  # requests with the same value go to the same server (None: the key)
+
+
+class Router:
+    """Least outstanding tokens, with trajectory affinity. Shared by the clients of one rank; each rank balances
+    its own requests (the ranks' shares are alike)."""
+
+    def __init__(self, max_sticky: int = 100_000):
+        self._lock = threading.Lock()
+        self.load: dict[str, int] = {}
+        self._sticky: OrderedDict[int, str] = OrderedDict()
+        self.max_sticky = max_sticky
+
+    def set_servers(self, urls: list[str]) -> None:
+        """The servers at the current weights; trajectories on a server that left are placed again."""
+        with self._lock:
+            self.load = {u: self.load.get(u, 0) for u in urls}
+
+    def pick(self, r: Request, cost: int) -> str:
+        with self._lock:
+            if not self.load:
+                return UNAVAILABLE
+            key = r.key if r.affinity is None else r.affinity
+            url = self._sticky.get(key)
+            if url not in self.load:
+                url = min(self.load, key=lambda u: self.load[u])
+                self._sticky[key] = url
+                if len(self._sticky) > self.max_sticky:
+                    self._sticky.popitem(last=False)
+            self._sticky.move_to_end(key)
+            self.load[url] += cost
+            return url
+
+    def done(self, url: str, cost: int) -> None:
+        with self._lock:
+            if url in self.load:
+                self.load[url] = max(0, self.load[url] - cost)
+
+
+def request_cost(r: Request, sampling: Sampling) -> int:
+    return len(r.prompt) + sampling.max_tokens
 
 
 def request_body(prompt: list[int], sampling: Sampling, seed: int) -> dict:
@@ -59,7 +108,7 @@ def parse_choice(choice: dict) -> Generation:
 
 
 class CompletionClient:
-    """Sends requests to servers (chosen per request by `route`) with `max_inflight` in flight."""
+    """Sends requests to servers (chosen per request by a `Router`) with `max_inflight` in flight."""
 
     def __init__(self, *, max_inflight: int, timeout_s: float):
         self.timeout_s = timeout_s
@@ -80,11 +129,17 @@ class CompletionClient:
             raise RuntimeError(f"{url}{GENERATE} answered {r.status_code}: {r.text[:500]}")
         return parse_choice(r.json()["choices"][0])
 
+    def _send(self, r: Request, sampling: Sampling, router: Router) -> Future:
+        cost = request_cost(r, sampling)
+        url = router.pick(r, cost)
+        f = self.pool.submit(self._one, url, request_body(r.prompt, sampling, r.seed))
+        f.add_done_callback(lambda _: router.done(url, cost))
+        return f
+
     def run(self, requests_: Iterable[Request], sampling: Sampling,
-            route: Callable[[Request], str]) -> tuple[dict[int, Generation], dict[int, str]]:
+            router: Router) -> tuple[dict[int, Generation], dict[int, str]]:
         """(generations by key, errors by key): a failed request (server gone, error answer) is reported, not raised."""
-        futures = {r.key: self.pool.submit(self._one, route(r), request_body(r.prompt, sampling, r.seed))
-                   for r in requests_}
+        futures = {r.key: self._send(r, sampling, router) for r in requests_}
         done, failed = {}, {}
         for key, f in futures.items():
             try:
@@ -95,12 +150,12 @@ class CompletionClient:
 
     # -- requests in flight while the caller does something else ---------------------------------
 
-    def submit(self, requests_: Iterable[Request], sampling: Sampling, route: Callable[[Request], str]) -> None:
+    def submit(self, requests_: Iterable[Request], sampling: Sampling, router: Router) -> None:
         """Send the requests and return at once; each result (or error) is kept for `drain`."""
         for r in requests_:
             with self._lock:
                 self._in_flight += 1
-            f = self.pool.submit(self._one, route(r), request_body(r.prompt, sampling, r.seed))
+            f = self._send(r, sampling, router)
             f.add_done_callback(lambda f, key=r.key: self._arrived(key, f))
 
     def _arrived(self, key: int, f: Future) -> None:

@@ -1,10 +1,17 @@
 """The checkpoint engine across pods: the training pod's writers broadcast each update to the other pods.
 
 Trainer side (`GroupLink`, the `PodLink` of `checkpoint_engine.py`): for every update, writer 0 sends a
-header (update number, version), each writer r its TP rank's shard manifest, then each published
-bucket (the bytes of its shared-memory slot), then the senders' checksums; writer 0 learns which pods
-verified the update. A pod that failed to load it is left out of dispatch (its registration keeps no
-version) until a later update succeeds; the run goes on with the others.
+header (update number, version), each writer r its TP rank's shard manifest, then per bucket a control
+message from writer 0 (`{"bucket": k}`) and the bucket from each writer (the bytes of its shared-memory
+slot), then the end marker and the senders' checksums; writer 0 learns which pods verified the update.
+A pod that failed to load it is left out of dispatch (its registration keeps no version) until a later
+update succeeds; the run goes on with the others.
+
+When the trainer abandons an update (its own server failed mid-update), writer 0 sends `{"abort": why}`
+where the next control message was due; every receiver drops the partial update (its server, holding
+partly new weights, stays paused and out of dispatch: `ServerUpdate.end(ok=False)`) and waits for the
+next header, which is the trainer's retry. Without it the retry's header would meet receivers still
+waiting for buckets.
 
 Pod side (`PodReceiver`, run by `python -m hybrid_rl.pod`): receives straight into its own rings'
 slots (its own shared-memory namespace), drives its own server through the same HTTP session as the
@@ -48,12 +55,22 @@ class GroupLink:
         if rank < self.tp:
             self.group.broadcast_json(rank, manifest.to_json())
 
-    def send(self, tp_rank: int, data: torch.Tensor) -> None:
+    def send(self, tp_rank: int, k: int, data: torch.Tensor) -> None:
+        """Bucket k of writer `tp_rank` (every writer sends every bucket, scratch after a failure: the update is
+        then aborted at the next control message)."""
+        if tp_rank == 0:
+            self.group.broadcast_json(0, {"bucket": k})
         self.group.broadcast_weights(tp_rank, data)
+
+    def abort(self, rank: int, why: str) -> None:
+        if rank == 0:
+            self.group.broadcast_json(0, {"abort": why})
 
     def end(self, expected: torch.Tensor, rank: int) -> None:
         if rank >= self.tp:
             return
+        if rank == 0:
+            self.group.broadcast_json(0, {"end": True})
         self.group.broadcast(rank, expected.double().cpu().contiguous())
         if rank == 0:
             oks = self.group.all_values(1.0)
@@ -66,9 +83,12 @@ class GroupLink:
             self.group.broadcast_json(0, {"stop": True})
 
 
-def pod_link(etcd: Etcd, dims: ParallelDims, *, host: str, tp: int, pods: int, wait_s: float) -> GroupLink:
+def pod_link(etcd: Etcd, dims: ParallelDims, *, host: str, tp: int, pods: int, wait_s: float,
+             op_timeout_s: float) -> GroupLink:
     """Trainer side, every rank: writer 0 hosts the groups' store and publishes it in etcd; the writers join
-    (blocking until every other pod's receiver has joined, `sidecar.pod_wait_s` at most)."""
+    (blocking until every other pod's receiver has joined, `sidecar.pod_wait_s` at most). Each later operation of
+    the group may take `op_timeout_s` (`sidecar.pod_timeout_s`: a pod waits a whole training step for the next
+    update; a stalled update is caught sooner by the rings' `sidecar.update_timeout_s`)."""
     store = None
     if dims.rank == 0:
         store = pod_store(host, 0, member=0, tp=tp, pods=pods, timeout_s=wait_s)
@@ -79,7 +99,8 @@ def pod_link(etcd: Etcd, dims: ParallelDims, *, host: str, tp: int, pods: int, w
         return GroupLink(None, tp)
     store = store or pod_store(host, port, member=dims.rank, tp=tp, pods=pods, timeout_s=wait_s)
     device = payload_device_for(cuda=torch.cuda.is_available(), local_rank=dims.local_rank)
-    return GroupLink(PodGroup(store, member=dims.rank, tp=tp, pods=pods, timeout_s=wait_s, payload_device=device), tp)
+    return GroupLink(PodGroup(store, member=dims.rank, tp=tp, pods=pods, timeout_s=op_timeout_s,
+                              payload_device=device), tp)
 
 
 class PodReceiver:
@@ -112,11 +133,15 @@ class PodReceiver:
         self.http.begin(self.sidecar.server)
         failed = ""
         for k in range(len(manifests[0].buckets)):
+            if (why := self.group.broadcast_json(0).get("abort")) is not None:
+                return self._aborted(version, why)
             self.seq += 1
             for r, (ring, m) in enumerate(zip(self.rings, manifests, strict=True)):
                 failed = self._receive_bucket(r, ring, m, k, failed)
             if not failed:
                 self.http.bucket(self.seq, k)
+        if (why := self.group.broadcast_json(0).get("abort")) is not None:
+            return self._aborted(version, why)
         failed = failed or self.http.finish()
         ok = not failed
         for r, (ring, m) in enumerate(zip(self.rings, manifests, strict=True)):
@@ -136,6 +161,18 @@ class PodReceiver:
         self.group.all_values(float(ok))
         self.updates += 1
         return ok
+
+    def _aborted(self, version: str, why: str) -> bool:
+        """The trainer abandoned the update: drop it. The server's weights are partly new under the old label, so it
+        stays paused (its requests aborted) and out of dispatch until a full verified update lands."""
+        self.http.error(wait=True)  # let the buckets already asked for finish (their errors do not matter now)
+        self.sidecar.withdraw()
+        if error := self.http.end(ok=False):
+            log.warning("pod %d after the abandoned update %s: %s", self.sidecar.pod, version, error)
+        log.warning("pod %d: the trainer abandoned update %s (%s); withdrawn until the next one", self.sidecar.pod,
+                    version, why)
+        self.updates += 1
+        return False
 
     def _receive_bucket(self, r: int, ring: ShmRing, m: Manifest, k: int, failed: str) -> str:
         """Bucket k of TP rank r from the trainer into a free slot (into scratch once the update failed: the

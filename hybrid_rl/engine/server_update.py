@@ -32,6 +32,7 @@ class ServerUpdate:
         self.pending: list[Future] = []
         self.server: VLLMServer | None = None
         self._ring_files = 0  # bumped when the ring's files change: the server must map them again
+        self._open = False  # a weight-update session is open on the server
 
     def reinit(self) -> None:
         """The ring's files changed: the server must map them again."""
@@ -51,6 +52,7 @@ class ServerUpdate:
             server.transfer_key = key
         server.post("/pause?mode=keep", timeout_s=self.timeout_s)
         server.post("/start_weight_update", timeout_s=self.timeout_s)
+        self._open = True  # vLLM refuses the next start until this session is finished
 
     def bucket(self, seq: int, k: int) -> None:
         """Ask the server to load bucket `k` (ring sequence number `seq`) once it is in its slot."""
@@ -66,8 +68,12 @@ class ServerUpdate:
 
     def finish(self) -> str:
         """Finish the update (the server writes its verification reports); the session's first error, if any."""
-        self.pending.append(self.pool.submit(self.server.post, "/finish_weight_update", timeout_s=self.timeout_s))
+        self.pending.append(self.pool.submit(self._finish))
         return self.error(wait=True)
+
+    def _finish(self) -> None:
+        self.server.post("/finish_weight_update", timeout_s=self.timeout_s)
+        self._open = False
 
     def stamp(self, version: str) -> None:
         """After verification: the server's weights are `version` (and it says so)."""
@@ -77,25 +83,45 @@ class ServerUpdate:
 
     def end(self, *, ok: bool) -> str:
         """Resume generation after the update, the prefix cache reset (running requests recompute their KV). After
-        a failed update the requests in flight are aborted instead (their callers see them fail and send them
-        again): no token comes from weights that were not verified. Returns "" or why the server did not answer
-        (a dead server resumes nothing; a restarted one starts unpaused with an empty cache)."""
+        a failed update the requests in flight are aborted (their callers see them fail and send them again) and
+        the server stays paused: its weights are partly the new ones under the old version label, so nothing may
+        be sampled from it until a full verified update lands (the next one pauses, loads, stamps and resumes it;
+        its owner also withdraws it from dispatch). Returns "" or why the server did not answer (a dead server
+        resumes nothing; a restarted one starts unpaused, from dummy weights, with no version)."""
         if self.server is None:
             return ""
-        # Preempting the running requests frees their blocks, so the reset cannot fail on them; an abort clears it all.
-        first = "/reset_prefix_cache?reset_running_requests=true" if ok else "/pause?mode=abort"
+        if not ok:
+            return self.pool.submit(self._abandon).result()
+        # Preempting the running requests frees their blocks, so the reset cannot fail on them.
         problem = ""
         try:
-            answer = self.pool.submit(self.server.post, first, timeout_s=self.timeout_s).result()
-            if ok and not answer.get("success", False):
+            answer = self.pool.submit(self.server.post, "/reset_prefix_cache?reset_running_requests=true",
+                                      timeout_s=self.timeout_s).result()
+            if not answer.get("success", False):
                 problem = "the server did not reset its prefix cache: new requests may reuse KV of the old weights"
         except Exception as e:  # noqa: BLE001 - reported; resuming matters more (a paused server hangs its callers)
-            problem = f"{first}: {e}"
+            problem = f"/reset_prefix_cache: {e}"
         try:
             self.pool.submit(self.server.post, "/resume", timeout_s=self.timeout_s).result()
         except Exception as e:  # noqa: BLE001 - reported; the caller's own error (if any) says more
             return f"{problem}; {e}" if problem else str(e)
         return problem
+
+    def _abandon(self) -> str:
+        """After a failed update: close the server's session (vLLM refuses the next start while one is open), abort
+        its requests and leave it paused. A server that cannot do that is stopped: its owner restarts it from
+        dummy weights before the next update (`Sidecar.ensure_running`)."""
+        if not self.server.running():
+            return ""
+        try:
+            if self._open:
+                self._finish()  # what landed so far stays in place; the next update overwrites all of it
+            self.server.post("/pause?mode=abort", timeout_s=self.timeout_s)
+            return ""
+        except Exception as e:  # noqa: BLE001 - reported; the caller's own error says more
+            self.server.stop()
+            self._open = False
+            return f"could not close the abandoned update ({e}): server stopped, to be restarted from dummy weights"
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

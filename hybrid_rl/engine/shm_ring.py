@@ -152,14 +152,33 @@ class ShmRing:
         self.namespace, self.tp_rank, self.slots, self.slot_bytes = namespace, tp_rank, slots, slot_bytes
         self.paths = ring_paths(namespace, tp_rank, slots, shm_dir)
         self.owner = create
+        if create:  # tmpfs allocates on write: a ring that does not fit would kill the writer with SIGBUS later
+            have = sum(p.stat().st_size for p in self.paths.values() if p.exists())
+            check_space(slots * (slot_bytes + 16) - have, Path(shm_dir), f"the shared-memory ring {namespace}-tp{tp_rank}")
         self.ctl = _map(self.paths["ctl"], slots * 2 * 8, create=create).view(torch.int64).view(slots, 2)
         self.buffers = [_map(self.paths[f"slot{s}"], slot_bytes, create=create) for s in range(slots)]
         if create:
             self.ctl.zero_()
+        self.pinned: list[torch.Tensor] = []
         if pin:  # CUDA: page-locked, so copies to and from the GPU are DMA
-            for b in self.buffers:
-                torch.cuda.cudart().cudaHostRegister(b.data_ptr(), b.numel(), 0)
-        self.pinned = pin
+            self._pin()
+
+    def _pin(self) -> None:
+        cudart = torch.cuda.cudart()
+        for b in self.buffers:
+            rc = cudart.cudaHostRegister(b.data_ptr(), b.numel(), 0)
+            if int(getattr(rc, "value", rc)) != 0:  # cudaSuccess; any other code leaves the pages pageable
+                self._unpin()
+                raise RuntimeError(f"cudaHostRegister of {b.numel()} bytes of {self.paths['ctl'].name[:-4]} failed "
+                                   f"with CUDA error {rc}: the locked-memory limit (ulimit -l) or the host memory is "
+                                   "too small for sidecar.slots x rollout.bucket_mb")
+            self.pinned.append(b)
+
+    def _unpin(self) -> None:
+        cudart = torch.cuda.cudart()
+        for b in self.pinned:
+            cudart.cudaHostUnregister(b.data_ptr())
+        self.pinned = []
 
     @classmethod
     def open_reader(cls, namespace: str, tp_rank: int, *, shm_dir: Path = SHM_DIR, pin: bool = False) -> ShmRing:
@@ -246,14 +265,33 @@ class ShmRing:
 
     def close(self) -> None:
         if self.pinned:
-            for b in self.buffers:
-                torch.cuda.cudart().cudaHostUnregister(b.data_ptr())
-        self.buffers, self.pinned = [], False
+            self._unpin()
+        self.buffers = []
         if self.owner:
             for p in self.paths.values():
                 p.unlink(missing_ok=True)
             for key in ("report", "manifest"):
                 self.paths[key].with_name(self.paths[key].name + ".tmp").unlink(missing_ok=True)
+
+
+class ShmSpaceError(RuntimeError):
+    """/dev/shm has less room than the rings need."""
+
+
+def shm_free_bytes(shm_dir: Path = SHM_DIR) -> int:
+    st = os.statvfs(shm_dir)
+    return st.f_bavail * st.f_frsize
+
+
+def check_space(nbytes: int, shm_dir: Path = SHM_DIR, what: str = "the checkpoint engine's rings") -> None:
+    """ShmSpaceError naming the size needed and the settings to change, when `shm_dir` has less than `nbytes` free."""
+    free = shm_free_bytes(shm_dir)
+    if nbytes > free:
+        raise ShmSpaceError(
+            f"{what} needs {nbytes / 2**20:.0f} MiB of shared memory in {shm_dir}, which has {free / 2**20:.0f} MiB "
+            "free (containers often get 64 MiB): give it more (docker run --shm-size=..., a Kubernetes emptyDir with "
+            "medium: Memory on /dev/shm) or need less: the rings hold sidecar.slots buckets of rollout.bucket_mb per "
+            "server TP rank, so lower rollout.bucket_mb or sidecar.slots")
 
 
 def _wait(ready, timeout_s: float, what: str, aborted=None) -> None:

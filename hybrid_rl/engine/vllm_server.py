@@ -31,6 +31,7 @@ from pathlib import Path
 
 import requests
 
+from hybrid_rl.engine.shm_reclaim import ShmReclaimer, group_pids
 from hybrid_rl.engine.vllm_plugin import BACKEND
 
 SERVED_MODEL = "policy"  # the name every sidecar serves its model under (requests name it)
@@ -61,6 +62,8 @@ class ServerSpec:
     sleep_mode: bool = False  # CUDA
     max_num_seqs: int = 256
     cuda: bool = False
+    devices: tuple[int, ...] = ()  # CUDA: the GPUs of its TP group (`CUDA_VISIBLE_DEVICES`); () = inherited
+    cpus: tuple[int, ...] = ()  # CPU, TP > 1: the cores its TP workers are bound to; () = this process's
 
     @property
     def url(self) -> str:
@@ -96,13 +99,28 @@ def server_command(spec: ServerSpec) -> list[str]:
     return cmd
 
 
-def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
+def server_env(spec: ServerSpec | None = None, base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     env["VLLM_SERVER_DEV_MODE"] = "1"  # the RL endpoints
     # The trainer runs vLLM in-process; a server runs its engine core in its own process, as vLLM intends.
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    if spec is not None and spec.cuda and spec.devices:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec.devices))
+    if spec is not None and not spec.cuda and spec.tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind(spec.tp, spec.cpus or tuple(sorted(os.sched_getaffinity(0))))
     return env
+
+
+def cpu_bind(tp: int, cpus: tuple[int, ...]) -> str:
+    """vllm-cpu's `VLLM_CPU_OMP_THREADS_BIND` for a TP-`tp` server on `cpus`. Its default (`auto`) binds TP worker r
+    to NUMA node r and refuses to start with fewer NUMA nodes than workers ("Not enough allowed NUMA nodes"), which
+    is every one-socket machine: split the cores between the workers instead (`0,1|2,3`), or leave the threads
+    unbound (`nobind`) when there are fewer cores than workers. A value set by the user is kept."""
+    if len(cpus) < tp:
+        return "nobind"
+    per = len(cpus) // tp
+    return "|".join(",".join(map(str, cpus[i * per:(i + 1) * per])) for i in range(tp))
 
 
 def port_free(host: str, port: int) -> bool:
@@ -139,6 +157,7 @@ class VLLMServer:
         self._spawned_at = 0.0
         self._announced = False
         self.transfer_key: tuple | None = None  # which writer's ring the server's transfer backend maps now
+        self.shm = ShmReclaimer()  # what its processes create in /dev/shm (a SIGKILL leaves it there)
 
     @property
     def url(self) -> str:
@@ -158,17 +177,20 @@ class VLLMServer:
         Path(self.spec.log_path).parent.mkdir(parents=True, exist_ok=True)
         logf = open(self.spec.log_path, "ab")  # noqa: SIM115 - the child keeps it
         try:
-            self.proc = subprocess.Popen(_die_with_parent(server_command(self.spec)), env=server_env(), stdout=logf,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(_die_with_parent(server_command(self.spec)), env=server_env(self.spec),
+                                         stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
         finally:
             logf.close()
         self.starts += 1
         self._spawned_at = time.monotonic()
+        self.shm.started(self.proc.pid)
 
     def wait_ready(self, *, timeout_s: float) -> None:
         while not self.healthy():
+            self.shm.scan()
             if self.proc is None or self.proc.poll() is not None:
                 code = None if self.proc is None else self.proc.returncode
+                self.stop()  # its workers, and what they left in /dev/shm
                 raise ServerError(f"the vLLM server exited with code {code} while starting "
                                   f"({' '.join(server_command(self.spec))}); its log ends:\n{self.log_tail()}")
             if time.monotonic() - self._spawned_at > timeout_s:
@@ -196,6 +218,7 @@ class VLLMServer:
         """SIGTERM to the server's process group (API server, engine core, workers), SIGKILL after `timeout_s`."""
         if self.proc is None:
             return
+        self.shm.scan()
         if self.proc.poll() is None:
             _signal_group(self.proc.pid, signal.SIGTERM)
             try:
@@ -204,6 +227,8 @@ class VLLMServer:
                 _signal_group(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         _signal_group(self.proc.pid, signal.SIGKILL)  # stragglers of the group (workers)
+        _wait_group(self.proc.pid)
+        self.shm.reclaim()
         self.proc = None
         self._announced = False
 
@@ -243,6 +268,13 @@ def _die_with_parent(cmd: list[str]) -> list[str]:
     server (SIGKILL, out of memory) leaves no server behind; vLLM's API server then stops its engine core."""
     setpriv = shutil.which("setpriv")
     return [setpriv, "--pdeathsig", "TERM", *cmd] if setpriv else cmd
+
+
+def _wait_group(pgid: int, timeout_s: float = 10.0) -> None:
+    """Until no process of the group is left (a SIGKILLed process takes a moment to go)."""
+    deadline = time.monotonic() + timeout_s
+    while group_pids(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _signal_group(pid: int, sig: int) -> None:

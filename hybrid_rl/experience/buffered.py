@@ -133,7 +133,8 @@ class BufferedSource:
 
     def _request(self, key: int) -> Request:
         g, j = self.book.live[key // self.s.n], key % self.s.n
-        return Request(key, list(g.record.prompt_ids), request_seed(self.s.seed, g.seed_step, g.seed_group) + j)
+        return Request(key, list(g.record.prompt_ids), request_seed(self.s.seed, g.seed_step, g.seed_group) + j,
+                       affinity=g.gid)  # a group on one server: its prompt in one prefix cache
 
     # -- polling ---------------------------------------------------------------------------------
 

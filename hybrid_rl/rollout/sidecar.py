@@ -4,19 +4,21 @@ checkpoint engine, found in etcd.
 A session (one rollout phase) runs this checklist, every rank together:
 
 1. offload the train state (optimizer, grads) as configured (`offload.actor_*`);
-2. rank 0: the pod's server is healthy (else restarted from dummy weights) and awake (CUDA sleep mode);
-3. update weights: the checkpoint engine reshards the FSDP shards into the server's TP layout, pipelines
-   them through shared memory into the server (and through the pod group to the other pods), verifies
-   them and stamps the new version; rank 0 publishes it in etcd;
+2. the first rank of each TP group that owns a server (its leader): the server is healthy (else restarted
+   from dummy weights) and awake (CUDA sleep mode);
+3. update weights: the checkpoint engine reshards the FSDP shards into the servers' TP layout, pipelines
+   them through shared memory into each of the pod's servers (and through the pod group to the other
+   pods), verifies them and stamps the new version; rank 0 publishes it in etcd;
 4. offload the policy params as configured (the server holds the weights now).
 
 Leaving the session puts the server to sleep (CUDA; vLLM on CPU has no sleep mode: the server keeps its
 weights and KV cache) and reloads the train state.
 
 `generate` is data-parallel over ranks *and* servers: rank r sends the requests of samples `uid % W == r`
-to the servers etcd lists at the current version (round robin), many in flight, and holds exactly those
-samples. A failed request (a server died, or was withdrawn) is not fatal: the ranks agree that some
-failed, rank 0 restarts its server (other pods restart their own), the current weights are pushed again,
+to the servers etcd lists at the current version (least outstanding tokens, a group's samples on one
+server: `completions.Router`), many in flight, and holds exactly those samples. A failed request (a
+server died, or was withdrawn) is not fatal: the ranks agree that some failed, each leader restarts its
+server if it died (other pods restart their own), the current weights are pushed again,
 and only the failed samples are sent again; after `sidecar.max_restarts` such rounds the run stops.
 Seeds depend only on the step and the sample, so which rank or server generates a sample changes nothing.
 
@@ -30,6 +32,7 @@ hold skips the update.
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -39,15 +42,15 @@ from typing import TypeVar
 import torch
 
 from hybrid_rl.data import PromptRecord
-from hybrid_rl.dist.collectives import all_reduce_max, broadcast_object
-from hybrid_rl.dist.etcd import Etcd, EtcdUnavailable
+from hybrid_rl.dist.collectives import all_gather_object, all_reduce_max, broadcast_object
+from hybrid_rl.dist.etcd import Etcd, EtcdUnavailable, Registration
 from hybrid_rl.dist.mesh import ParallelDims
 from hybrid_rl.dist.offload import OffloadManager, grad_tensors, optimizer_tensors, param_tensors
 from hybrid_rl.engine.checkpoint_engine import CheckpointEngine
-from hybrid_rl.engine.completions import CompletionClient, Request
+from hybrid_rl.engine.completions import CompletionClient, Request, Router
 from hybrid_rl.engine.hybrid import WeightSource
 from hybrid_rl.engine.pod_link import GROUP_KEY
-from hybrid_rl.engine.reshard import SourceParam
+from hybrid_rl.engine.reshard import SourceParam, WeightSyncError
 from hybrid_rl.engine.sidecar_server import Sidecar
 from hybrid_rl.engine.vllm_engine import Generation, Sampling
 from hybrid_rl.engine.vllm_server import ServerError
@@ -76,7 +79,8 @@ class SidecarRollout:
     def __init__(self, *, policy: torch.nn.Module, optimizer: torch.optim.Optimizer | None, dims: ParallelDims,
                  weights: WeightSource, engine: CheckpointEngine, sidecar: Sidecar | None, etcd: Etcd,
                  client: CompletionClient, stream: CompletionClient, offload: OffloadManager, options: SidecarOptions,
-                 tokenizer, settings: SamplingSettings, seed: int, sharded: bool):
+                 tokenizer, settings: SamplingSettings, seed: int, sharded: bool, private_etcd=None,
+                 run_id: str = "", announcement: Registration | None = None):
         self.policy, self.optimizer, self.dims, self.weights = policy, optimizer, dims, weights
         self.engine, self.sidecar, self.etcd, self.client, self.stream = engine, sidecar, etcd, client, stream
         self.offload, self.options, self.settings, self.seed, self.sharded = offload, options, settings, seed, sharded
@@ -87,6 +91,12 @@ class SidecarRollout:
         self.policy_of: dict[str, int] = {}  # weight version -> policy version, for the tokens' spans
         self._report = SyncReport()
         self._active = False
+        self.router = Router()
+        self.private_etcd = private_etcd  # rank 0 of a one-pod run given no sidecar.etcd: stopped at close
+        # Every key is under the run's prefix and every weight version is "<run id>-v<n>": a server of another run
+        # (same output folder name, same etcd) is never listed at our version, and tokens it sampled are refused.
+        self.run_id = run_id
+        self.announcement = announcement  # rank 0: the run announced to rollout-only pods (closed at close)
 
     # -- the session -----------------------------------------------------------------------------
 
@@ -97,13 +107,15 @@ class SidecarRollout:
         self._offload("actor.optim", optimizer_tensors(self.optimizer) if self.optimizer else [], o.offload_optim)
         self._offload("actor.grads", grad_tensors(self.policy), o.offload_grads)
         try:
-            self._rank0("starting the pod's vLLM server", self._wake)
+            self._leaders("starting the pod's vLLM servers", self._wake)
             seconds, nbytes = 0.0, 0
-            if version is None or version != self.policy_version or not self._rank0("checking the server", self._holds):
+            if version is None or version != self.policy_version or \
+                    not all(self._leaders("checking the servers", self._holds)):
                 self.versions += 1
                 self.policy_version = version if version is not None else self.policy_version
-                self.policy_of[f"v{self.versions}"] = -1 if self.policy_version is None else self.policy_version
-                push = self._push_recovering(f"v{self.versions}")
+                label = f"{self.run_id}-v{self.versions}" if self.run_id else f"v{self.versions}"
+                self.policy_of[label] = -1 if self.policy_version is None else self.policy_version
+                push = self._push_recovering(label)
                 seconds, nbytes = push.seconds, push.bytes_written
             self._offload("actor.params", param_tensors(self.policy), o.offload_params)
             self._report = SyncReport(seconds, time.perf_counter() - t0 - seconds, nbytes)
@@ -112,7 +124,7 @@ class SidecarRollout:
         finally:
             self._active = False
             if self.sidecar is not None and o.sleep and self.sidecar.server.healthy():
-                self.sidecar.sleep(o.sleep_level)
+                self.sidecar.sleep(o.sleep_level)  # each leader its own server
             for name in ("actor.params", "actor.grads", "actor.optim"):
                 self.offload.reload(name)
 
@@ -120,8 +132,12 @@ class SidecarRollout:
         self.offload.offload(name, tensors, target)
 
     def _holds(self) -> bool:
-        """Rank 0: its pod's server is up and holds the weights last pushed."""
+        """A leader: its server is up and holds the weights last pushed (other ranks: True)."""
         return self.sidecar is None or (self.sidecar.server.healthy() and self.sidecar.version == self.version)
+
+    def _withdraw(self) -> None:
+        if self.sidecar is not None:
+            self.sidecar.withdraw()
 
     def _wake(self) -> None:
         if self.sidecar is not None:
@@ -134,24 +150,32 @@ class SidecarRollout:
         for attempt in range(self.options.max_restarts + 1):
             try:
                 return self._push(version)
+            except WeightSyncError:
+                self._leaders("withdrawing the servers of the failed update", self._withdraw)
+                raise
             except ServerError as e:
+                # The servers of a failed update hold partly new weights under the old label, paused: out of dispatch
+                # until a full verified update lands.
+                self._leaders("withdrawing the servers of the failed update", self._withdraw)
                 if attempt == self.options.max_restarts:
                     raise RolloutError(f"weight update {version} failed {attempt + 1} times: {e}") from None
                 log.warning("weight update %s failed (%s); restarting the server and updating again", version, e)
-                self._rank0("restarting the pod's vLLM server", self._wake)
+                self._leaders("restarting the pod's vLLM servers", self._wake)
 
     def _push(self, version: str):
-        """Every rank: the checkpoint engine's update; rank 0 then marks its server and publishes the version."""
+        """Every rank: the checkpoint engine's update; the leaders then mark their servers and rank 0 publishes the
+        version."""
         sources = [SourceParam(name, local, shape) for name, local, shape in self.weights.weights()
                    if not self.engine.layout.skip(name)]
         rep = self.engine.push(sources, version, sharded=self.sharded)
-        self._rank0("publishing the weight version in etcd", lambda: self._publish(version))
+        self._leaders("publishing the weight version in etcd", lambda: self._publish(version))
         self.version = version
         return rep
 
     def _publish(self, version: str) -> None:
         if self.sidecar is not None:
             self.sidecar.loaded(version)
+        if self.dims.rank == 0:
             self.etcd.put("version", {"version": version, "update": self.engine.updates - 1})
 
     def _rank0(self, what: str, fn: Callable[[], T]) -> T:
@@ -168,6 +192,20 @@ class SidecarRollout:
             raise RolloutError(f"{what} failed on rank 0: {error}")
         return result
 
+    def _leaders(self, what: str, fn: Callable[[], T]) -> list[T]:
+        """`fn()` on every rank (it acts on the leaders, which own a server; rank 0 also talks to etcd), the list of
+        results on every rank, or the first error raised on every rank alike."""
+        result, error = None, None
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            error = f"rank {self.dims.rank}: {type(e).__name__}: {e}"
+        results = all_gather_object((result, error))
+        errors = [e for _, e in results if e]
+        if errors:
+            raise RolloutError(f"{what} failed on {errors[0]}")
+        return [r for r, _ in results]
+
     def last_sync(self) -> SyncReport:
         return self._report
 
@@ -180,12 +218,16 @@ class SidecarRollout:
             raise RuntimeError("SidecarRollout.generate() needs a session: use `with rollout.session():`")
         d, sampling = self.dims, self._sampling(greedy)
         total = len(records) * n
-        todo = [Request(u, list(records[u // n].prompt_ids), request_seed(self.seed, step, group_base + u // n) + u % n)
-                for u in range(d.rank, total, d.world)]
+        todo = [Request(u, list(records[u // n].prompt_ids), request_seed(self.seed, step, group_base + u // n) + u % n,
+                        affinity=group_base + u // n) for u in range(d.rank, total, d.world)]
         done = {}
         for attempt in range(self.options.max_restarts + 1):
             results, failed = self.client.run(todo, sampling, self._router())
-            done.update(results)
+            for key, g in results.items():
+                if unknown := [v for v, _, _ in g.weight_spans if v not in self.policy_of]:
+                    failed[key] = f"tokens sampled under weight version {unknown[0]!r}, which this run did not push"
+                else:
+                    done[key] = g
             if not all_reduce_max([float(len(failed))])[0]:
                 break
             if attempt == self.options.max_restarts:
@@ -234,23 +276,31 @@ class SidecarRollout:
         """Every rank: the servers back (restarted if they died) at the current weights."""
         self._recover()
 
-    def _router(self) -> Callable[[Request], str]:
-        """Round robin over the servers etcd lists at the current version (the same list on every rank)."""
-        servers = self._rank0("listing the servers in etcd", self._current_servers)
-        if not servers:
-            return lambda r: "http://server-unavailable.invalid"  # every request fails: the ranks recover
-        return lambda r: servers[r.key % len(servers)]
+    def _router(self) -> Router:
+        """The servers etcd lists at the current version (the same list on every rank; none: every request fails
+        and the ranks recover)."""
+        self.router.set_servers(self._rank0("listing the servers in etcd", self._current_servers))
+        return self.router
 
     def _current_servers(self) -> list[str]:
-        rows = self.etcd.get_prefix("servers")
-        return [v["url"] for _, v in sorted(rows.items()) if v.get("version") == self.version]
+        return servers_at(self.etcd, self.version)
 
     def _recover(self) -> None:
-        """Every rank: restart this pod's server if it died, then push the current weights again (to every pod)."""
-        self._rank0("restarting the pod's vLLM server", self._wake)
+        """Every rank: restart this pod's servers that died; then, only if some server of the run (this pod's or
+        another's) does not hold the current weights, push them again (to every pod: the broadcast is one
+        collective). Failed requests on healthy servers at the current version cost no update."""
+        self._leaders("restarting the pod's vLLM servers", self._wake)
+        if all(self._leaders("checking the servers", self._holds)) and self._rank0("listing the servers in etcd",
+                                                                                   self._all_current):
+            log.info("every server holds weights %s: resending the failed requests without an update", self.version)
+            return
         self.offload.reload("actor.params")
         self._push_recovering(self.version)
         self._offload("actor.params", param_tensors(self.policy), self.options.offload_params)
+
+    def _all_current(self) -> bool:
+        rows = self.etcd.get_prefix("servers")
+        return bool(rows) and all(v.get("version") == self.version for v in rows.values())
 
     def close(self) -> None:
         self.client.close()
@@ -258,12 +308,27 @@ class SidecarRollout:
         self.engine.close()
         if self.sidecar is not None:
             self.sidecar.close()
+        if self.dims.rank == 0:
             try:
                 self.etcd.delete("version")
                 self.etcd.delete(GROUP_KEY)
             except EtcdUnavailable as e:  # stopping because etcd is gone: nothing to clean there
                 log.warning("%s", e)
+        if self.announcement is not None:
+            self.announcement.close()
+        if self.private_etcd is not None:  # (another leader's lease revoke then fails at once: nothing to wait for)
+            self.private_etcd.stop()
+            shutil.rmtree(self.private_etcd.data_dir, ignore_errors=True)
+            for suffix in (".log", ".pid"):
+                self.private_etcd.data_dir.with_suffix(suffix).unlink(missing_ok=True)
 
+
+
+def servers_at(etcd: Etcd, version: str | None) -> list[str]:
+    """The URLs of the servers registered under the run's prefix that hold `version` (run id included: a server of
+    another run never matches)."""
+    rows = etcd.get_prefix("servers")
+    return [v["url"] for _, v in sorted(rows.items()) if version is not None and v.get("version") == version]
 
 
 def _token_versions(g: Generation, policy_of: dict[str, int]) -> torch.Tensor:

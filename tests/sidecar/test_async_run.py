@@ -92,8 +92,10 @@ def test_a_server_killed_mid_generation_loses_no_response_that_reached_the_train
     assert r["finished_before"] > 0 and r["in_flight"] > 0, r
     assert r["server_starts"] == 2 and r["failed"], "the kill hit no request in flight"
     trained = {(record, j): tokens for step in r["batches"].values() for record, j, tokens, *_ in step}
-    lost = [(record, j) for record, j, tokens in r["arrived"] if trained.get((record, j), tokens) != tokens]
-    assert not lost, f"responses that reached the trainer were replaced: {lost}"
+    waiting = set(r["live_at_end"])  # groups the buffer still holds after the last step: trained later
+    lost = [(record, j) for record, j, tokens in r["arrived"] if record not in waiting
+            and trained.get((record, j)) != tokens]
+    assert not lost, f"responses that reached the trainer were not trained (or trained with other tokens): {lost}"
     arrived = {(record, j) for record, j, _ in r["arrived"]}
     assert {(record, j) for record, j in r["failed"]} <= arrived, "failed requests were not sent again"
     for step in r["batches"].values():

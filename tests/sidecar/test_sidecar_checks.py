@@ -51,6 +51,8 @@ def test_bad_sidecar_configuration_fails_before_heavy_work(tiny_models, task_fil
                                               "rollout.tp=3 must divide"),
         "TP larger than the pod": (["rollout.tp=2"], 1, "at most the trainer ranks of its pod (1)"),
         "etcd unreachable": ([f"sidecar.etcd=http://127.0.0.1:{free_port()}"], 1, "is unreachable"),
+        "rings larger than /dev/shm": (["rollout.bucket_mb=100000000"], 1, "of shared memory in /dev/shm"),
+        "no etcd for two pods": (["sidecar.etcd=''", "sidecar.pods=2"], 1, "a private etcd serves one pod"),
     }
     try:
         for case, (overrides, ranks, expected) in cases.items():
@@ -92,3 +94,37 @@ def test_etcd_registration_survives_an_etcd_restart_and_an_outage_ends_in_one_er
             Etcd(etcd.endpoint, "/test_reg", wait_s=60).check()  # start-up: no wait
     finally:
         etcd.start()
+
+
+def test_two_runs_with_the_same_folder_name_on_one_etcd_stay_apart(etcd, tmp_path):
+    """Each run has its own id (kept in its output folder: a resume is the same run) in every key and weight
+    version: run A never lists run B's server, even at B's version number; a pod must be told which run to serve."""
+    from hybrid_rl.build import sidecar_namespace, sidecar_prefix, sidecar_run_id
+    from hybrid_rl.dist.mesh import ParallelDims
+    from hybrid_rl.pod import _live_run
+    from hybrid_rl.rollout.sidecar import servers_at
+
+    dims = ParallelDims(1, 0, 0, 1)
+    cfgs = [load_config("grpo", ["model.path=/m", "data.train_files=[/t.jsonl]", f"sidecar.etcd={etcd.endpoint}",
+                                 f"trainer.output_dir={tmp_path / side / 'run'}"])
+            for side in ("a", "b")]
+    ids = [sidecar_run_id(c, dims) for c in cfgs]
+    assert ids[0] != ids[1] and sidecar_run_id(cfgs[0], dims) == ids[0], "unique, and the same on resume"
+    assert sidecar_prefix(cfgs[0]) == sidecar_prefix(cfgs[1]), "the same folder name"
+    assert sidecar_prefix(cfgs[0], ids[0]) != sidecar_prefix(cfgs[1], ids[1])
+    assert sidecar_namespace(cfgs[0], 0, run_id=ids[0]) != sidecar_namespace(cfgs[1], 0, run_id=ids[1])
+    stores = [Etcd(etcd.endpoint, sidecar_prefix(c, i), wait_s=5) for c, i in zip(cfgs, ids, strict=True)]
+    regs = [Registration(s, "servers/pod0", {"url": f"http://{i}", "version": f"{i}-v1"}, ttl_s=5)
+            for s, i in zip(stores, ids, strict=True)]
+    base = Etcd(etcd.endpoint, sidecar_prefix(cfgs[0]), wait_s=5)
+    announced = [Registration(base, f"runs/{i}", {"run": i}, ttl_s=5) for i in ids]
+    try:
+        assert servers_at(stores[0], f"{ids[0]}-v1") == [f"http://{ids[0]}"]
+        assert servers_at(stores[0], f"{ids[1]}-v1") == []  # B's version is not A's, and B's keys are elsewhere
+        with pytest.raises(RuntimeError, match="sidecar.run_id"):
+            _live_run(base, wait_s=1)
+        announced.pop().close()
+        assert _live_run(base, wait_s=1) == ids[0]
+    finally:
+        for r in regs + announced:
+            r.close()

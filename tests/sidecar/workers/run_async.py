@@ -187,7 +187,10 @@ def server_killed(c, trainer: Trainer) -> dict:
     if watcher is not None:
         watcher.join()
     c.rollout.arrivals = inner
+    # Groups still in the buffer after the last step: their responses arrived but are trained in a later step
+    live_at_end = sorted({g.record.index for g in source.book.live.values()})
     out = {"batches": gathered(batches), "arrived": [x for p in all_gather_object(arrived) for x in p],
+           "live_at_end": live_at_end,
            "failed": [x for p in all_gather_object(failed) for x in p], **killed}
     if c.dims.rank == 0:
         out["server_starts"] = c.rollout.sidecar.server.starts

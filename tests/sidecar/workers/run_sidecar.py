@@ -1,19 +1,25 @@
 """Two GRPO steps in sidecar mode, with faults, checking the servers' greedy generations against HF after each.
 
-Argument: JSON {"overrides": [...], "etcd": {"dir", "port", "peer_port"}}. Rank 0 owns the etcd server's
-life from the start of step 2 on (it stops and restarts it). Per step:
+Argument: JSON {"overrides": [...], "etcd": {"dir", "port", "peer_port"}, "faults": bool (default true)}. Rank 0
+owns the etcd server's life from the start of step 2 on (it stops and restarts it). Per step:
 
 1. a trainer step (its session pushes the new weights to every pod's server through the checkpoint engine);
-2. before step 2: the pod's own server is killed with SIGKILL, and etcd is stopped (restarted 6 s later)
+2. after step 1, in the update of its greedy check, the pod's own server is killed with SIGKILL between two buckets
+   (the update is abandoned on every rank and on the second pod, then retried on a restarted server); before
+   step 2: the pod's own server is killed with SIGKILL, and etcd is stopped (restarted 6 s later, longer than the
+   leases' TTL, without its data: every registration is granted a new lease)
    so the session must restart the server from dummy weights, wait for etcd, and bring every pod to the
    current version before generating;
 3. greedy responses to fixed prompts from the servers (spread over every pod at the current version)
-   against Hugging Face `generate` on the trainer's full weights (gathered from the FSDP shards).
+   against Hugging Face `generate` on the trainer's full weights (gathered from the FSDP shards), and the
+   same prompts sent to each listed server on its own (every server holds the new weights), with the
+   requests each server has served so far (its `/metrics`).
 """
 
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -24,6 +30,7 @@ from hybrid_rl.utils.env import set_runtime_defaults
 
 set_runtime_defaults()
 
+import requests  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: E402
@@ -32,6 +39,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from hybrid_rl.build import build  # noqa: E402
 from hybrid_rl.config import load_config  # noqa: E402
 from hybrid_rl.dist.collectives import all_gather_object, barrier  # noqa: E402
+from hybrid_rl.engine.completions import CompletionClient, Request, Router  # noqa: E402
 from hybrid_rl.train import setup_logging  # noqa: E402
 from hybrid_rl.trainer import Trainer  # noqa: E402
 
@@ -69,7 +77,46 @@ def greedy_check(c, trainer) -> dict:
                             do_sample=False, eos_token_id=stops, pad_token_id=stops[0])
             out["hf"].append(g[0, len(r.prompt_ids):].tolist())
         out["server_version"] = c.rollout.sidecar.server.weight_version()
+        out["served"] = {url: served(url) for url in servers}  # by the trainer's rollouts and the check above
+        out["per_server"] = {}
+        client = CompletionClient(max_inflight=4, timeout_s=300)
+        sampling = c.rollout._sampling(greedy=True)
+        for url in servers:
+            router = Router()
+            router.set_servers([url])
+            done, failed = client.run([Request(i, list(r.prompt_ids), 0) for i, r in enumerate(records)], sampling,
+                                      router)
+            assert not failed, failed
+            out["per_server"][url] = [list(done[i].token_ids) for i in range(len(records))]
+        client.close()
     return out
+
+
+def served(url: str) -> float:
+    """Generation requests the server finished (its Prometheus counter, every finish reason)."""
+    text = requests.get(f"{url}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total{"))
+
+
+def restart_without_data(etcd: EtcdProcess) -> None:
+    shutil.rmtree(etcd.data_dir, ignore_errors=True)
+    etcd.start()
+
+
+def kill_between_buckets(c, result: dict) -> None:
+    """Rank 0: SIGKILL its server (the whole process group) once bucket 0 of the next update has been asked for and
+    before bucket 1 is: the update fails mid-way on every rank, the second pod is mid-update too."""
+    http = c.rollout.engine.http
+    ask = http.bucket
+
+    def bucket(seq: int, k: int) -> None:
+        if k == 1 and not result.get("killed_mid_update"):
+            http.error(wait=True)  # bucket 0 landed
+            os.killpg(c.rollout.sidecar.server.proc.pid, signal.SIGKILL)
+            result["killed_mid_update"] = True
+        ask(seq, k)
+    http.bucket = bucket
 
 
 def main() -> None:
@@ -83,20 +130,25 @@ def main() -> None:
     result = {"steps": []}
     try:
         for step in (1, 2):
-            if step == 2 and c.dims.rank == 0:
+            if step == 2 and c.dims.rank == 0 and args.get("faults", True):
                 os.kill(c.rollout.sidecar.server.proc.pid, signal.SIGKILL)  # the API server; its children linger
                 e = args["etcd"]
                 etcd = EtcdProcess(Path(e["dir"]), e["port"], e["peer_port"])
                 etcd.stop()
-                threading.Timer(6.0, etcd.start).start()
+                # Back after 6 s, twice the leases' TTL, and without its data (a replaced etcd): etcd restores leases
+                # on a plain restart, so only then do the registrations take the re-grant path.
+                threading.Timer(6.0, restart_without_data, args=(etcd,)).start()
                 time.sleep(1.0)
             barrier()
             metrics = trainer.step(step)
+            if step == 1 and c.dims.rank == 0 and args.get("faults", True):
+                kill_between_buckets(c, result)  # the update of the check below: abandoned, retried, recovered
             check = greedy_check(c, trainer)
             check["loss_finite"] = all(v == v for k, v in metrics.items() if k.startswith("actor/"))
             check["logprob_diff_max"] = metrics["rollout/logprob_diff_max"]
             result["steps"].append(check)
         if c.dims.rank == 0:
+            result["private_etcd"] = c.rollout.private_etcd.endpoint if c.rollout.private_etcd else ""
             result["server_starts"] = c.rollout.sidecar.server.starts
             result["warnings"] = captured.lines
     finally:

