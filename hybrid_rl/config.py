@@ -456,6 +456,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"rollout.tools with rollout.mode=colocated needs rollout.tp=1 (got {cfg.rollout.tp}): the TP "
                           "ranks of a vLLM group must send identical requests, and tool results are not yet shared "
                           "between them")
+    if cfg.rollout.environment and cfg.rollout.mode == "sidecar":
+        raise ConfigError("rollout.environment needs rollout.mode=colocated for now (sidecar mode runs rollout.tools "
+                          "only: its trajectories do not yet carry their row to an environment's reset)")
     util = cfg.rollout.gpu_memory_utilization
     if not (isinstance(util, int | float) and 0 <= util <= 1):
         raise ConfigError(f"rollout.gpu_memory_utilization={util!r} must be in (0, 1], or 0 for auto (the GPU memory "
