@@ -49,6 +49,7 @@ from hybrid_rl.model.param_count import Head
 from hybrid_rl.planner import detect_device, plan_for, training_records
 from hybrid_rl.rewards import RewardPool, Rubric, RubricItem, resolve_reward
 from hybrid_rl.rollout.agentic import AgentSetup, MultiTurnRollout
+from hybrid_rl.rollout.agentic_sidecar import MultiTurnSidecar
 from hybrid_rl.rollout.base import RolloutWorker
 from hybrid_rl.rollout.chat_template import TemplateError, ToolSuffix, family_of, with_tools
 from hybrid_rl.rollout.multi_turn import ToolLoop, TurnLimits
@@ -379,7 +380,16 @@ def _private_etcd(cfg: Config, dims: ParallelDims) -> tuple[str, EtcdProcess | N
 
 
 def _sidecar(cfg: Config, dims: ParallelDims, actor: Model, offload: OffloadManager, tokenizer,
-             plan: MemoryPlan) -> SidecarRollout:
+             plan: MemoryPlan) -> SidecarRollout | MultiTurnSidecar:
+    """The sidecar rollout worker; with tools, one multi-turn loop per trajectory against the servers."""
+    inner = _sidecar_plain(cfg, dims, actor, offload, tokenizer, plan)
+    if not uses_tools(cfg):
+        return inner
+    return MultiTurnSidecar(inner, tokenizer, agent_setup(cfg, tokenizer), max_inflight=cfg.sidecar.max_inflight)
+
+
+def _sidecar_plain(cfg: Config, dims: ParallelDims, actor: Model, offload: OffloadManager, tokenizer,
+                   plan: MemoryPlan) -> SidecarRollout:
     """A vLLM server beside the trainer (started here by rank 0, serving after a minute), fed by the checkpoint
     engine; other pods (`python -m hybrid_rl.pod`) get each update through the pod group."""
     r, sc = cfg.rollout, cfg.sidecar

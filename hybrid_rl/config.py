@@ -475,6 +475,9 @@ def validate(cfg: Config) -> None:
                           "ranks of a vLLM group must send identical requests, and tool results are not yet shared "
                           "between them")
     _validate_truncation(cfg.rollout)
+    if cfg.rollout.environment and cfg.rollout.mode == "sidecar":
+        raise ConfigError("rollout.environment needs rollout.mode=colocated for now (sidecar mode runs rollout.tools "
+                          "only: its trajectories do not yet carry their row to an environment's reset)")
     util = cfg.rollout.gpu_memory_utilization
     if not (isinstance(util, int | float) and 0 <= util <= 1):
         raise ConfigError(f"rollout.gpu_memory_utilization={util!r} must be in (0, 1], or 0 for auto (the GPU memory "

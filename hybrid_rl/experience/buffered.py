@@ -42,6 +42,7 @@ from hybrid_rl.engine.completions import Request
 from hybrid_rl.experience.buffer import Book, Group, Plan
 from hybrid_rl.experience.scoring import Ready, Scorer
 from hybrid_rl.experience.source import Experience, Session, SourceSettings, no_signal, sync_metrics
+from hybrid_rl.rollout.agentic import trajectory_metrics
 from hybrid_rl.rollout.base import RolloutError, StreamingRollout
 from hybrid_rl.rollout.exchange import gather_index
 from hybrid_rl.rollout.sampler import request_seed, sample_of
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.02  # while waiting for groups: how often the ranks compare what they hold (one small all-reduce)
 # Channels of the per-poll status tensor [C, groups, n]; the reward functions' parts follow.
-_FINISHED, _SCORED, _TOTAL, _ERRORS, _TIMEOUTS, _PARTS = range(6)
+_FINISHED, _SCORED, _INFRA, _TOTAL, _ERRORS, _TIMEOUTS, _PARTS = range(7)
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,9 @@ class BufferedSource:
         refills = settings.max_sampling_rounds - 1 if settings.dynamic_sampling else 0
         self.book = Book(settings.prompts_per_step, settings.max_staleness, refills)
         self.held: dict[int, Sample] = {}  # key -> this rank's finished sample (uid = key, group = gid)
+        # multi-turn: keys whose tools failed for infrastructure reasons (left out of the batch), trajectory counts
+        self.infra: set[int] = set()
+        self.traj_stats: dict[int, dict[str, float]] = {}
         self.scores: dict[int, tuple[float, ...]] = {}  # key -> (total, errors, timeouts, *parts)
         self.scoring: list[tuple[object, list[int]]] = []  # pool handles in progress, with their keys
         self.score_s = 0.0
@@ -159,7 +163,12 @@ class BufferedSource:
             if g is None:  # cannot happen: a group leaves the book only once all its samples arrived
                 log.warning("rank %d: a response for sample %d of a group no longer in the buffer", self.dims.rank, key)
                 continue
-            self.held[key] = sample_of(key, g.record, a.generation, g.gid, token_versions=a.token_versions)
+            self.held[key] = sample_of(key, g.record, a.generation, g.gid, token_versions=a.token_versions,
+                                       loss_mask=a.loss_mask, extra_fields=a.fields)
+            if a.infra_failed:
+                self.infra.add(key)
+            if a.stats:
+                self.traj_stats[key] = dict(a.stats)
             new.append(key)
         self._score(new)
 
@@ -195,6 +204,7 @@ class BufferedSource:
         for key in self.held:
             row, j = where[key // n], key % n
             table[_FINISHED, row, j] = 1.0
+            table[_INFRA, row, j] = float(key in self.infra)
             if (score := self.scores.get(key)) is not None:
                 table[_SCORED, row, j] = 1.0
                 table[_TOTAL:, row, j] = torch.tensor(score, dtype=torch.float64)
@@ -231,8 +241,9 @@ class BufferedSource:
 
     def _forget(self, gid: int) -> None:
         for key in range(gid * self.s.n, (gid + 1) * self.s.n):
-            for d in (self.held, self.scores):
+            for d in (self.held, self.scores, self.traj_stats):
                 d.pop(key, None)
+            self.infra.discard(key)
 
     # -- the batch out ---------------------------------------------------------------------------
 
@@ -248,11 +259,19 @@ class BufferedSource:
         scores = Scores(t[_TOTAL], {name: t[_PARTS + k] for k, name in enumerate(self.scorer.part_names)},
                         int(t[_ERRORS].sum()), int(t[_TIMEOUTS].sum()), status.score_s / self.dims.world)
         fields = {self.book.live[gid].record.index: self.book.live[gid].record.fields for gid in take}
-        rollout = Rollout(held, gather_index(held, size))
+        stats = [self.traj_stats[k] for gid in take for k in range(gid * n, (gid + 1) * n) if k in self.traj_stats]
+        keep = t[_INFRA] == 0  # multi-turn samples whose tools' infrastructure failed: out of statistics and loss
+        if not keep.all():
+            new_uid = torch.cumsum(keep.long(), 0) - 1
+            held = [s.renumbered(int(new_uid[s.uid])) for s in held if keep[s.uid]]
+            scores = Scores(scores.total[keep], {k: v[keep] for k, v in scores.parts.items()}, scores.errors,
+                            scores.timeouts, scores.seconds)
+            size = int(keep.sum())
+        rollout = Rollout(held, gather_index(held, size), trajectory_metrics(stats))
         for gid in (*take, *plan.drop):
             self._forget(gid)
         self.score_s = 0.0
-        return Experience(rollout, Ready(scores), fields)
+        return Experience(rollout, Ready(scores), fields, dict(rollout.metrics))
 
     def _buffer_metrics(self, plan: Plan, status: Status, v: int) -> dict[str, float]:
         """Staleness of the batch's groups (v - start version: a histogram over 0..k), and the buffer's state:

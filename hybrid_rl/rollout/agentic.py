@@ -25,11 +25,11 @@ from hybrid_rl.engine.vllm_engine import Generation, Sampling
 from hybrid_rl.rollout.base import RolloutError, SyncReport
 from hybrid_rl.rollout.chat_template import ToolSuffix
 from hybrid_rl.rollout.exchange import gather_index
-from hybrid_rl.rollout.multi_turn import LoopStats, ToolLoop
+from hybrid_rl.rollout.multi_turn import ToolLoop
 from hybrid_rl.rollout.sampler import Sampler, request_seed
 from hybrid_rl.rollout.tools import Environment, ToolRunner
 from hybrid_rl.rollout.trajectory import Trajectory
-from hybrid_rl.types import Rollout
+from hybrid_rl.types import Rollout, Sample
 
 log = logging.getLogger(__name__)
 
@@ -77,19 +77,11 @@ class MultiTurnRollout:
         stats = self.setup.loop.run(trajs, envs, self._generate_fn(greedy), seeds)
         loop_s = time.monotonic() - start
         fields = [self._fields(records[i], t, env) for (i, _), t, env in zip(mine, trajs, envs, strict=True)]
-        failed = torch.tensor([i * n + j for (i, j), t in zip(mine, trajs, strict=True) if t.infra_failed],
-                              dtype=torch.int64)
-        size = len(records) * n
-        keep = torch.ones(size, dtype=torch.bool)
-        keep[all_gather_rows(failed)] = False
-        if not keep.any():
-            raise RolloutError(f"every one of the step's {size} trajectories hit a tool infrastructure failure (see the "
-                               "tool errors above); check the tools' services")
-        new_uid = torch.cumsum(keep.long(), 0) - 1
-        held = [t.to_sample(int(new_uid[i * n + j]), group_base + i, records[i].index, f)
-                for (i, j), t, f in zip(mine, trajs, fields, strict=True) if keep[i * n + j]]
-        index = gather_index(held, int(keep.sum()))
-        return Rollout(held, index, loop_metrics(trajs, stats, loop_s))
+        samples = {i * n + j: t.to_sample(i * n + j, group_base + i, records[i].index, f)
+                   for (i, j), t, f in zip(mine, trajs, fields, strict=True)}
+        failed = {i * n + j for (i, j), t in zip(mine, trajs, strict=True) if t.infra_failed}
+        return keep_survivors(samples, failed, len(records) * n, [stats_of(t) for t in trajs],
+                              wall=(stats.tool_seconds, loop_s))
 
     def _start(self, record: PromptRecord) -> tuple[object | None, list[int]]:
         """A new environment for the trajectory (reset with the row), and the prompt ids: the row's, or those of the
@@ -131,22 +123,52 @@ class MultiTurnRollout:
         return generate
 
 
-def loop_metrics(trajs: list[Trajectory], stats: LoopStats, loop_s: float) -> dict[str, float]:
-    """The step's multi-turn metrics, summed over ranks (each rank's trajectories are its own). Collective."""
-    model = sum(t.model_tokens for t in trajs)
-    context = sum(len(t.response_ids) for t in trajs) - model
-    sums = torch.tensor([len(trajs), sum(t.turns for t in trajs), sum(t.tool_calls for t in trajs),
-                         sum(t.tool_calls > 0 for t in trajs), sum(t.malformed_calls for t in trajs),
-                         sum(t.tool_errors for t in trajs), sum(t.tool_timeouts for t in trajs),
-                         sum(t.infra_failed for t in trajs), sum(t.truncated for t in trajs), model, context],
-                        dtype=torch.float64)
-    n, turns, calls, calling, malformed, errors, timeouts, infra, truncated, model, context = \
-        all_reduce(sums).tolist()
-    tool_s, loop_s = all_reduce(torch.tensor([stats.tool_seconds, loop_s], dtype=torch.float64), "max").tolist()
-    n = max(n, 1.0)
-    return {"rollout/turns_mean": turns / n, "rollout/tool_calls_mean": calls / n,
-            "rollout/tool_call_rate": calling / n, "rollout/malformed_calls": malformed,
-            "rollout/tool_errors": errors, "rollout/tool_timeouts": timeouts, "rollout/infra_failed_rate": infra / n,
-            "rollout/budget_truncated_rate": truncated / n, "rollout/model_tokens_mean": model / n,
-            "rollout/context_tokens_mean": context / n, "timing/tool_s": tool_s,
+def stats_of(t: Trajectory) -> dict[str, float]:
+    """One trajectory's counts, as the metrics sum them."""
+    model = t.model_tokens
+    return {"n": 1.0, "turns": t.turns, "tool_calls": t.tool_calls, "calling": float(t.tool_calls > 0),
+            "malformed": t.malformed_calls, "errors": t.tool_errors, "timeouts": t.tool_timeouts,
+            "infra": float(t.infra_failed), "truncated": float(t.truncated), "model_tokens": model,
+            "context_tokens": len(t.response_ids) - model}
+
+
+_KEYS = ("n", "turns", "tool_calls", "calling", "malformed", "errors", "timeouts", "infra", "truncated", "model_tokens",
+         "context_tokens", "tool_s", "generate_s")
+
+
+def trajectory_metrics(stats: list[dict[str, float]], wall: tuple[float, float] | None = None) -> dict[str, float]:
+    """The multi-turn metrics of these trajectories (summed over ranks: each rank passes its own). Collective.
+
+    `wall`: (seconds waiting on tools, seconds of the whole loop) of a lockstep loop (the slowest rank's); without
+    it, the share of tool time is that of the trajectories' own summed tool and generation seconds."""
+    sums = dict(zip(_KEYS, all_reduce(torch.tensor([sum(s.get(k, 0.0) for s in stats) for k in _KEYS],
+                                                   dtype=torch.float64)).tolist(), strict=True))
+    if wall is not None:
+        tool_s, loop_s = all_reduce(torch.tensor(wall, dtype=torch.float64), "max").tolist()
+    else:
+        tool_s, loop_s = sums["tool_s"], sums["tool_s"] + sums["generate_s"]
+    n = sums["n"]
+    if n == 0:
+        return {}
+    return {"rollout/turns_mean": sums["turns"] / n, "rollout/tool_calls_mean": sums["tool_calls"] / n,
+            "rollout/tool_call_rate": sums["calling"] / n, "rollout/malformed_calls": sums["malformed"],
+            "rollout/tool_errors": sums["errors"], "rollout/tool_timeouts": sums["timeouts"],
+            "rollout/infra_failed_rate": sums["infra"] / n, "rollout/budget_truncated_rate": sums["truncated"] / n,
+            "rollout/model_tokens_mean": sums["model_tokens"] / n,
+            "rollout/context_tokens_mean": sums["context_tokens"] / n, "timing/tool_s": tool_s,
             "rollout/tool_time_share": tool_s / loop_s if loop_s > 0 else 0.0}
+
+
+def keep_survivors(samples: dict[int, Sample], failed: set[int], size: int, stats: list[dict[str, float]], *,
+                   wall: tuple[float, float] | None = None) -> Rollout:
+    """The step's rollout from this rank's samples by uid (0..size-1 over all ranks), less those whose tools failed
+    for infrastructure reasons (every rank's), the survivors renumbered 0.. in uid order; with the metrics.
+    Collective."""
+    keep = torch.ones(size, dtype=torch.bool)
+    keep[all_gather_rows(torch.tensor(sorted(failed), dtype=torch.int64))] = False
+    if not keep.any():
+        raise RolloutError(f"every one of the step's {size} trajectories hit a tool infrastructure failure (see the "
+                           "tool errors above); check the tools' services")
+    new_uid = torch.cumsum(keep.long(), 0) - 1
+    held = [s.renumbered(int(new_uid[u])) for u, s in sorted(samples.items()) if keep[u]]
+    return Rollout(held, gather_index(held, int(keep.sum())), trajectory_metrics(stats, wall))

@@ -12,9 +12,10 @@ four methods, so a new deployment is a new class here, not a branch in the train
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -44,6 +45,13 @@ class Arrival:
 
     generation: Generation
     token_versions: torch.Tensor  # [response tokens] int64
+    # multi-turn trajectories (`agentic_sidecar.py`): the loss mask over the response (empty: every token), reward
+    # fields to add to the row's (the tool calls), a tool's infrastructure failure (the sample is then excluded),
+    # and the trajectory's counts for the metrics
+    loss_mask: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
+    fields: Mapping[str, Any] = field(default_factory=dict)
+    infra_failed: bool = False
+    stats: Mapping[str, float] = field(default_factory=dict)
 
 
 class RolloutWorker(Protocol):

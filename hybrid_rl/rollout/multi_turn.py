@@ -28,7 +28,7 @@ from hybrid_rl.rollout.trajectory import Trajectory
 Generate = Callable[[list[list[int]], list[int], list[int]], list[Generation]]
 
 TRUNCATION_MARKER = "\n...[{n} tokens truncated]...\n"
-_TURN_SEED_STRIDE = 1_000_003  # turn t of a trajectory draws with seed + t * stride
+TURN_SEED_STRIDE = 1_000_003  # turn t of a trajectory draws with seed + t * stride
 
 
 @dataclass(frozen=True)
@@ -65,39 +65,44 @@ class ToolLoop:
                 break
             stats.turns += 1
             start = time.monotonic()
-            gens = generate([trajectories[i].context for i in active], [self._turn_budget(trajectories[i]) for i in active],
-                            [seeds[i] + turn * _TURN_SEED_STRIDE for i in active])
+            gens = generate([trajectories[i].context for i in active], [self.turn_budget(trajectories[i]) for i in active],
+                            [seeds[i] + turn * TURN_SEED_STRIDE for i in active])
             stats.generate_seconds += time.monotonic() - start
             pending: list[tuple[int, list[ToolCall], bool]] = []
             for i, g in zip(active, gens, strict=True):
-                t = trajectories[i]
-                t.add_model(list(g.token_ids), list(g.logprobs))
-                if g.finish_reason == "length" and len(t.response_ids) >= lim.max_response_tokens:
-                    t.truncated, t.done = True, True
-                    continue
-                ended = bool(g.token_ids) and int(g.token_ids[-1]) == self.suffix.end_of_turn_id
-                # special tokens kept (Mistral's [TOOL_CALLS] is one), the end-of-turn token not
-                text = self.tokenizer.decode(list(g.token_ids)[: -1 if ended else None], skip_special_tokens=False)
-                calls = self.parser(text)
-                room = lim.max_tool_calls - t.tool_calls
-                if not calls or t.turns >= lim.max_turns or room <= 0:
-                    t.done = True
-                    continue
-                pending.append((i, calls, ended))
+                if (calls := self.model_turn(trajectories[i], g)) is not None:
+                    pending.append((i, *calls))
             if pending:
                 start = time.monotonic()
-                self._answer(trajectories, envs, pending, stats)
+                self.answer(trajectories, envs, pending, stats)
                 stats.tool_seconds += time.monotonic() - start
         for t in trajectories:
             t.done = True
         stats.tool_restarts = self.runner.restarts
         return stats
 
-    def _turn_budget(self, t: Trajectory) -> int:
+    def model_turn(self, t: Trajectory, g: Generation) -> tuple[list[ToolCall], bool] | None:
+        """Append a model turn; (its tool calls, whether it ended on the end-of-turn token) when tools must answer,
+        None when the trajectory ended."""
+        lim = self.limits
+        t.add_model(list(g.token_ids), list(g.logprobs))
+        if g.finish_reason == "length" and len(t.response_ids) >= lim.max_response_tokens:
+            t.truncated, t.done = True, True
+            return None
+        ended = bool(g.token_ids) and int(g.token_ids[-1]) == self.suffix.end_of_turn_id
+        # special tokens kept (Mistral's [TOOL_CALLS] is one), the end-of-turn token not
+        text = self.tokenizer.decode(list(g.token_ids)[: -1 if ended else None], skip_special_tokens=False)
+        calls = self.parser(text)
+        if not calls or t.turns >= lim.max_turns or lim.max_tool_calls - t.tool_calls <= 0:
+            t.done = True
+            return None
+        return calls, ended
+
+    def turn_budget(self, t: Trajectory) -> int:
         left = self.limits.max_response_tokens - len(t.response_ids)
         return min(left, self.limits.max_turn_tokens) if self.limits.max_turn_tokens else left
 
-    def _answer(self, trajectories: Sequence[Trajectory], envs: Sequence[object | None],
+    def answer(self, trajectories: Sequence[Trajectory], envs: Sequence[object | None],
                 pending: list[tuple[int, list[ToolCall], bool]], stats: LoopStats) -> None:
         """Run every pending call of the turn at once; append each trajectory's results as one suffix."""
         requests, owners = [], []

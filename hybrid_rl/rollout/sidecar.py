@@ -239,7 +239,7 @@ class SidecarRollout:
             self._recover()
             todo = [r for r in todo if r.key in failed]
         held = [sample_of(u, records[u // n], done[u], group_base + u // n,
-                          token_versions=_token_versions(done[u], self.policy_of)) for u in sorted(done)]
+                          token_versions=token_versions_of(done[u], self.policy_of)) for u in sorted(done)]
         return Rollout(held, gather_index(held, total))
 
     def _sampling(self, greedy: bool) -> Sampling:
@@ -266,7 +266,7 @@ class SidecarRollout:
             if unknown:
                 failed[key] = f"tokens sampled under weight version {unknown[0]!r}, which this trainer did not push"
                 continue
-            out[key] = Arrival(g, _token_versions(g, self.policy_of))
+            out[key] = Arrival(g, token_versions_of(g, self.policy_of))
         return out, failed
 
     def in_flight(self) -> int:
@@ -331,7 +331,7 @@ def servers_at(etcd: Etcd, version: str | None) -> list[str]:
     return [v["url"] for _, v in sorted(rows.items()) if version is not None and v.get("version") == version]
 
 
-def _token_versions(g: Generation, policy_of: dict[str, int]) -> torch.Tensor:
+def token_versions_of(g: Generation, policy_of: dict[str, int]) -> torch.Tensor:
     """[response tokens] int64: the policy version of each token, from the server's weight-version spans."""
     if not g.weight_spans:
         return torch.zeros(0, dtype=torch.int64)

@@ -78,7 +78,9 @@ def test_python_tool_runs_in_the_sandbox_bounded(runner):
     out = runner.run(_calls(("python", {"code": "print(12345 * 6789)"}), ("python", {"code": "while True: pass"}),
                             ("python", {"code": "1/0"})))
     assert out[0].status == "ok" and out[0].text.strip() == str(12345 * 6789)
-    assert "ran out of time" in out[1].text and "ZeroDivisionError" in out[2].text
+    # the sandbox's own limit ends the loop, or (on a loaded machine) the worker's, a moment later: bounded either way
+    assert "ran out of time" in out[1].text or out[1].status == "timeout"
+    assert "ZeroDivisionError" in out[2].text
 
 
 def test_long_tool_results_are_cut_in_the_middle_with_a_marker(runner):

@@ -1,0 +1,177 @@
+"""Multi-turn rollouts with tools on the sidecar servers: one loop per trajectory, many in flight.
+
+`rollout.mode=sidecar` with `rollout.tools`: `build.py` wraps the `SidecarRollout` in `MultiTurnSidecar`, a
+`StreamingRollout` like it, so the experience buffer (synchronous at `rollout.max_staleness=0`, asynchronous above)
+streams whole trajectories as it streams single responses. Each submitted request becomes a thread that plays the
+trajectory (`multi_turn.ToolLoop.model_turn` / `answer`): every turn is a token-in/token-out request to
+`/inference/v1/generate` on the same server (the request key picks it: its prefix cache holds the conversation),
+and tool calls go to a `ToolBatcher` that runs the waiting calls of all trajectories together, while the others
+keep generating. Every model token keeps the policy version that sampled it (the server's weight-version spans of
+its turn), across turns and weight updates; context tokens take their turn's last version (they are not trained).
+
+A request that fails (a server lost) fails the trajectory: the buffer recovers the servers and sends it again from
+its start. A tool's infrastructure failure ends the trajectory and marks its arrival; the buffer leaves it out of
+the batch (`rollout/infra_failed_rate`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import torch
+
+from hybrid_rl.data import PromptRecord
+from hybrid_rl.engine.completions import Request
+from hybrid_rl.engine.vllm_engine import Generation, Sampling
+from hybrid_rl.rollout.agentic import AgentSetup, keep_survivors, stats_of
+from hybrid_rl.rollout.base import Arrival, RolloutError, SyncReport
+from hybrid_rl.rollout.multi_turn import TURN_SEED_STRIDE
+from hybrid_rl.rollout.sampler import request_seed, sample_of
+from hybrid_rl.rollout.sidecar import SidecarRollout, token_versions_of
+from hybrid_rl.rollout.tools.batcher import ToolBatcher
+from hybrid_rl.rollout.trajectory import Trajectory
+from hybrid_rl.types import Rollout
+
+log = logging.getLogger(__name__)
+_WAIT_S = 0.02
+
+
+class MultiTurnSidecar:
+    """The sidecar rollout worker with tools (`rollout.mode=sidecar` + `rollout.tools`)."""
+
+    def __init__(self, inner: SidecarRollout, tokenizer, setup: AgentSetup, *, max_inflight: int):
+        self.inner, self.tokenizer, self.setup = inner, tokenizer, setup
+        self.batcher = ToolBatcher(setup.runner)
+        self.loop = replace_runner(setup.loop, self.batcher)
+        self.pool = ThreadPoolExecutor(max_inflight, thread_name_prefix="trajectory")
+        self._arrived: queue.SimpleQueue[tuple[int, Arrival | None, str]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._in_flight = 0
+
+    # -- the session and the rest: the sidecar's own ----------------------------------------------
+
+    def session(self, version: int | None = None):
+        return self.inner.session(version)
+
+    def last_sync(self) -> SyncReport:
+        return self.inner.last_sync()
+
+    def recover(self) -> None:
+        self.inner.recover()
+
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.batcher.close()
+        self.inner.close()
+
+    # -- streaming -------------------------------------------------------------------------------
+
+    def submit(self, requests: list[Request], *, greedy: bool = False) -> None:
+        """Start one trajectory per request and return at once. Collective (the servers are listed on rank 0)."""
+        if not self.inner._active:
+            raise RuntimeError("MultiTurnSidecar.submit() needs a session: use `with rollout.session():`")
+        route = self.inner._router()
+        sampling = self.inner._sampling(greedy)
+        for r in requests:
+            with self._lock:
+                self._in_flight += 1
+            self.pool.submit(self._play, r, sampling, route(r))
+
+    def _play(self, r: Request, sampling: Sampling, url: str) -> None:
+        try:
+            arrival, error = self._trajectory(r, sampling, url), ""
+        except Exception as e:  # noqa: BLE001 - a failed request: the buffer recovers and sends it again
+            arrival, error = None, f"{type(e).__name__}: {e}"
+        with self._lock:
+            self._in_flight -= 1
+        self._arrived.put((r.key, arrival, error))
+
+    def _trajectory(self, r: Request, sampling: Sampling, url: str) -> Arrival:
+        t = Trajectory(list(r.prompt))
+        versions: list[torch.Tensor] = []
+        generate_s = tool_s = 0.0
+        client = self.inner.stream
+        for turn in range(self.loop.limits.max_turns):
+            start = time.monotonic()
+            done, failed = client.run([Request(r.key, t.context, r.seed + turn * TURN_SEED_STRIDE)],
+                                      replace(sampling, max_tokens=self.loop.turn_budget(t)), lambda _: url)
+            generate_s += time.monotonic() - start
+            if failed:
+                raise RuntimeError(failed[r.key])
+            g = done[r.key]
+            before = len(t.response_ids)
+            pending = self.loop.model_turn(t, g)
+            turn_versions = token_versions_of(g, self.inner.policy_of)
+            versions.append(turn_versions if turn_versions.numel() else torch.full((len(g.token_ids),), -1))
+            if pending is None:
+                break
+            start = time.monotonic()
+            self.loop.answer([t], [None], [(0, *pending)], _Discard())
+            tool_s += time.monotonic() - start
+            last = versions[-1][-1:] if versions[-1].numel() else torch.tensor([-1])
+            versions.append(last.expand(len(t.response_ids) - before - len(g.token_ids)).clone())
+            if t.done:
+                break
+        t.done = True
+        gen = Generation(0, t.response_ids, t.logprobs, "length" if t.truncated else "stop")
+        token_versions = torch.cat(versions) if versions else torch.zeros(0, dtype=torch.int64)
+        if (token_versions < 0).any():  # the server stamped no versions: none recorded
+            token_versions = torch.zeros(0, dtype=torch.int64)
+        stats = dict(stats_of(t), tool_s=tool_s, generate_s=generate_s)
+        return Arrival(gen, token_versions, torch.tensor(t.loss_mask, dtype=torch.bool), {"tool_calls": list(t.log)},
+                       t.infra_failed, stats)
+
+    def arrivals(self) -> tuple[dict[int, Arrival], dict[int, str]]:
+        done, failed = {}, {}
+        while True:
+            try:
+                key, arrival, error = self._arrived.get_nowait()
+            except queue.Empty:
+                return done, failed
+            if arrival is None:
+                failed[key] = error
+            else:
+                done[key] = arrival
+
+    # -- whole batches (held-out validation) -----------------------------------------------------
+
+    def generate(self, records: list[PromptRecord], *, n: int, step: int, group_base: int,
+                 greedy: bool = False) -> Rollout:
+        """As `SidecarRollout.generate` (rank r plays `uid % world == r`), less infrastructure failures. Collective."""
+        d = self.inner.dims
+        total = len(records) * n
+        mine = range(d.rank, total, d.world)
+        self.submit([Request(u, list(records[u // n].prompt_ids), request_seed(self.inner.seed, step,
+                                                                                 group_base + u // n) + u % n)
+                     for u in mine], greedy=greedy)
+        got: dict[int, Arrival] = {}
+        while len(got) < len(mine):
+            done, failed = self.arrivals()
+            if failed:
+                raise RolloutError(f"multi-turn generation failed: {next(iter(failed.values()))}")
+            got.update(done)
+            time.sleep(_WAIT_S)
+        return keep_survivors(
+            {u: sample_of(u, records[u // n], a.generation, group_base + u // n, token_versions=a.token_versions,
+                          loss_mask=a.loss_mask, extra_fields=a.fields) for u, a in got.items()},
+            {u for u, a in got.items() if a.infra_failed}, total, [a.stats for a in got.values()])
+
+
+class _Discard:
+    """`ToolLoop.answer` wants loop statistics; a lone trajectory keeps its own."""
+
+    def __init__(self):
+        self.per_call_seconds: list[float] = []
+
+
+def replace_runner(loop, runner):
+    """The tool loop with another runner (the batcher): same tokenizer, template, parser and limits."""
+    return type(loop)(loop.tokenizer, loop.suffix, loop.parser, runner, loop.limits)

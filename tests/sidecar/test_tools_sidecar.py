@@ -1,0 +1,50 @@
+"""Multi-turn GRPO with tools in sidecar mode, end to end: a real vLLM server, real etcd, 2 trainer ranks, the python
+tool in its sandbox; synchronous (`rollout.max_staleness=0`) and asynchronous (1). Each trajectory is one loop of
+token-in/token-out requests against the server; the trained ids are those the server sampled (the trainer's
+recomputed log-probs match the server's on the model's tokens), and each token keeps the version that sampled it."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hybrid_rl.dist.etcd_server import EtcdProcess
+from hybrid_rl.dist.mesh import free_port
+from tests.conftest import run_torchrun
+from tests.e2e.conftest import tiny_overrides
+from tests.e2e.test_tools import TOOL_KEYS
+
+pytestmark = pytest.mark.slow
+WORKER = Path(__file__).parents[1] / "e2e" / "workers" / "run_recipes.py"
+
+
+def test_grpo_with_the_tool_loop_in_sidecar_mode_at_staleness_0_and_1(tiny_models, task_files, tmp_path):
+    etcd = EtcdProcess(tmp_path / "etcd")
+    etcd.start()
+    try:
+        runs = []
+        for k in (0, 1):
+            runs.append({"name": f"k{k}", "recipe": "grpo", "overrides": tiny_overrides(
+                tiny_models["qwen2"], task_files, tmp_path / f"k{k}", **{
+                    "rollout.mode": "sidecar", "sidecar.etcd": etcd.endpoint, "sidecar.port": free_port(),
+                    "rollout.kv_cache_gb": 0.125, "rollout.max_staleness": k, "rollout.max_new_tokens": 48,
+                    "data.apply_chat_template": "true", "trainer.micro_batch_tokens": 512,
+                    "rollout.tools": "[python]", "rollout.multi_turn.parser": "tests.e2e.tools:always_python",
+                    "rollout.multi_turn.max_turn_tokens": 6, "rollout.multi_turn.max_turns": 3,
+                    "rollout.multi_turn.tool_workers": 1, "reward.fn": "tests.e2e.rewards:length_parity",
+                    "algorithm.rollout_correction": "tis"})})
+        result = run_torchrun(WORKER, json.dumps(runs), tmp_path=tmp_path, timeout=900)
+    finally:
+        etcd.stop()
+    for k in (0, 1):
+        assert result[f"k{k}"]["ok"], result[f"k{k}"].get("error")
+        lines = [json.loads(x) for x in (tmp_path / f"k{k}" / "metrics.jsonl").read_text().splitlines()]
+        steps = {d["step"]: d for d in lines if "actor/pg_loss" in d}
+        assert set(steps) == {1, 2}, sorted(steps)
+        for m in steps.values():
+            assert TOOL_KEYS <= set(m), sorted(TOOL_KEYS - set(m))
+            assert m["rollout/tool_call_rate"] == 1.0 and m["rollout/turns_mean"] >= 2
+            assert m["rollout/infra_failed_rate"] == 0 and m["rollout/context_tokens_mean"] > 0
+            assert m["rollout/logprob_diff_max"] < 1e-3, m["rollout/logprob_diff_max"]
+        if k == 1:
+            assert "async/staleness_tokens_mean" in steps[2]
