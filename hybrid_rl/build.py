@@ -256,6 +256,9 @@ def _sidecar(cfg: Config, dims: ParallelDims, actor: Model, offload: OffloadMana
     engine; other pods (`python -m hybrid_rl.pod`) get each update through the pod group."""
     r, sc = cfg.rollout, cfg.sidecar
     d = resolve_rollout(r, "cuda" if torch.cuda.is_available() else "cpu")
+    if is_lora(actor.module) and cfg.model.lora.sync == "adapter" and dims.is_main:
+        log.warning("model.lora.sync=adapter is built for colocated mode only: the sidecar's servers get merged "
+                    "weights (as model.lora.sync=merged)")
     etcd = Etcd(sc.etcd, sidecar_prefix(cfg), wait_s=sc.etcd_wait_s)
     sidecar = None
     if dims.rank == 0:
