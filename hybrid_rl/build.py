@@ -34,6 +34,7 @@ from hybrid_rl.engine.checkpoint_engine import CheckpointEngine, PushOptions
 from hybrid_rl.engine.completions import CompletionClient
 from hybrid_rl.engine.hybrid import HybridEngine, ModuleWeights, SwitchOptions
 from hybrid_rl.engine.layout import Layout, ModelDims, check_architecture
+from hybrid_rl.engine.lora_sync import AdapterSync
 from hybrid_rl.engine.pod_link import pod_link
 from hybrid_rl.engine.shm_ring import ShmSpaceError, check_space
 from hybrid_rl.engine.sidecar_server import Sidecar
@@ -41,7 +42,7 @@ from hybrid_rl.engine.vllm_engine import EngineSpec, VLLMEngine
 from hybrid_rl.engine.vllm_server import ServerError, ServerSpec, check_python, port_free
 from hybrid_rl.model.handle import Model
 from hybrid_rl.model.loading import DTYPES, empty_model, enable_activation_checkpointing, load_config, load_tokenizer
-from hybrid_rl.model.lora import LoraWeights, apply_lora, is_lora
+from hybrid_rl.model.lora import BaseWeights, LoraWeights, apply_lora, is_lora
 from hybrid_rl.model.materialize import materialize
 from hybrid_rl.model.memory_plan import MemoryPlan, auto_gpu_memory_utilization, plan_sync_reserve, sync_reserve_bytes
 from hybrid_rl.model.optimizers import build_optimizer
@@ -394,6 +395,9 @@ def _sidecar_plain(cfg: Config, dims: ParallelDims, actor: Model, offload: Offlo
     engine; other pods (`python -m hybrid_rl.pod`) get each update through the pod group."""
     r, sc = cfg.rollout, cfg.sidecar
     d = resolve_rollout(r, "cuda" if torch.cuda.is_available() else "cpu")
+    if is_lora(actor.module) and cfg.model.lora.sync == "adapter" and dims.is_main:
+        log.warning("model.lora.sync=adapter is built for colocated mode only: the sidecar's servers get merged "
+                    "weights (as model.lora.sync=merged)")
     endpoint, private_etcd = _private_etcd(cfg, dims)
     run_id = sidecar_run_id(cfg, dims)
     etcd = Etcd(endpoint, sidecar_prefix(cfg, run_id), wait_s=sc.etcd_wait_s)
@@ -492,19 +496,25 @@ ROLLOUT_CHECKS = {"colocated": _check_colocated, "sidecar": _check_sidecar}
 def _engine(cfg: Config, dims: ParallelDims, actor: Model, offload: OffloadManager, plan: MemoryPlan) -> HybridEngine:
     r = cfg.rollout
     d = resolve_rollout(r, "cuda" if torch.cuda.is_available() else "cpu")  # as the memory planner resolves it
+    adapter_sync = is_lora(actor.module) and cfg.model.lora.sync == "adapter"
     bucket_bytes = int(r.bucket_mb * 2**20)
     spec = EngineSpec(model_path=cfg.model.path, tp=r.tp, dtype=r.dtype,
                       max_model_len=r.max_model_len or cfg.data.max_prompt_tokens + r.max_new_tokens,
                       seed=cfg.trainer.seed, enforce_eager=d.enforce_eager,
                       gpu_memory_utilization=d.gpu_memory_utilization,
                       sync_reserve_bytes=plan_sync_reserve(plan.inputs), kv_cache_gb=d.kv_cache_gb,
-                      sleep_mode=d.release == "sleep", shm_ledger_dir=str(Path(cfg.trainer.output_dir) / "vllm_shm"))
+                      sleep_mode=d.release == "sleep", shm_ledger_dir=str(Path(cfg.trainer.output_dir) / "vllm_shm"),
+                      max_lora_rank=cfg.model.lora.rank if adapter_sync else 0)
     o = cfg.offload
     options = SwitchOptions(bucket_bytes=bucket_bytes, verify=r.verify, probe_cols=r.verify_probe_cols,
                             release=d.release, offload_params=o.actor_params, offload_grads=o.actor_grads,
                             offload_optim=o.actor_optim)
     layout = Layout(ModelDims.from_hf_config(actor.module.config), r.tp)
-    weights = LoraWeights(actor.module) if is_lora(actor.module) else None
+    weights, adapter = (LoraWeights(actor.module) if is_lora(actor.module) else None), None
+    if adapter_sync:
+        weights = BaseWeights(actor.module)
+        adapter = AdapterSync(actor.module, Path(cfg.trainer.output_dir) / "adapter_sync", rank=dims.rank,
+                              dtype=DTYPES[r.dtype])
     return HybridEngine(actor.module, optimizer=actor.optimizer, dims=dims, vllm=VLLMEngine(spec), layout=layout,
                         offload=offload, options=options, device=device(), sync_dtype=DTYPES[r.dtype],
-                        weights=weights)
+                        weights=weights, adapter=adapter)

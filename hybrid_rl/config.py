@@ -28,6 +28,9 @@ class LoraConfig:
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                  "gate_proj", "up_proj", "down_proj"])
+    # adapter: vLLM serves the adapter on the base weights sent once; merged: vLLM gets W + scaling * B @ A.
+    # Colocated mode; sidecar mode always sends merged weights.
+    sync: str = "adapter"
 
 
 @dataclass
@@ -394,6 +397,7 @@ CHOICES = {
     "algorithm.rollout_correction": ("auto", "none", "tis", "mis"),
     "algorithm.rollout_correction_level": ("token", "sequence"),
     "optim.schedule": ("constant", "cosine", "linear"),
+    "model.lora.sync": ("adapter", "merged"),
     "trainer.resume": ("auto", "never"),
     "trainer.memory_check": ("error", "warn"),
     **{f"offload.{k}": ("none", "cpu", "disk")

@@ -158,6 +158,7 @@ def _rollout(cfg: Config, device: DeviceSpec) -> RolloutSpec:
         kv_cache_bytes=None if d.kv_cache_gb is None else int(d.kv_cache_gb * GIB),
         gpu_memory_utilization=d.gpu_memory_utilization, release=d.release, bucket_bytes=int(r.bucket_mb * 2**20),
         max_model_len=r.max_model_len or cfg.data.max_prompt_tokens + r.max_new_tokens,
+        lora_adapter=bool(cfg.model.lora.rank) and cfg.model.lora.sync == "adapter",
     )
 
 

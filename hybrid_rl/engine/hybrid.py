@@ -41,6 +41,7 @@ from hybrid_rl.dist.offload import (
     param_tensors,
 )
 from hybrid_rl.engine.layout import Layout
+from hybrid_rl.engine.lora_sync import AdapterSync
 from hybrid_rl.engine.reshard import (
     ReshardPlan,
     SourceParam,
@@ -121,7 +122,7 @@ class HybridEngine:
     def __init__(
         self, policy: torch.nn.Module, *, optimizer: torch.optim.Optimizer | None, dims: ParallelDims,
         vllm: VLLMEngine, layout: Layout, offload: OffloadManager, options: SwitchOptions, device: torch.device,
-        sync_dtype: torch.dtype, weights: WeightSource | None = None,
+        sync_dtype: torch.dtype, weights: WeightSource | None = None, adapter: AdapterSync | None = None,
     ):
         self.policy, self.optimizer, self.dims = policy, optimizer, dims
         self.vllm, self.layout, self.offload, self.options = vllm, layout, offload, options
@@ -130,6 +131,7 @@ class HybridEngine:
         self.report = SwitchReport()
         self.sync_index = 0
         self.weights = weights or ModuleWeights(policy)
+        self.adapter = adapter  # `model.lora.sync=adapter`: the adapter goes to vLLM by itself after each sync
         self._plans: dict[tuple[str, ...], ReshardPlan] = {}
         self._path: str | None = None
         self._vllm_current = False  # vLLM holds the weights of the last sync (so only changes need sending)
@@ -170,6 +172,9 @@ class HybridEngine:
                 self.vllm.wake_up(["weights"])
         with self._step(rep, "sync_weights"):
             self._sync(rep)
+        if self.adapter is not None:
+            with self._step(rep, "sync_adapter"):
+                rep.bytes_received += self.adapter.publish(self.vllm)
         with self._step(rep, "offload_params"):
             self.offload.offload("actor.params", param_tensors(self.policy), o.offload_params)
         with self._step(rep, "kv_cache_in"):
@@ -210,6 +215,8 @@ class HybridEngine:
             self.enter_train()
         self.vllm.stop()
         self.offload.close()
+        if self.adapter is not None:
+            self.adapter.close()
 
     @contextmanager
     def _step(self, rep: SwitchReport, name: str) -> Iterator[None]:
@@ -246,6 +253,9 @@ class HybridEngine:
 
     def _sync(self, rep: SwitchReport) -> None:
         sources = self._sources()
+        if not sources:  # vLLM holds every weight that can change (LoRA adapter sync: the base, sent once)
+            rep.sync_path = self._path or ""
+            return
         key = tuple(s.name for s in sources)
         plan = self._plans.get(key)
         if plan is None:

@@ -56,6 +56,7 @@ class EngineSpec:
     enable_prefix_caching: bool = True
     sleep_mode: bool = False  # CUDA only
     shm_ledger_dir: str | None = None  # CPU, TP > 1: where each rank records the shared-memory segments it made
+    max_lora_rank: int = 0  # > 0: LoRA enabled (`model.lora.sync=adapter`), adapters up to this rank
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,7 @@ class VLLMEngine:
         self._transfer_path: str | None = None  # the sync path the transfer backend was initialised with
         self._captured: dict[str, int] | None = None  # parameter addresses the CUDA graphs captured
         self._syncs = 0
+        self._adapter = None  # the LoRARequest generation uses (`set_adapter`)
         ledger = spec.shm_ledger_dir and Path(spec.shm_ledger_dir) / f"rank{os.environ.get('RANK', '0')}.json"
         self._shm = ShmLedger(ledger or None)
 
@@ -186,6 +188,9 @@ class VLLMEngine:
             # Log-probs after temperature scaling: what the sampler drew from, and what the trainer recomputes.
             logprobs_mode="processed_logprobs",
         )
+        if s.max_lora_rank:  # one adapter version at a time: each sync replaces it
+            kwargs.update(enable_lora=True, max_lora_rank=lora_slot_rank(s.max_lora_rank), max_loras=1,
+                          max_cpu_loras=1)
         if s.kv_cache_gb is not None:
             kwargs["kv_cache_memory_bytes"] = int(s.kv_cache_gb * GIB)
             _drop_legacy_cpu_kv_setting(s.kv_cache_gb)
@@ -244,7 +249,7 @@ class VLLMEngine:
             return
         vllm_compat.shutdown_keeping_default_group(self.llm)
         self.llm = None
-        self._transfer_path, self._captured = None, None
+        self._transfer_path, self._captured, self._adapter = None, None, None
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -316,8 +321,35 @@ class VLLMEngine:
             for j in range(n)
         ]
         reqs = [{"prompt_token_ids": list(p)} for p in prompts for _ in range(n)]
-        outs = self.llm.generate(reqs, params, use_tqdm=False)
+        outs = self.llm.generate(reqs, params, use_tqdm=False, lora_request=self._adapter)
         return [[_generation(i, outs[i * n + j].outputs[0]) for j in range(n)] for i in range(len(prompts))]
+
+
+    # -- LoRA adapter (`model.lora.sync=adapter`) --------------------------------------------------
+
+    def set_adapter(self, version: int, path: str) -> None:
+        """Load the peft adapter folder `path` as LoRA id `version + 1` and generate with it from now on.
+
+        Loaded now, not at the first request, so that a bad adapter fails the sync; vLLM keeps one adapter
+        (`max_loras=1`), so the previous version goes when this one comes."""
+        from vllm.lora.request import LoRARequest
+
+        from hybrid_rl.engine.reshard import WeightSyncError
+
+        request = LoRARequest(f"policy-v{version}", version + 1, path)
+        engine = self.llm.llm_engine
+        if not engine.add_lora(request) or request.lora_int_id not in engine.list_loras():
+            raise WeightSyncError(f"vLLM did not load adapter version {version} from {path}")
+        self._adapter = request
+
+
+def lora_slot_rank(rank: int) -> int:
+    """The smallest of vLLM's allowed `max_lora_rank` values (vllm/config/lora.py) that holds `rank`."""
+    allowed = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+    fit = [r for r in allowed if r >= rank]
+    if not fit:
+        raise ValueError(f"model.lora.rank={rank}: vLLM serves adapters up to rank {allowed[-1]}")
+    return fit[0]
 
 
 def _generation(index: int, c) -> Generation:

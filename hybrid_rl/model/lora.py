@@ -1,8 +1,12 @@
 """LoRA on the FSDP actor (peft): the adapter trains, the base weights stay frozen and double as the reference.
 
-Weight sync sends vLLM merged weights, `W + scaling * B @ A`, computed on each rank for the rows it
-holds: FSDP shards `W` and `B` by the same output rows, and `A` (rank x in) is small enough to gather
-whole. After the first sync only the layers LoRA touches change, so only those are sent again.
+Two ways to give vLLM the policy (`model.lora.sync`):
+
+* `adapter` (`BaseWeights` + `gather_adapter`): vLLM runs with LoRA enabled; the frozen base weights are sent
+  once, and each update sends only the adapter, which vLLM loads as a LoRA adapter under a new id.
+* `merged` (`LoraWeights`): vLLM gets merged weights, `W + scaling * B @ A`, computed on each rank for the rows
+  it holds: FSDP shards `W` and `B` by the same output rows, and `A` (rank x in) is small enough to gather
+  whole. After the first sync only the layers LoRA touches change, so only those are sent again.
 """
 
 from __future__ import annotations
@@ -87,6 +91,32 @@ class LoraWeights:
                 yield hf, local_tensor(p).detach(), tuple(p.shape)
             else:
                 yield hf, functools.partial(_merged_shard, p, layer), tuple(p.shape)
+
+
+class BaseWeights:
+    """What the engine syncs from a LoRA actor whose adapter goes to vLLM by itself: the frozen base weights
+    (HF names, this rank's dim-0 shard), sent once; nothing of them changes afterwards."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def changed_names(self) -> set[str]:
+        return set()
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor, tuple[int, ...]]]:
+        for name, p in self.model.named_parameters():
+            if ".lora_A." not in name and ".lora_B." not in name:
+                yield hf_name(name), local_tensor(p).detach(), tuple(p.shape)
+
+
+@torch.no_grad()
+def gather_adapter(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter's whole tensors under their peft names, on every rank (a collective: each is all-gathered)."""
+    out = {}
+    for name, p in model.named_parameters():
+        if ".lora_A." in name or ".lora_B." in name:
+            out[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+    return out
 
 
 @torch.no_grad()

@@ -150,6 +150,7 @@ class RolloutSpec:
     release: str = "sleep"  # keep | sleep | restart (resolved, never "auto")
     bucket_bytes: int = 256 * 2**20
     max_model_len: int = 0  # the longest sequence vLLM must hold (0 = not checked)
+    lora_adapter: bool = False  # model.lora.sync=adapter: vLLM serves the adapter itself (else merged weights)
 
 
 @dataclass(frozen=True)
@@ -450,6 +451,9 @@ def _vllm_items(x: PlanInputs, phase: str) -> list[Item]:
         runtime = (CPU_VLLM_RUNTIME_BYTES + CPU_VLLM_RUNTIME_PER_VOCAB * x.actor.dims.vocab_size
                    + int(CPU_VLLM_RUNTIME_PER_WEIGHT_BYTE * weights))
         items.append(Item("vllm", "runtime (CPU kernels' workspace, sampler)", runtime, released))
+    if r.lora_adapter:
+        items.append(Item("vllm", "LoRA adapter (slot + host copy)", lora_adapter_bytes(x.actor, r.dtype_bytes),
+                          released))
     if phase == "sync":
         items.append(Item("vllm", "weight sync in flight", sync_transient_bytes(x)))
     return items
@@ -474,6 +478,17 @@ def largest_module_bytes(x: PlanInputs) -> int:
             key = _vllm_module(p.name)
             sizes[key] = sizes.get(key, 0) + vllm_weight_bytes(ModelSpec((p,), x.actor.dims), r.tp, r.dtype_bytes)
     return max(sizes.values(), default=0)
+
+
+def lora_adapter_bytes(spec: ModelSpec, dtype_bytes: int) -> int:
+    """vLLM's memory for one adapter (`max_loras=1`, `max_cpu_loras=1`): its LoRA slot, sized for the rank vLLM
+    rounds up to, and the adapter as loaded from the folder. Counted whole on every TP rank (an upper bound: vLLM
+    slices one of A and B of each layer)."""
+    if not spec.lora_rank:
+        return 0
+    slot = next(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= spec.lora_rank)  # vLLM's max_lora_rank
+    numel = sum(p.numel for p in spec.params if "lora_" in p.name)
+    return numel * dtype_bytes * (spec.lora_rank + slot) // spec.lora_rank
 
 
 def sync_transient_bytes(x: PlanInputs) -> int:

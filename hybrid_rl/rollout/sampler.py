@@ -47,7 +47,8 @@ class Sampler:
 
     def last_sync(self) -> SyncReport:
         seconds = self.engine.report.seconds
-        return SyncReport(seconds.get("sync_weights", 0.0), sum(v for k, v in seconds.items() if k != "sync_weights"),
+        sync = ("sync_weights", "sync_adapter")  # the adapter's own step with `model.lora.sync=adapter`
+        return SyncReport(sum(seconds.get(k, 0.0) for k in sync), sum(v for k, v in seconds.items() if k not in sync),
                           self.engine.report.bytes_received)
 
     def close(self) -> None:

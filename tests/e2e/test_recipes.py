@@ -81,10 +81,11 @@ def test_every_recipe_runs_two_steps_and_logs_its_metrics(tiny_models, task_file
     # DAPO gets a user reward (plugged in by dotted path) whose scores vary.
     runs.append({"name": "dapo", "recipe": "dapo", "overrides": overrides(
         "dapo", **{"reward.fn": "tests.e2e.rewards:length_parity", "algorithm.overlong_buffer": 4})})
-    # LoRA: the actor trains an adapter; the reference is its own frozen base.
-    for recipe in ("grpo", "ppo"):
+    # LoRA: the actor trains an adapter; the reference is its own frozen base. GRPO gives vLLM the adapter
+    # (model.lora.sync=adapter, the default), PPO merged weights.
+    for recipe, sync in (("grpo", "adapter"), ("ppo", "merged")):
         runs.append({"name": f"{recipe}_lora", "recipe": recipe, "overrides": overrides(
-            f"{recipe}_lora", **{"model.lora.rank": 8, "optim.lr": "1e-3",
+            f"{recipe}_lora", **{"model.lora.rank": 8, "optim.lr": "1e-3", "model.lora.sync": sync,
                                  "reward.fn": "tests.e2e.rewards:length_parity"})})
     # GRPO with a neural reward model added to the rule reward, and with a slow rule reward (overlap).
     # (with activation checkpointing on, and a tokenizer without a pad token: packing needs none)

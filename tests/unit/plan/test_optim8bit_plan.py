@@ -1,0 +1,25 @@
+"""The planner proposes 8-bit optimizer states when they make the update phase fit, and counts them in the plan."""
+
+from hybrid_rl.config import load_config
+from hybrid_rl.model.memory_plan import GIB, DeviceSpec
+from hybrid_rl.planner import plan_for
+
+
+def _plan(path: str, optimizer: str, gib: float):
+    cfg = load_config("grpo", [f"model.path={path}", "data.train_files=[/x.jsonl]", f"optim.name={optimizer}",
+                               "model.activation_checkpointing=true", "trainer.micro_batch_tokens=1024"])
+    return plan_for(cfg, 2, device=DeviceSpec("cuda", int(gib * GIB)))
+
+
+def test_adamw8bit_is_the_fix_when_the_optimizer_state_is_what_overflows(tiny_models):
+    full, eight = (_plan(tiny_models["mid"], o, 64).phase("update") for o in ("adamw", "adamw8bit"))
+    state = {p: next(i.bytes for i in ph.items if i.component == "actor" and i.what.startswith("AdamW"))
+             for p, ph in (("adamw", full), ("adamw8bit", eight))}
+    assert 0.25 <= state["adamw8bit"] / state["adamw"] <= 0.3  # ~1 byte per moment element plus block scales
+    assert full.total - eight.total == state["adamw"] - state["adamw8bit"]
+    device_gib = (full.total + eight.total) / 2 / GIB  # the update fits with 8-bit states only
+    plan = _plan(tiny_models["mid"], "adamw", device_gib)
+    assert not plan.fits and plan.fixes[-1].fits
+    assert [f.setting for f in plan.fixes] == ["optim.name=adamw8bit"], plan.fixes
+    assert _plan(tiny_models["mid"], "adamw8bit", device_gib).fits
+    assert plan.fixes[0].saves == full.total - eight.total
