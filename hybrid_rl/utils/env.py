@@ -7,6 +7,7 @@ environment win, so an expert can still override any of them.
 
 from __future__ import annotations
 
+import logging
 import os
 
 _DEFAULTS = {
@@ -53,8 +54,11 @@ def set_runtime_defaults(platform: str | None = None) -> None:
     """Fill in the environment variables the hybrid engine relies on (existing values are kept), and tune malloc."""
     for key, value in _DEFAULTS.items():
         os.environ.setdefault(key, value)
-    for key, value in runtime_env(platform or detect_platform()).items():
+    platform = platform or detect_platform()
+    for key, value in runtime_env(platform).items():
         os.environ.setdefault(key, value)
+    if platform == "cpu":  # torchao (imported by vLLM and peft) warns at every import that its CUDA kernels fail to load
+        logging.getLogger("torchao").setLevel(logging.ERROR)
     tune_malloc()
 
 
