@@ -405,7 +405,10 @@ def main() -> None:
     p.add_argument("--no-server-poll", action="store_true", help="do not poll the server's /metrics (no idle share)")
     p.add_argument("--rounds", type=int, default=None,
                    help="launches of each configuration, alternating (A B C D A B C D); default 3, --quick 1")
+    p.add_argument("--smoke", action="store_true", help=common.SMOKE_HELP + " (k1 only)")
     a = p.parse_args()
+    if a.smoke:
+        a.configs, a.prompts, a.steps, a.skip, a.rounds = ["k1"], 2, 3, 2, 1
     a.steps, a.rounds = a.steps or (5 if a.quick else 8), a.rounds or (1 if a.quick else 3)
     if a.steps <= a.skip:
         p.error(f"--steps {a.steps} must exceed --skip {a.skip}")

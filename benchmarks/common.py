@@ -21,7 +21,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-RESULTS = HERE / "results"
+# HR_BENCH_RESULTS redirects result files (the smoke test writes to a temporary folder, not over the figures).
+RESULTS = Path(os.environ.get("HR_BENCH_RESULTS") or HERE / "results")
+SMOKE_HELP = ("smallest shapes, one repeat, seconds: checks that the script runs end to end (make test does); "
+              "its figures mean nothing")
 CACHE = HERE / ".cache"  # built models and run outputs (git-ignored: `.cache/`)
 _START = {"load_avg": os.getloadavg(), "time": time.time()}
 
@@ -78,6 +81,7 @@ def write_result(name: str, payload: dict, *, quick: bool) -> Path:
         "benchmark": name,
         "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
         "quick": quick,
+        "smoke": "--smoke" in sys.argv,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "wall_s": round(time.time() - _START["time"], 1),
         "load_avg_start": [round(x, 2) for x in _START["load_avg"]],
@@ -86,9 +90,13 @@ def write_result(name: str, payload: dict, *, quick: bool) -> Path:
     }
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps({"meta": meta, **payload}, indent=2, default=_jsonable) + "\n")
-    print(f"wrote {path.relative_to(REPO)}  (load average {meta['load_avg_start'][0]} -> "
+    print(f"wrote {_shown(path)}  (load average {meta['load_avg_start'][0]} -> "
           f"{meta['load_avg_end'][0]} on {meta['machine']['cpus']} CPUs)")
     return path
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
 def _jsonable(x):

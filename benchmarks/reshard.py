@@ -50,6 +50,7 @@ def _instrument(acc: dict[str, float]) -> None:
     import hybrid_rl.engine.hybrid as H
     import hybrid_rl.engine.reshard as R
     import hybrid_rl.engine.vllm_engine as V
+    import hybrid_rl.engine.vllm_transfer as T
 
     def timed(fn, key):
         def wrapper(*a, **k):
@@ -77,10 +78,10 @@ def _instrument(acc: dict[str, float]) -> None:
         return wrapper
 
     R.block_checksum = timed(R.block_checksum, "checksum")  # the senders' side (verify uses H's binding)
-    R._assemble = timed_gen(R._assemble, "assemble")
+    R._assemble = timed(R._assemble, "assemble")  # returns the bucket's slices as a list
     dist.all_to_all_single = timed(dist.all_to_all_single, "all_to_all")
     H.stream_slices = timed_gen(H.stream_slices, "stream")
-    V._staged = timed(V._staged, "staging")
+    T.staged = timed(T.staged, "staging")  # the name the transfer backend calls
     V.VLLMEngine.load_weights = timed(V.VLLMEngine.load_weights, "load_weights")
     H.HybridEngine._verify = timed(H.HybridEngine._verify, "verify")
     H._digest = timed(H._digest, "verify_checksum")  # checksums of what landed in vLLM
@@ -298,15 +299,23 @@ def worker_standalone(a) -> None:
 def _measure_standalone(engine, cfg: dict, a) -> dict:
     from vllm import LLM, SamplingParams
 
+    from hybrid_rl.engine import vllm_compat
     from hybrid_rl.engine.vllm_compat import shutdown_keeping_default_group
     from hybrid_rl.engine.vllm_engine import Sampling
 
     s = engine.vllm.spec
-    standalone = LLM(model=cfg["model"], dtype=cfg["dtype"], seed=0, max_model_len=s.max_model_len,
-                     enforce_eager=s.enforce_eager, max_num_seqs=s.max_num_seqs,
-                     enable_prefix_caching=s.enable_prefix_caching,
-                     kv_cache_memory_bytes=int(s.kv_cache_gb * 2**30) if s.kv_cache_gb else None,
-                     enable_chunked_prefill=False, max_num_batched_tokens=max(8192, s.max_model_len))
+    # The standalone engine with vLLM's own CPU kernels (oneDNN handles above 1 MiB): the engine's linears run on
+    # the packed kernel its in-place sync writes (vllm_compat 4.), so this also times that kernel against vLLM's.
+    vllm_compat.uninstall_packed_linears()
+    try:
+        standalone = LLM(model=cfg["model"], dtype=cfg["dtype"], seed=0, max_model_len=s.max_model_len,
+                         enforce_eager=s.enforce_eager, max_num_seqs=s.max_num_seqs,
+                         enable_prefix_caching=s.enable_prefix_caching,
+                         kv_cache_memory_bytes=int(s.kv_cache_gb * 2**30) if s.kv_cache_gb else None,
+                         enable_chunked_prefill=False, max_num_batched_tokens=max(8192, s.max_model_len))
+    finally:
+        if s.cpu_packed_linears:
+            vllm_compat.install_packed_linears()
     prompts, n = _prompts(a.gen_prompts), a.gen_n
     seeds = list(range(len(prompts)))
     sampling = Sampling(max_tokens=a.gen_tokens, temperature=1.0, n=n)
@@ -357,9 +366,12 @@ def main() -> None:
     p.add_argument("--gen-tokens", type=int, help="max new tokens (default 32 quick, 128 full)")
     p.add_argument("--probe-cols", type=int, help="rollout.verify_probe_cols for the sync (default: the config's)")
     p.add_argument("--no-verify", action="store_true", help="sync without the read-back verification")
+    p.add_argument("--smoke", action="store_true", help=common.SMOKE_HELP)
     p.add_argument("--worker", choices=["sync", "standalone"], help=argparse.SUPPRESS)
     p.add_argument("--configs", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.smoke:
+        a.sizes, a.tps, a.dtypes, a.repeats, a.gen_prompts, a.gen_n, a.gen_tokens = ["4M"], [1], ["bfloat16"], 1, 2, 2, 4
     a.repeats = a.repeats or (5 if a.quick else 15)
     a.sizes = a.sizes or (["25M"] if a.quick else ["4M", "25M"])
     a.dtypes = a.dtypes or (["bfloat16"] if a.quick else ["bfloat16", "float32"])

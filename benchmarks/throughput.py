@@ -228,7 +228,7 @@ def plot_shares(summaries: list[dict], png: Path, title: str) -> None:
     fig.legend(loc="outside lower center", ncols=6, fontsize=8)
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)
-    print(f"wrote {png.relative_to(common.REPO)}")
+    print(f"wrote {common._shown(png)}")
 
 
 def model_from_args(a) -> str:
@@ -254,8 +254,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, help="steps including the warm-up step (default 3 quick, 6 full)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more config overrides")
     p.add_argument("--name", default="throughput", help="result file name")
+    p.add_argument("--smoke", action="store_true", help=common.SMOKE_HELP)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.smoke:
+        a.prompts, a.n, a.max_new_tokens, a.steps = 2, 2, 4, 2
     if a.worker:
         from hybrid_rl.utils.env import set_runtime_defaults
 

@@ -99,12 +99,14 @@ def trl_worker(spec: dict) -> None:
     print("TRL_RESULT " + json.dumps(out), flush=True)
 
 
-def ensure_trl_venv() -> tuple[Path | None, str]:
+def ensure_trl_venv(create: bool = True) -> tuple[Path | None, str]:
     """The TRL environment's python, creating the venv on first use; (None, why) when it cannot be had."""
     python = TRL_VENV / "bin" / "python"
     stamp = TRL_VENV / ".installed"
     if python.exists() and stamp.exists() and stamp.read_text() == " ".join(TRL_PINS):
         return python, "existing"
+    if not create:
+        return None, f"{TRL_VENV.relative_to(common.REPO)} does not exist (not created here)"
     steps = [
         [shutil.which("python3") or sys.executable, "-m", "venv", str(TRL_VENV)],
         [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *TRL_PINS],
@@ -193,6 +195,9 @@ def main() -> None:
     p.add_argument("--trl-threads", type=int, default=0, help="TRL's torch threads (0 = torch's default: all cores)")
     p.add_argument("--rounds", type=int, help="alternating rounds (default 1 quick, 3 full)")
     p.add_argument("--steps", type=int, help="steps per run incl. one warm-up (default 3 quick, 5 full)")
+    p.add_argument("--smoke", action="store_true",
+                   help=common.SMOKE_HELP + "; TRL's side runs only where benchmarks/.trl-venv exists (it is not "
+                   "created in smoke mode: a multi-GB install)")
     p.add_argument("--trl-worker", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.trl_worker:
@@ -206,7 +211,16 @@ def main() -> None:
     a.precisions = a.precisions or (["fp32"] if a.quick else ["bf16", "fp32"])
     configs = [{"size": s, "precision": pr, "model": str(common.sized_model(s))} for s in a.sizes
                for pr in a.precisions]
-    python, how = ensure_trl_venv()
+    if a.smoke:
+        rounds, steps, a.trl_threads = 1, 2, a.trl_threads
+        configs = [dict(configs[0], size="4M", precision="bf16", model=str(common.sized_model("4M")))]
+        WORKLOAD.update(prompts=2, n=2, max_new_tokens=4)
+    python, how = ensure_trl_venv(create=not a.smoke)
+    if python is None and a.smoke:
+        rows = run_ours(configs, steps, 0)
+        print(f"smoke: our side ran ({rows[0]['step_s']} s/step); TRL side not run: {how}")
+        common.write_result("vs_trl", {"trl_error": how, "ours": rows}, quick=a.quick)
+        return
     if python is None:
         print(f"TRL side NOT RUN: {how}")
         common.write_result("vs_trl", {"trl_error": how, "tried": TRL_PINS}, quick=a.quick)
