@@ -208,7 +208,7 @@ def torchrun(script: str | Path, args: Sequence[str], *, nproc: int, timeout: in
     CACHE.mkdir(parents=True, exist_ok=True)
     out = CACHE / f"result_{tag}_{os.getpid()}.json"
     out.unlink(missing_ok=True)
-    full_env = dict(os.environ, HR_BENCH_OUT=str(out), PYTHONUNBUFFERED="1", **(env or {}))
+    full_env = {**os.environ, "HR_BENCH_OUT": str(out), "PYTHONUNBUFFERED": "1", **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
            str(script), *args]
     proc = subprocess.run(cmd, env=full_env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
@@ -249,3 +249,18 @@ def matmul_rate(dtype, *, n: int = 1024, seconds: float = 1.0, device=None) -> f
         sync()
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best
+
+
+def memory_bandwidth(*, mib: int = 256, seconds: float = 1.0) -> float:
+    """Bytes/s of a large `copy_` (read + write counted) with the current thread count; the best of repeats."""
+    import torch
+
+    src = torch.ones(mib * 2**18)  # float32
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best, t_end = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.nbytes / best

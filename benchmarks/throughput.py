@@ -110,12 +110,15 @@ def run_overrides(model: str, out_dir: Path, *, prompts: int, n: int, max_new_to
     return [f"{k}={v}" for k, v in base.items()] + list(extra)
 
 
-def launch(runs: list[dict], *, nproc: int, tag: str) -> list[dict]:
-    """Run `runs` ({name, recipe, overrides}) in one torchrun launch; returns each run's summary."""
+def launch(runs: list[dict], *, nproc: int, tag: str, threads: int | None = None) -> list[dict]:
+    """Run `runs` ({name, recipe, overrides}) in one torchrun launch (`threads` compute threads per rank, default
+    the environment's); returns each run's summary."""
     from hybrid_rl.utils.env import set_runtime_defaults
 
     set_runtime_defaults()
-    got = common.torchrun(__file__, ["--worker", json.dumps(runs)], nproc=nproc, timeout=3600, tag=tag)["runs"]
+    env = {"OMP_NUM_THREADS": str(threads)} if threads else None
+    got = common.torchrun(__file__, ["--worker", json.dumps(runs)], nproc=nproc, timeout=3600, tag=tag,
+                          env=env)["runs"]
     return [summarize(r) for r in got]
 
 
