@@ -305,10 +305,8 @@ def main() -> None:
         common.write_result("vs_trl", {"trl_error": how, "tried": TRL_PINS}, quick=a.quick)
         return
     print(f"TRL environment: {how} ({TRL_VENV.relative_to(common.REPO)}: {' '.join(TRL_PINS)})")
-    import torch
-
-    bandwidth = common.memory_bandwidth()  # all cores (torch's default here)
-    print(f"memory bandwidth (copy_, {torch.get_num_threads()} threads): {bandwidth / 1e9:.1f} GB/s", flush=True)
+    bandwidth = common.memory_bandwidth()
+    print(f"memory bandwidth (copy_, best of 1 and {os.cpu_count()} threads): {bandwidth / 1e9:.1f} GB/s", flush=True)
     ours: dict[str, list] = {f"{c['size']}_{c['precision']}": [] for c in configs}
     trl: dict[str, list] = {k: [] for k in ours}
     for r in range(rounds):
