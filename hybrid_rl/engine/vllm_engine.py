@@ -151,6 +151,8 @@ class VLLMEngine:
         vllm_transfer.register()
         if not torch.cuda.is_available() and self.spec.cpu_packed_linears:
             vllm_compat.install_packed_linears()  # stays for the process: a later reload packs the same way
+        else:
+            vllm_compat.uninstall_packed_linears()
         _quiet_known_vllm_warnings()
         kwargs = self._llm_kwargs(vllm_transfer.BACKEND)
         cpu_shm = not torch.cuda.is_available() and self.spec.tp > 1
