@@ -420,7 +420,10 @@ def main() -> None:
     set_runtime_defaults()
     (common.CACHE / "logs").mkdir(parents=True, exist_ok=True)
     root = common.CACHE / "async"
-    warm, data = prepare(root / "demo")
+    if a.smoke:  # the demo's random base model: its supervised warm-up alone takes minutes
+        warm, data = smoke_model(root / "smoke")
+    else:
+        warm, data = prepare(root / "demo")
     print(f"async benchmark: demo workload, {a.prompts} prompts x {N} samples, {a.steps} steps per launch (first "
           f"{a.skip} not counted), {a.rounds} round(s) of: {', '.join(a.configs)}", flush=True)
     etcd = None
@@ -443,6 +446,18 @@ def main() -> None:
             etcd.stop()
     rows = [summarize(name, CONFIGS[name], runs[name], a) for name in a.configs]
     common.write_result("async", figures(rows, a), quick=a.quick)
+
+
+def smoke_model(root: Path) -> tuple[Path, Path]:
+    from hybrid_rl.demo.task import write_task
+    from hybrid_rl.model.tiny import TinySpec, build_tiny_model
+
+    data, base = root / "data", root / "base_model"
+    if not (data / "val.jsonl").exists():
+        write_task(data, n_train=64, n_val=8, fixed_position=2)
+    if not (base / "config.json").exists():
+        build_tiny_model(base, TinySpec())
+    return base, data
 
 
 def figures(rows: list[dict], a) -> dict:

@@ -128,11 +128,15 @@ def pack_rows_into(packed: torch.Tensor, rows: torch.Tensor, row0: int) -> None:
         i += m
 
 
-def unpack_rows(packed: torch.Tensor, row0: int, n: int) -> torch.Tensor:
-    """The dense rows [row0, row0 + n) of a packed [N, K] weight."""
+def unpack_rows(packed: torch.Tensor, row0: int, n: int, cols: torch.Tensor | None = None) -> torch.Tensor:
+    """The dense rows [row0, row0 + n) of a packed [N, K] weight, at the columns `cols` (all when None)."""
     k = packed.shape[1]
     b0, b1 = row0 // PACK_ROWS, -(-(row0 + n) // PACK_ROWS)
-    dense = _blocks(packed, k)[b0:b1].permute(0, 2, 1, 3).reshape((b1 - b0) * PACK_ROWS, k)
+    blocks = _blocks(packed, k)[b0:b1]  # [B, K/2, 32, 2]
+    if cols is None:
+        dense = blocks.permute(0, 2, 1, 3).reshape((b1 - b0) * PACK_ROWS, k)
+    else:  # only the probed columns: column c is at [:, c // 2, :, c % 2]
+        dense = blocks[:, cols // 2, :, cols % 2].permute(1, 2, 0).reshape((b1 - b0) * PACK_ROWS, len(cols))
     return dense[row0 - b0 * PACK_ROWS: row0 - b0 * PACK_ROWS + n]
 
 

@@ -144,8 +144,7 @@ def readback(model: torch.nn.Module, requests: list[tuple[TPSlice, torch.Tensor 
     for ts, cols in requests:
         p = params.get(ts.vllm_name)
         if ts.vllm_name in packed:  # what the kernel reads (an embedding also keeps its weight for lookups)
-            region = unpack_rows(packed[ts.vllm_name], ts.dest_offset, ts.shape[0])
-            out.append(digest(region if cols is None else region[:, cols], cols))
+            out.append(digest(unpack_rows(packed[ts.vllm_name], ts.dest_offset, ts.shape[0], cols), cols))
             continue
         if p is not None and p.numel() > 0:
             region = p.data.narrow(0, ts.dest_offset, ts.shape[0])
