@@ -405,7 +405,10 @@ def main() -> None:
     p.add_argument("--no-server-poll", action="store_true", help="do not poll the server's /metrics (no idle share)")
     p.add_argument("--rounds", type=int, default=None,
                    help="launches of each configuration, alternating (A B C D A B C D); default 3, --quick 1")
+    p.add_argument("--smoke", action="store_true", help=common.SMOKE_HELP + " (k1 only)")
     a = p.parse_args()
+    if a.smoke:
+        a.configs, a.prompts, a.steps, a.skip, a.rounds = ["k1"], 2, 3, 2, 1
     a.steps, a.rounds = a.steps or (5 if a.quick else 8), a.rounds or (1 if a.quick else 3)
     if a.steps <= a.skip:
         p.error(f"--steps {a.steps} must exceed --skip {a.skip}")
@@ -417,7 +420,10 @@ def main() -> None:
     set_runtime_defaults()
     (common.CACHE / "logs").mkdir(parents=True, exist_ok=True)
     root = common.CACHE / "async"
-    warm, data = prepare(root / "demo")
+    if a.smoke:  # the demo's random base model: its supervised warm-up alone takes minutes
+        warm, data = smoke_model(root / "smoke")
+    else:
+        warm, data = prepare(root / "demo")
     print(f"async benchmark: demo workload, {a.prompts} prompts x {N} samples, {a.steps} steps per launch (first "
           f"{a.skip} not counted), {a.rounds} round(s) of: {', '.join(a.configs)}", flush=True)
     etcd = None
@@ -440,6 +446,18 @@ def main() -> None:
             etcd.stop()
     rows = [summarize(name, CONFIGS[name], runs[name], a) for name in a.configs]
     common.write_result("async", figures(rows, a), quick=a.quick)
+
+
+def smoke_model(root: Path) -> tuple[Path, Path]:
+    from hybrid_rl.demo.task import write_task
+    from hybrid_rl.model.tiny import TinySpec, build_tiny_model
+
+    data, base = root / "data", root / "base_model"
+    if not (data / "val.jsonl").exists():
+        write_task(data, n_train=64, n_val=8, fixed_position=2)
+    if not (base / "config.json").exists():
+        build_tiny_model(base, TinySpec())
+    return base, data
 
 
 def figures(rows: list[dict], a) -> dict:

@@ -163,6 +163,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--bucket-mb", type=float, default=8.0)
+    p.add_argument("--smoke", action="store_true", help=common.SMOKE_HELP)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--overrides", help=argparse.SUPPRESS)
@@ -174,6 +175,8 @@ def main() -> None:
         set_runtime_defaults()
         worker(a)
         return
+    if a.smoke:
+        a.size, a.repeats = "4M", 1
     size, repeats = a.size or ("4M" if a.quick else "25M"), a.repeats or (3 if a.quick else 5)
     print(f"checkpoint engine: {size} {a.dtype}, bucket {a.bucket_mb:g} MiB, {repeats} repeats", flush=True)
     result = run(str(common.sized_model(size)), a, repeats)

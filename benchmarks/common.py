@@ -21,7 +21,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-RESULTS = HERE / "results"
+# HR_BENCH_RESULTS redirects result files (the smoke test writes to a temporary folder, not over the figures).
+RESULTS = Path(os.environ.get("HR_BENCH_RESULTS") or HERE / "results")
+SMOKE_HELP = ("smallest shapes, one repeat, seconds: checks that the script runs end to end (make test does); "
+              "its figures mean nothing")
 CACHE = HERE / ".cache"  # built models and run outputs (git-ignored: `.cache/`)
 _START = {"load_avg": os.getloadavg(), "time": time.time()}
 
@@ -78,6 +81,7 @@ def write_result(name: str, payload: dict, *, quick: bool) -> Path:
         "benchmark": name,
         "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
         "quick": quick,
+        "smoke": "--smoke" in sys.argv,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "wall_s": round(time.time() - _START["time"], 1),
         "load_avg_start": [round(x, 2) for x in _START["load_avg"]],
@@ -86,9 +90,13 @@ def write_result(name: str, payload: dict, *, quick: bool) -> Path:
     }
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps({"meta": meta, **payload}, indent=2, default=_jsonable) + "\n")
-    print(f"wrote {path.relative_to(REPO)}  (load average {meta['load_avg_start'][0]} -> "
+    print(f"wrote {_shown(path)}  (load average {meta['load_avg_start'][0]} -> "
           f"{meta['load_avg_end'][0]} on {meta['machine']['cpus']} CPUs)")
     return path
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
 def _jsonable(x):
@@ -200,7 +208,7 @@ def torchrun(script: str | Path, args: Sequence[str], *, nproc: int, timeout: in
     CACHE.mkdir(parents=True, exist_ok=True)
     out = CACHE / f"result_{tag}_{os.getpid()}.json"
     out.unlink(missing_ok=True)
-    full_env = dict(os.environ, HR_BENCH_OUT=str(out), PYTHONUNBUFFERED="1", **(env or {}))
+    full_env = {**os.environ, "HR_BENCH_OUT": str(out), "PYTHONUNBUFFERED": "1", **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
            str(script), *args]
     proc = subprocess.run(cmd, env=full_env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
@@ -241,3 +249,26 @@ def matmul_rate(dtype, *, n: int = 1024, seconds: float = 1.0, device=None) -> f
         sync()
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best
+
+
+def memory_bandwidth(*, mib: int = 256, seconds: float = 1.0) -> float:
+    """Bytes/s of a large `copy_` (read + write counted): the best of repeats with one thread and with one per core
+    (the higher: on a loaded machine the multi-threaded copy can lose more to waiting than it gains)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    src = torch.ones(mib * 2**18)  # float32
+    dst = torch.empty_like(src)
+    best = float("inf")
+    try:
+        for n in sorted({1, os.cpu_count() or 1}):
+            torch.set_num_threads(n)
+            dst.copy_(src)
+            t_end = time.perf_counter() + seconds
+            while time.perf_counter() < t_end:
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return 2 * src.nbytes / best

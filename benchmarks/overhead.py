@@ -140,7 +140,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--smoke", action="store_true", help=common.SMOKE_HELP)
     a = p.parse_args()
+    if a.smoke:
+        a.shapes, a.steps, a.quick = ["32x16"], 2, False
     shapes = [tuple(int(x) for x in s.split("x")) for s in (["64x256", "256x512"] if a.quick else a.shapes)]
     if a.worker:
         worker(shapes, a.model, a.steps)

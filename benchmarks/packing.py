@@ -92,7 +92,10 @@ def main() -> None:
                    help="weights and compute (float32: this CPU has no native bf16 matmul)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (a rank's count)")
     p.add_argument("--repeats", type=int, help="alternating rounds (default 2 quick, 5 full)")
+    p.add_argument("--smoke", action="store_true", help=common.SMOKE_HELP)
     a = p.parse_args()
+    if a.smoke:
+        a.sequences, a.max_len, a.budgets, a.repeats = 4, 64, [256], 1
     from hybrid_rl.utils.env import set_runtime_defaults
 
     set_runtime_defaults()

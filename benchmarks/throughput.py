@@ -110,12 +110,15 @@ def run_overrides(model: str, out_dir: Path, *, prompts: int, n: int, max_new_to
     return [f"{k}={v}" for k, v in base.items()] + list(extra)
 
 
-def launch(runs: list[dict], *, nproc: int, tag: str) -> list[dict]:
-    """Run `runs` ({name, recipe, overrides}) in one torchrun launch; returns each run's summary."""
+def launch(runs: list[dict], *, nproc: int, tag: str, threads: int | None = None) -> list[dict]:
+    """Run `runs` ({name, recipe, overrides}) in one torchrun launch (`threads` compute threads per rank, default
+    the environment's); returns each run's summary."""
     from hybrid_rl.utils.env import set_runtime_defaults
 
     set_runtime_defaults()
-    got = common.torchrun(__file__, ["--worker", json.dumps(runs)], nproc=nproc, timeout=3600, tag=tag)["runs"]
+    env = {"OMP_NUM_THREADS": str(threads)} if threads else None
+    got = common.torchrun(__file__, ["--worker", json.dumps(runs)], nproc=nproc, timeout=3600, tag=tag,
+                          env=env)["runs"]
     return [summarize(r) for r in got]
 
 
@@ -228,7 +231,7 @@ def plot_shares(summaries: list[dict], png: Path, title: str) -> None:
     fig.legend(loc="outside lower center", ncols=6, fontsize=8)
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)
-    print(f"wrote {png.relative_to(common.REPO)}")
+    print(f"wrote {common._shown(png)}")
 
 
 def model_from_args(a) -> str:
@@ -254,8 +257,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, help="steps including the warm-up step (default 3 quick, 6 full)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more config overrides")
     p.add_argument("--name", default="throughput", help="result file name")
+    p.add_argument("--smoke", action="store_true", help=common.SMOKE_HELP)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.smoke:
+        a.prompts, a.n, a.max_new_tokens, a.steps = 2, 2, 4, 2
     if a.worker:
         from hybrid_rl.utils.env import set_runtime_defaults
 

@@ -1,16 +1,27 @@
 """The same GRPO workload through hybrid_rl and through TRL's GRPOTrainer: median step time and tokens/s.
 
-    python benchmarks/vs_trl.py [--quick] [--sizes 4M 25M] [--precisions bf16 fp32] [--rounds 3] [--steps 5]
+    python benchmarks/vs_trl.py [--quick] [--sizes 4M 25M 0.5B] [--precisions bf16 fp32] [--rounds 3] [--steps 5]
+                                [--ours 2x1 1x2]
 
 Workload (both sides): the tiny model folder, the demo task's prompts (plain text, no chat
 template), the math answer matcher (`hybrid_rl.rewards.math.score`, which TRL calls through a reward
 function), 4 prompts x 8 samples per step, up to 64 new tokens at temperature 1, KL to a reference
 model (coefficient 0.001: our `algorithm.kl_coef`, TRL's `beta`), AdamW at lr 1e-6 with a constant
 schedule, one optimizer step per generation batch, grad clip 1.0, std-normalised group advantages,
-token-mean loss (TRL `loss_type="dapo"`).
+token-mean loss (TRL `loss_type="dapo"`). The 0.5B shape (Qwen2.5-0.5B's config, random bf16 weights,
+`qwen_shapes.py`) runs the issue's workload instead: 4 prompts x 4 samples, 32 new tokens, KL 0.04, lr 1e-5.
 
-* hybrid_rl: 2 ranks under torchrun, 1 thread each (data parallel over the cores: the design),
-  vLLM rollout. Precision bf16 = FSDP bf16 compute + bf16 rollout; fp32 = both float32.
+Per phase, both sides: ours from the trainer's `timing/*` metrics (generate, sync + switch, reference,
+update, other); TRL's from timers wrapped around its GRPOTrainer's own methods (`_generate`: generation;
+`_get_per_token_logps_and_entropies` while a batch is prepared: the reference and old-log-prob passes;
+`_calculate_rewards`; the rest of the step: the update -- forward, backward, clip, AdamW).
+Floor (ours): the step's FLOPs at the measured matmul rate (throughput.py) plus the bytes a step must move at
+the measured memory bandwidth (a large copy_, all cores): the rollout weights once per decoded token, the
+weights three times for the passes (reference forward, update forward and backward) and AdamW's
+read-modify-write of parameters, gradients and both moments (28 bytes per parameter).
+
+* hybrid_rl: 2 ranks under torchrun, 1 thread each (`--ours 2x1`, the recipe's default), or one rank
+  using both cores (`--ours 1x2`), vLLM rollout. Precision bf16 = FSDP bf16 compute + bf16 rollout; fp32 = both float32.
 * TRL: its natural single-process setup -- one process, torch's default thread count (all
   cores), generation with `transformers` generate (TRL's vLLM modes need a vLLM in TRL's
   environment and a server or colocation set-up; not used). Precision bf16 = `bf16=True` (autocast
@@ -42,6 +53,19 @@ TRL_VENV = common.HERE / ".trl-venv"
 TRL_PINS = ["torch==2.13.0", "trl==1.16.0", "transformers==5.23.0", "accelerate==1.15.0", "datasets==5.2.0"]
 BREAKS_CPU_TORCH = ["torchvision", "torchaudio", "torchcodec"]
 WORKLOAD = {"prompts": 4, "n": 8, "max_new_tokens": 64, "lr": 1e-6, "kl": 0.001}
+WORKLOAD_0_5B = {"prompts": 4, "n": 4, "max_new_tokens": 32, "lr": 1e-5, "kl": 0.04}  # issue 22's workload
+SIZES = [*sorted(common.SIZES), "0.5B"]
+ADAMW_BYTES_PER_PARAM = 28  # fp32 param r/w 8, grad r 4, two moments r/w 16
+
+
+def workload(size: str) -> dict:
+    return dict(WORKLOAD_0_5B if size == "0.5B" else WORKLOAD)
+
+
+def model_for(size: str) -> str:
+    import qwen_shapes
+
+    return str(qwen_shapes.folder("0.5B") if size == "0.5B" else common.sized_model(size))
 
 
 # =================================================================================================
@@ -67,18 +91,52 @@ def trl_worker(spec: dict) -> None:
 
     class StepTimer(TrainerCallback):
         def __init__(self):
-            self.seconds, self.t0 = [], 0.0
+            self.seconds, self.t0, self.phases, self.acc = [], 0.0, [], {}
 
         def on_step_begin(self, args, state, control, **kw):
-            self.t0 = time.perf_counter()
+            self.t0, self.acc = time.perf_counter(), {"generate": 0.0, "logp_passes": 0.0, "rewards": 0.0,
+                                                      "prepare": 0.0}
 
         def on_step_end(self, args, state, control, **kw):
             self.seconds.append(time.perf_counter() - self.t0)
+            a = self.acc
+            self.phases.append({"generate": a["generate"], "reference": a["logp_passes"], "rewards": a["rewards"],
+                                "update": self.seconds[-1] - a["prepare"],
+                                "other": a["prepare"] - a["generate"] - a["logp_passes"] - a["rewards"]})
+
+    def timed(timer, fn, key, only_while=None):
+        def wrapper(*args, **kwargs):
+            if only_while is not None and not only_while():
+                return fn(*args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                timer.acc[key] = timer.acc.get(key, 0.0) + time.perf_counter() - t0
+        return wrapper
+
+    def instrument(trainer, timer) -> None:
+        """TRL's own phases, timed around its methods (instance attributes shadow the class's)."""
+        preparing = {"on": False}
+        prepare = timed(timer, trainer._generate_and_score_completions, "prepare")
+
+        def prepare_timed(*args, **kwargs):
+            preparing["on"] = True
+            try:
+                return prepare(*args, **kwargs)
+            finally:
+                preparing["on"] = False
+
+        trainer._generate_and_score_completions = prepare_timed
+        trainer._generate = timed(timer, trainer._generate, "generate")
+        trainer._calculate_rewards = timed(timer, trainer._calculate_rewards, "rewards")
+        trainer._get_per_token_logps_and_entropies = timed(timer, trainer._get_per_token_logps_and_entropies,
+                                                           "logp_passes", only_while=lambda: preparing["on"])
 
     out = []
     for cfg in spec["configs"]:
         timer = StepTimer()
-        w = WORKLOAD
+        w = cfg["workload"]
         args = GRPOConfig(
             output_dir=str(common.CACHE / "trl_out"), per_device_train_batch_size=w["prompts"] * w["n"],
             num_generations=w["n"], max_completion_length=w["max_new_tokens"], temperature=1.0, beta=w["kl"],
@@ -89,22 +147,25 @@ def trl_worker(spec: dict) -> None:
         )
         trainer = GRPOTrainer(model=cfg["model"], reward_funcs=math_reward, args=args, train_dataset=dataset,
                               callbacks=[timer])
+        instrument(trainer, timer)
         trainer.train()
         cumulative = [h["num_tokens"] for h in trainer.state.log_history if "num_tokens" in h]
         tokens = [b - a for a, b in zip([0.0, *cumulative[:-1]], cumulative, strict=True)]
         lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
-        out.append(dict(cfg, step_s=timer.seconds, tokens=tokens, mean_length=lengths,
+        out.append(dict(cfg, step_s=timer.seconds, phases=timer.phases, tokens=tokens, mean_length=lengths,
                         threads=torch.get_num_threads(), dtype=str(next(trainer.model.parameters()).dtype)))
         del trainer
     print("TRL_RESULT " + json.dumps(out), flush=True)
 
 
-def ensure_trl_venv() -> tuple[Path | None, str]:
+def ensure_trl_venv(create: bool = True) -> tuple[Path | None, str]:
     """The TRL environment's python, creating the venv on first use; (None, why) when it cannot be had."""
     python = TRL_VENV / "bin" / "python"
     stamp = TRL_VENV / ".installed"
     if python.exists() and stamp.exists() and stamp.read_text() == " ".join(TRL_PINS):
         return python, "existing"
+    if not create:
+        return None, f"{TRL_VENV.relative_to(common.REPO)} does not exist (not created here)"
     steps = [
         [shutil.which("python3") or sys.executable, "-m", "venv", str(TRL_VENV)],
         [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *TRL_PINS],
@@ -144,12 +205,13 @@ def run_trl(python: Path, configs: list[dict], steps: int, threads: int) -> list
 # =================================================================================================
 
 
-def run_ours(configs: list[dict], steps: int, round_index: int) -> list[dict]:
+def run_ours(configs: list[dict], steps: int, round_index: int, topology: str) -> list[dict]:
     import throughput
 
-    w = WORKLOAD
+    nproc, threads = (int(x) for x in topology.split("x"))
     runs = []
     for c in configs:
+        w = c["workload"]
         dtype = "bfloat16" if c["precision"] == "bf16" else "float32"
         out = common.CACHE / "runs" / f"vs_trl_{c['size']}_{c['precision']}"
         throughput._clean(out)
@@ -159,26 +221,43 @@ def run_ours(configs: list[dict], steps: int, round_index: int) -> list[dict]:
         overrides = throughput.run_overrides(c["model"], out, prompts=w["prompts"], n=w["n"],
                                              max_new_tokens=w["max_new_tokens"], steps=steps, extra=extra)
         runs.append({"name": f"{c['size']}_{c['precision']}", "recipe": "grpo", "overrides": overrides})
-    summaries = throughput.launch(runs, nproc=2, tag=f"vs_trl_{round_index}")
+    summaries = throughput.launch(runs, nproc=nproc, threads=threads, tag=f"vs_trl_{topology}_{round_index}")
     out = []
     for c, s in zip(configs, summaries, strict=True):
-        out.append(dict(c, step_s=s["step_samples_s"], tokens=s["step_tokens_samples"], phases=s["phases_s"]))
+        out.append(dict(c, topology=topology, step_s=s["step_samples_s"], tokens=s["step_tokens_samples"],
+                        phases=s["phases_s"], floor_compute_s=s["floor_s"], params=s["params"],
+                        generated_tokens=s["generated_tokens"]))
     return out
 
 
-def compare(ours: dict[str, list], trl: dict[str, list], configs: list[dict]) -> list[dict]:
+def floor_s(run: dict, bandwidth: float) -> tuple[float, float]:
+    """(compute floor, bytes floor) of one of our steps (see the module doc)."""
+    w, p = run["workload"], run["params"]
+    wbytes = 2 if run["precision"] == "bf16" else 4
+    moved = p * wbytes * (w["max_new_tokens"] + 3) + p * ADAMW_BYTES_PER_PARAM
+    return run["floor_compute_s"], moved / bandwidth
+
+
+def compare(ours: dict[str, list], trl: dict[str, list], configs: list[dict], topologies: list[str],
+            bandwidth: float) -> list[dict]:
     rows = []
-    for c in configs:
+    for c, topo in ((c, t) for c in configs for t in topologies):
         key = f"{c['size']}_{c['precision']}"
-        o_steps = [x for r in ours[key] for x in r["step_s"]]
+        mine = [r for r in ours[key] if r["topology"] == topo]
+        o_steps = [x for r in mine for x in r["step_s"]]
         t_steps = [x for r in trl[key] for x in r["step_s"][1:]]  # TRL's first step is the warm-up
-        o_tok = [t / s for r in ours[key] for t, s in zip(r["tokens"], r["step_s"], strict=True)]
+        o_tok = [t / s for r in mine for t, s in zip(r["tokens"], r["step_s"], strict=True)]
         t_tok = [t / s for r in trl[key] for t, s in zip(r["tokens"][1:], r["step_s"][1:], strict=True)]
-        row = {"size": c["size"], "precision": c["precision"], "ours_step_s": common.median(o_steps),
+        t_phases = [ph for r in trl[key] for ph in r["phases"][1:]]
+        compute, moved = floor_s(mine[-1], bandwidth)
+        row = {"size": c["size"], "precision": c["precision"], "topology": topo, "ours_step_s": common.median(o_steps),
                "trl_step_s": common.median(t_steps), "ours_tok_s": common.median(o_tok),
                "trl_tok_s": common.median(t_tok), "ours_steps": o_steps, "trl_steps": t_steps,
-               "ours_phases_s": ours[key][-1]["phases"], "trl_threads": trl[key][-1]["threads"],
-               "trl_param_dtype": trl[key][-1]["dtype"]}
+               "ours_phases_s": mine[-1]["phases"], "trl_threads": trl[key][-1]["threads"],
+               "trl_phases_s": {k: common.median([ph[k] for ph in t_phases]) for k in (t_phases or [{}])[0]},
+               "trl_param_dtype": trl[key][-1]["dtype"], "floor_compute_s": compute, "floor_bytes_s": moved,
+               "floor_s": compute + moved}
+        row["step_over_floor"] = row["ours_step_s"] / row["floor_s"]
         row["step_ratio"] = row["trl_step_s"] / row["ours_step_s"]  # > 1: ours is faster
         row["tok_ratio"] = row["ours_tok_s"] / row["trl_tok_s"]
         rows.append(row)
@@ -188,11 +267,16 @@ def compare(ours: dict[str, list], trl: dict[str, list], configs: list[dict]) ->
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="4M model, fp32 only, 1 round of 3 steps (~4 min)")
-    p.add_argument("--sizes", nargs="+", choices=sorted(common.SIZES), help="default 4M quick, 4M 25M full")
+    p.add_argument("--sizes", nargs="+", choices=SIZES, help="default 4M quick, 4M 25M full")
+    p.add_argument("--ours", nargs="+", default=["2x1"], metavar="RANKSxTHREADS",
+                   help="our topologies: ranks x threads per rank (default 2x1, the recipe's; 1x2 = one rank, both cores)")
     p.add_argument("--precisions", nargs="+", choices=["bf16", "fp32"], help="default fp32 quick, bf16 fp32 full")
     p.add_argument("--trl-threads", type=int, default=0, help="TRL's torch threads (0 = torch's default: all cores)")
     p.add_argument("--rounds", type=int, help="alternating rounds (default 1 quick, 3 full)")
     p.add_argument("--steps", type=int, help="steps per run incl. one warm-up (default 3 quick, 5 full)")
+    p.add_argument("--smoke", action="store_true",
+                   help=common.SMOKE_HELP + "; TRL's side runs only where benchmarks/.trl-venv exists (it is not "
+                   "created in smoke mode: a multi-GB install)")
     p.add_argument("--trl-worker", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.trl_worker:
@@ -204,48 +288,67 @@ def main() -> None:
     rounds, steps = a.rounds or (1 if a.quick else 3), a.steps or (3 if a.quick else 5)
     a.sizes = a.sizes or (["4M"] if a.quick else ["4M", "25M"])
     a.precisions = a.precisions or (["fp32"] if a.quick else ["bf16", "fp32"])
-    configs = [{"size": s, "precision": pr, "model": str(common.sized_model(s))} for s in a.sizes
+    configs = [{"size": s, "precision": pr, "model": model_for(s), "workload": workload(s)} for s in a.sizes
                for pr in a.precisions]
-    python, how = ensure_trl_venv()
+    if a.smoke:
+        rounds, steps, a.trl_threads = 1, 2, a.trl_threads
+        configs = [dict(size="4M", precision="bf16", model=model_for("4M"),
+                        workload=dict(WORKLOAD, prompts=2, n=2, max_new_tokens=4))]
+    python, how = ensure_trl_venv(create=not a.smoke)
+    if python is None and a.smoke:
+        rows = run_ours(configs, steps, 0, a.ours[0])
+        print(f"smoke: our side ran ({rows[0]['step_s']} s/step); TRL side not run: {how}")
+        common.write_result("vs_trl", {"trl_error": how, "ours": rows}, quick=a.quick)
+        return
     if python is None:
         print(f"TRL side NOT RUN: {how}")
         common.write_result("vs_trl", {"trl_error": how, "tried": TRL_PINS}, quick=a.quick)
         return
     print(f"TRL environment: {how} ({TRL_VENV.relative_to(common.REPO)}: {' '.join(TRL_PINS)})")
+    bandwidth = common.memory_bandwidth()
+    print(f"memory bandwidth (copy_, best of 1 and {os.cpu_count()} threads): {bandwidth / 1e9:.1f} GB/s", flush=True)
     ours: dict[str, list] = {f"{c['size']}_{c['precision']}": [] for c in configs}
     trl: dict[str, list] = {k: [] for k in ours}
     for r in range(rounds):
-        for row in run_ours(configs, steps, r):
-            ours[f"{row['size']}_{row['precision']}"].append(row)
+        for topo in a.ours:
+            for row in run_ours(configs, steps, r, topo):
+                ours[f"{row['size']}_{row['precision']}"].append(row)
         for row in run_trl(python, configs, steps, a.trl_threads):
             trl[f"{row['size']}_{row['precision']}"].append(row)
         print(f"round {r + 1}/{rounds} done", flush=True)
-    rows = compare(ours, trl, configs)
-    report(rows, rounds, steps, a.quick)
+    rows = compare(ours, trl, configs, a.ours, bandwidth)
+    report(rows, rounds, steps, a.quick, bandwidth)
 
 
-def report(rows: list[dict], rounds: int, steps: int, quick: bool) -> None:
-    w = WORKLOAD
-    print(f"\nGRPO, {w['prompts']} prompts x {w['n']} samples, <= {w['max_new_tokens']} new tokens, KL {w['kl']} with a "
-          f"reference, AdamW lr {w['lr']}; {rounds} round(s) x {steps} steps (first of each run = warm-up)")
-    print("hybrid_rl: 2 ranks x 1 thread (torchrun, vLLM rollout, FSDP2);  TRL: 1 process x "
+def report(rows: list[dict], rounds: int, steps: int, quick: bool, bandwidth: float) -> None:
+    print(f"\nGRPO, KL with a reference, per model: {', '.join(f'{s}: {workload(s)}' for s in dict.fromkeys(r['size'] for r in rows))}; "
+          f"{rounds} round(s) x {steps} steps (first of each run = warm-up)")
+    print("hybrid_rl: RANKS x THREADS per rank (torchrun, vLLM rollout, FSDP2);  TRL: 1 process x "
           f"{rows[0]['trl_threads']} threads (its natural single-process set-up, transformers generate)")
-    print(common.table(rows, [("size", "model", "s"), ("precision", "precision", "s"),
+    print(common.table(rows, [("size", "model", "s"), ("precision", "precision", "s"), ("topology", "ours", "s"),
                               ("ours_step_s", "ours s/step", ".2f"), ("trl_step_s", "TRL s/step", ".2f"),
                               ("step_ratio", "TRL/ours time", ".2f"), ("ours_tok_s", "ours tok/s", ".0f"),
-                              ("trl_tok_s", "TRL tok/s", ".0f"), ("tok_ratio", "ours/TRL tok/s", ".2f")]))
+                              ("trl_tok_s", "TRL tok/s", ".0f"), ("floor_s", "our floor s", ".2f"),
+                              ("step_over_floor", "ours/floor", ".2f")]))
+    print(f"  floor = FLOPs at the measured matmul rate + bytes at {bandwidth / 1e9:.1f} GB/s (module doc)")
     for r in rows:
-        ph = r["ours_phases_s"]
-        big = sorted(ph, key=ph.get, reverse=True)[:3]
-        faster = "ours faster" if r["step_ratio"] > 1 else "TRL faster"
-        print(f"  {r['size']} {r['precision']}: {faster} ({r['step_ratio']:.2f}x step time); our step's largest "
-              f"phases: " + ", ".join(f"{k} {ph[k]:.2f}s" for k in big))
-    headline = [{"what": f"TRL/ours step time {r['size']} {r['precision']}", "value": r["step_ratio"]} for r in rows]
-    # The target: a GRPO step at least 2x faster than TRL's at bf16 on the ~25M model.
-    targets = [common.check(f"TRL/ours step time {r['size']} bf16", r["step_ratio"], 2.0, higher_is_better=True)
-               for r in rows if r["size"] == "25M" and r["precision"] == "bf16"]
-    common.write_result("vs_trl", {"rows": rows, "headline": headline, "targets": targets, "workload": w, "rounds": rounds, "steps": steps, "trl_pins": TRL_PINS,
-                                   "setups": {"ours": "2 ranks x 1 thread, torchrun, vLLM rollout, FSDP2",
+        o, t = r["ours_phases_s"], r["trl_phases_s"]
+        print(f"  {r['size']} {r['precision']} ours {r['topology']}: " + ", ".join(f"{k} {v:.2f}" for k, v in o.items()
+                                                                              if abs(v) > 5e-3))
+        print(f"  {r['size']} {r['precision']} TRL     : " + ", ".join(f"{k} {v:.2f}" for k, v in t.items()))
+    headline = [{"what": f"TRL/ours step time {r['size']} {r['precision']} ours {r['topology']}",
+                 "value": r["step_ratio"]} for r in rows]
+    # The targets (issue 22): ours at least 1.5x faster than TRL at bf16 on 25M and on the 0.5B shape, with the
+    # recipe's defaults (2 ranks x 1 thread); the 0.5B step within 2.5x of its compute + bandwidth floor.
+    targets = [common.check(f"TRL/ours step time {r['size']} bf16 (ours {r['topology']})", r["step_ratio"], 1.5,
+                            higher_is_better=True)
+               for r in rows if r["size"] in ("25M", "0.5B") and r["precision"] == "bf16"]
+    targets += [common.check(f"0.5B step / floor (ours {r['topology']})", r["step_over_floor"], 2.5,
+                             higher_is_better=False) for r in rows if r["size"] == "0.5B"]
+    common.write_result("vs_trl", {"rows": rows, "headline": headline, "targets": targets,
+                                   "workloads": {r["size"]: workload(r["size"]) for r in rows}, "rounds": rounds,
+                                   "steps": steps, "trl_pins": TRL_PINS, "bandwidth_bytes_s": bandwidth,
+                                   "setups": {"ours": "RANKSxTHREADS, torchrun, vLLM rollout, FSDP2",
                                               "trl": "1 process, torch default threads, transformers generate"}},
                         quick=quick)
 

