@@ -43,7 +43,7 @@ def gguf_path() -> Path:
 def build_smollm2(out_dir: str | Path, *, force: bool = False) -> Path:
     """Write SmolLM2-135M-Instruct (float32 safetensors, tokenizer, chat template) to `out_dir`; return it.
 
-    A folder already built (marker file present) is reused unless `force`. About 20 s on 2 CPU cores.
+    A folder already built (marker file present) is reused unless `force`. About a minute on 2 CPU cores.
     """
     out = Path(out_dir)
     if (out / _DONE).exists() and not force:
