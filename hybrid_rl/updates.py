@@ -4,8 +4,10 @@ Mini-batches and micro-batches are cut over units (a sample, or a preference pai
 one. Losses use the whole mini-batch's token, sequence and pair counts, summed over micro-batches
 and ranks, so the gradient does not depend on how the mini-batch was cut; FSDP averages gradients
 over ranks, so each micro-batch loss is multiplied by the world size to turn that average back into
-the global sum. Statistics are kept as tensors and reduced once per update (no host sync per
-micro-batch).
+the global sum. Statistics stay on the device and are reduced and read once per update, inputs move host
+to device through pinned memory without blocking, and log-probs kept for the step's metrics are read back
+once at the end: no host sync per micro-batch (tests/unit/trainer/test_hot_loop.py counts them). The one
+read per optimizer step is the gradient norm (a non-finite step is skipped).
 """
 
 from __future__ import annotations
@@ -66,7 +68,14 @@ def denominators(batch: TrainBatch, horizon: int) -> Denominators:
 
 
 def rows(x: torch.Tensor | None, mb: MicroBatch, width: int, dev) -> torch.Tensor | None:
-    return None if x is None else x[mb.indices, :width].to(dev)
+    """A micro-batch's rows of a host tensor, on `dev`: on CUDA through pinned memory and an asynchronous copy
+    (a pageable host-to-device copy would block the host until it is done)."""
+    if x is None:
+        return None
+    block = x[mb.indices, :width]
+    if torch.device(dev).type == "cuda":
+        return block.pin_memory().to(dev, non_blocking=True)
+    return block.to(dev)
 
 
 def _mb_pairs(batch: TrainBatch, mb: MicroBatch) -> torch.Tensor | None:
@@ -78,20 +87,22 @@ def _mb_pairs(batch: TrainBatch, mb: MicroBatch) -> torch.Tensor | None:
 
 
 class StepStats:
-    """(sum, count) of each statistic over micro-batches; `means()` reduces over ranks once."""
+    """(sum, count) of each statistic over micro-batches, kept on the device they come from (no host sync per
+    micro-batch); `means()` reduces over ranks and reads them once, at the end of the update."""
 
     def __init__(self) -> None:
-        self.sums: dict[str, list[torch.Tensor]] = {}
+        self.sums: dict[str, torch.Tensor] = {}
 
     def add(self, stats: StatSums) -> None:
         for k, (total, count) in stats.items():
-            acc = self.sums.setdefault(k, [torch.zeros((), dtype=torch.float64)] * 2)
-            self.sums[k] = [acc[0] + total.detach().double().cpu(), acc[1] + count.detach().double().cpu()]
+            pair = torch.stack([torch.as_tensor(total).detach().double(), torch.as_tensor(count).detach().double()])
+            self.sums[k] = self.sums[k] + pair.to(self.sums[k].device) if k in self.sums else pair
 
     def means(self, prefix: str) -> dict[str, float]:
         """Means over all micro-batches of all ranks (every rank adds the same keys, in any order)."""
         keys = sorted(self.sums)
-        totals = all_reduce(torch.stack([torch.stack(self.sums[k]) for k in keys])).tolist() if keys else []
+        stacked = torch.stack([self.sums[k].cpu() for k in keys]) if keys else None
+        totals = all_reduce(stacked).tolist() if keys else []
         return {f"{prefix}/{k}": t / c for k, (t, c) in zip(keys, totals, strict=True) if c}
 
 
@@ -107,7 +118,7 @@ def update_actor(actor: Model, batch: TrainBatch, objective: Objective, settings
     if reuse and u.epochs * u.mini_batches != 1:
         raise ValueError("old log-probs can come from the update only when it makes one optimizer step, "
                          f"not {u.epochs} epochs x {u.mini_batches} mini-batches")
-    seen = torch.zeros(batch.mask.shape) if reuse else None
+    seen = None  # reuse: the update's own log-probs, gathered on the device, read once at the end
     stats, finite, grad_norms, pairs_used = StepStats(), True, [], 0
     for _ in range(u.epochs):
         for units in split_units(batch.units, u.mini_batches):
@@ -121,8 +132,10 @@ def update_actor(actor: Model, batch: TrainBatch, objective: Objective, settings
                     (zero_like_loss(logp) * u.world).backward()
                     continue
                 w, dev = logp.shape[1], logp.device
-                if seen is not None:  # one mini-batch of all rows: the mini-batch's rows are the batch's
-                    seen[mb.indices, :w] = logp.detach().float().cpu()
+                if reuse:  # one mini-batch of all rows: the mini-batch's rows are the batch's
+                    if seen is None:
+                        seen = torch.zeros(batch.mask.shape, device=dev)
+                    seen[mb.indices, :w] = logp.detach().float()
                 old = logp.detach() if reuse else rows(sub.old_logp, mb, w, dev)
                 x = MicroInputs(logp, ent, rows(sub.mask, mb, w, dev), old, rows(sub.advantages, mb, w, dev),
                                 rows(sub.ref_logp, mb, w, dev), _mb_pairs(sub, mb), rows(sub.rollout_logp, mb, w, dev))
@@ -135,6 +148,8 @@ def update_actor(actor: Model, batch: TrainBatch, objective: Objective, settings
             finite &= ok
     out = stats.means("actor")
     out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    if reuse:
+        seen = torch.zeros(batch.mask.shape) if seen is None else seen.cpu()
     out["actor/lr"] = float(actor.optimizer.param_groups[0]["lr"])  # a tensor in torchao's optimizers
     if batch.paired:
         out["train/pairs_used"] = all_reduce_sum([pairs_used / u.epochs])[0]

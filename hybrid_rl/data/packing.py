@@ -112,11 +112,12 @@ class PackedBatch:
                     f"sequence {s}: prompt_len {p} + response_len {r} != its length {n}; expected prompt_len >= 1, "
                     "response_len >= 0, adding up to the sequence length"
                 )
-        device = self.cu_seqlens.device
+        # Sizes come from the Python lengths (`output_size`): nothing here reads a device tensor back.
+        device, total = self.cu_seqlens.device, sum(int(r) for r in response_lens)
         lens = torch.tensor(response_lens, dtype=torch.int64, device=device)
-        sequence_ids = torch.repeat_interleave(torch.arange(self.num_sequences, device=device), lens)
-        starts = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
-        offsets = torch.arange(int(lens.sum()), device=device) - starts
+        sequence_ids = torch.repeat_interleave(torch.arange(self.num_sequences, device=device), lens, output_size=total)
+        starts = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens, output_size=total)
+        offsets = torch.arange(total, device=device) - starts
         prompt_lens_t = torch.tensor(prompt_lens, dtype=torch.int64, device=device)
         response_starts = self.cu_seqlens[:-1].to(torch.int64) + prompt_lens_t
         target_positions = response_starts[sequence_ids] + offsets
@@ -136,17 +137,18 @@ def pack(sequences: TokenSequences) -> PackedBatch:
     """
     tensors = _as_tensors(sequences)
     device = tensors[0].device
-    lens = torch.tensor([t.numel() for t in tensors], dtype=torch.int64, device=device)
+    sizes = [t.numel() for t in tensors]  # Python ints: no device read for any size below
+    lens = torch.tensor(sizes, dtype=torch.int64, device=device)
     cu_seqlens = torch.zeros(len(tensors) + 1, dtype=torch.int32, device=device)
     cu_seqlens[1:] = torch.cumsum(lens, 0)
-    starts = torch.repeat_interleave(cu_seqlens[:-1].to(torch.int64), lens)
-    position_ids = torch.arange(int(lens.sum()), device=device) - starts
+    starts = torch.repeat_interleave(cu_seqlens[:-1].to(torch.int64), lens, output_size=sum(sizes))
+    position_ids = torch.arange(sum(sizes), device=device) - starts
     return PackedBatch(
         input_ids=torch.cat([t.to(device) for t in tensors])[None],
         position_ids=position_ids[None],
         cu_seqlens=cu_seqlens,
-        max_seqlen=int(lens.max()),
-        seq_lens=tuple(lens.tolist()),
+        max_seqlen=max(sizes),
+        seq_lens=tuple(sizes),
     )
 
 

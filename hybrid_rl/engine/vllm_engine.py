@@ -22,6 +22,7 @@ import gc
 import logging
 import os
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,7 +51,7 @@ class EngineSpec:
     seed: int
     enforce_eager: bool  # False: CUDA graphs and vLLM's torch.compile (CUDA)
     gpu_memory_utilization: float | None = None  # CUDA: vLLM's share of the GPU; None = auto (`gpu_utilization`)
-    sync_reserve_bytes: int = 0  # auto utilization: GPU memory kept outside vLLM for the weight sync
+    sync_reserve_bytes: int = 0  # auto utilization: GPU memory kept outside vLLM (weight sync + safety margin)
     kv_cache_gb: float | None = None  # KV cache size; None = vLLM's sizing from gpu_memory_utilization (CUDA)
     max_num_seqs: int = 256
     enable_prefix_caching: bool = True
@@ -231,12 +232,12 @@ class VLLMEngine:
                     f"rollout.gpu_memory_utilization=auto: only {free / GIB:.1f} of the GPU's {total / GIB:.1f} GiB "
                     f"are free when vLLM starts (the trainer holds the rest), {pending_bytes / GIB:.1f} GiB of that "
                     f"go to AdamW's state at the first step and {self.spec.sync_reserve_bytes / GIB:.1f} GiB stay "
-                    "reserved for the weight sync, so vLLM would get nothing. Offload more "
+                    "reserved for the weight sync and the safety margin, so vLLM would get nothing. Offload more "
                     "(offload.actor_optim=cpu, offload.reference=cpu, ...) or set rollout.gpu_memory_utilization; "
                     "`python -m hybrid_rl.plan` shows what each item takes.")
             log.info("rollout.gpu_memory_utilization=auto: %.2f (%.1f of %.1f GiB free at vLLM's start, %.1f GiB of "
-                     "it for AdamW's state to come, %.1f GiB kept for the weight sync)", util, free / GIB, total / GIB,
-                     pending_bytes / GIB, self.spec.sync_reserve_bytes / GIB)
+                     "it for AdamW's state to come, %.1f GiB kept for the weight sync and the safety margin)", util,
+                     free / GIB, total / GIB, pending_bytes / GIB, self.spec.sync_reserve_bytes / GIB)
             self._utilization = util
         return self._utilization
 
@@ -309,8 +310,12 @@ class VLLMEngine:
                  max_tokens: list[int] | None = None) -> list[list[Generation]]:
         """Sample `sampling.n` responses per prompt; returns them grouped by prompt.
 
-        Each response is its own request with seed `seeds[i] + j`: vLLM's `n > 1` with a fixed seed
-        draws the same sequence n times. Prefix caching shares the prompt's KV across the n requests.
+        Each response is its own request (prefix caching shares the prompt's KV across the n of them).
+        One seed per batch, not per request: a request with its own seed makes vLLM keep a generator per
+        request, loop over them at every decode step and leave its fast (FlashInfer) sampler. Instead the
+        process's RNG, which vLLM's sampler draws from (in-process engine), is seeded from `seeds` for the
+        batch and restored after it: the draws depend only on the batch (the same on every TP rank of a
+        group, and in a run resumed at this step), never on what was generated before.
         `max_tokens`: each prompt's own token limit (multi-turn: what is left of its trajectory's budget);
         None: `sampling.max_tokens` for all.
         """
@@ -321,14 +326,15 @@ class VLLMEngine:
         params = [
             SamplingParams(
                 n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                max_tokens=limit, logprobs=0, seed=seed + j, detokenize=False,
+                max_tokens=limit, logprobs=0, detokenize=False,
                 stop_token_ids=list(sampling.stop_token_ids), flat_logprobs=True,
             )
-            for seed, limit in zip(seeds, limits, strict=True)
-            for j in range(n)
+            for limit in limits
+            for _ in range(n)
         ]
         reqs = [{"prompt_token_ids": list(p)} for p in prompts for _ in range(n)]
-        outs = self.llm.generate(reqs, params, use_tqdm=False, lora_request=self._adapter)
+        with batch_rng(batch_seed(seeds, n)):
+            outs = self.llm.generate(reqs, params, use_tqdm=False, lora_request=self._adapter)
         return [[_generation(i, outs[i * n + j].outputs[0]) for j in range(n)] for i in range(len(prompts))]
 
 
@@ -357,6 +363,22 @@ def lora_slot_rank(rank: int) -> int:
     if not fit:
         raise ValueError(f"model.lora.rank={rank}: vLLM serves adapters up to rank {allowed[-1]}")
     return fit[0]
+
+
+def batch_seed(seeds: list[int], n: int) -> int:
+    """One seed for a batch of requests: a function of all their seeds (which the sampler derives from the run's
+    seed, the step and the prompts' positions) and of `n`."""
+    return hash((tuple(seeds), n)) % (2**63)
+
+
+@contextmanager
+def batch_rng(seed: int):
+    """The process's RNG (CPU and the current CUDA device) seeded with `seed` inside, restored after: the
+    trainer's own random state is untouched by generation."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
 
 
 def _generation(index: int, c) -> Generation:
