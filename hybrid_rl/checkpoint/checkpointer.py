@@ -220,6 +220,11 @@ class Checkpointer:
                 "rendezvous numbers nodes in the order of their addresses (--local-addr, else the host name), so "
                 "relaunch on the same hosts (or use one filesystem that every node mounts)")
         common = set.intersection(*(set(s) for s, _ in views))
+        if not common and any(s for s, _ in views):  # node-local folders whose saves never committed everywhere
+            held = "; ".join(f"rank {r}: {sorted(s, reverse=True)[:3] or 'none'}" for r, (s, _) in enumerate(views))
+            raise CheckpointError(f"no checkpoint step is intact on every rank (steps each rank holds: {held}); "
+                                  "copy the missing step folders between the nodes' checkpoint folders, or move "
+                                  "them all away to start afresh")
         return layout.step_dir(self.root, max(common)) if common else None
 
     def load(self, path: str | Path, *, components: dict[str, Component]) -> tuple[dict[str, Any], dict[str, Any]]:

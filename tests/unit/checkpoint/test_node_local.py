@@ -1,7 +1,7 @@
 """Checkpoints on node-local disks: each of 2 real gloo ranks (an FSDP2-sharded tiny model) has its own checkpoint
 folder, as two nodes without a shared filesystem would. Saves commit on both, each copy holds its own rank's files
 only, resume is bitwise, a save committed on one node only is never resumed from, and ranks that moved to the
-other node's folder stop with an error (never a silent fresh start)."""
+other node's folder, or a node that lost its folder, stop with an error (never a silent fresh start)."""
 
 from __future__ import annotations
 
@@ -49,6 +49,15 @@ def _scenario(rank: int, world: int, rec: dict, model_dir: str, root: str) -> No
         rec["swap_error"] = None
     except CheckpointError as e:
         rec["swap_error"] = str(e)
+    # Node 1 lost its whole checkpoint folder: an error naming what each rank holds, not a fresh start.
+    if rank == 1:
+        (node / "checkpoints").rename(node / "lost")
+    dist.barrier()
+    try:
+        Checkpointer(node / "checkpoints", keep_last=3, rank=rank, world=world).resume_auto(comps)
+        rec["lost_error"] = None
+    except CheckpointError as e:
+        rec["lost_error"] = str(e)
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +91,9 @@ def test_resume_takes_the_newest_step_complete_on_every_node_bitwise(ranks):
 def test_ranks_on_the_wrong_node_stop_with_the_same_clear_error(ranks):
     assert ranks[0]["swap_error"] is not None and ranks[0]["swap_error"] == ranks[1]["swap_error"]
     assert "hold other ranks' files" in ranks[0]["swap_error"] and "same hosts" in ranks[0]["swap_error"]
+
+
+def test_a_node_without_the_others_checkpoints_stops_every_rank_instead_of_starting_afresh(ranks):
+    assert ranks[0]["lost_error"] is not None and ranks[0]["lost_error"] == ranks[1]["lost_error"]
+    assert "no checkpoint step is intact on every rank" in ranks[0]["lost_error"]
+    assert "rank 0: [3, 2, 1]; rank 1: none" in ranks[0]["lost_error"]
