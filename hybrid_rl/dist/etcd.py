@@ -124,7 +124,14 @@ class Registration:
     def update(self, value: Any) -> None:
         with self._lock:
             self._value = value
-            self.etcd.put(self.name, value, lease=self.lease)
+            try:
+                self.etcd.put(self.name, value, lease=self.lease)
+                return
+            except etcd_errors.Etcd3Exception as e:  # the lease is gone (an etcd that lost its data): grant one
+                if isinstance(e, _UNREACHABLE):
+                    raise
+                log.warning("etcd lease of %s: %s; registering it again", self.name, e)
+        self._write()
 
     def _write(self) -> None:
         with self._lock:

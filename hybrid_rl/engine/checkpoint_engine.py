@@ -2,24 +2,26 @@
 
 One update ("register shard", then "update weight"), on every trainer rank in lockstep:
 
-1. The colocated resharding plan (`reshard.build_plan`) with the *server's* TP layout, where only the
-   first `tp` ranks of the pod receive (rank r writes the server's TP slice r: its "writer"); the other
-   ranks only send their FSDP rows. Cached per set of weights.
+1. The colocated resharding plan (`reshard.build_plan`) with the *servers'* TP layout: a node runs
+   `servers` servers, server g fed by the node's ranks g*tp .. g*tp+tp-1 (rank r writes TP slice r % tp
+   of its server: its "writer"; the first of them, the server's leader, drives it over HTTP); ranks
+   beyond them only send their FSDP rows. Cached per set of weights.
 2. Each writer keeps a ring of shared-memory slots (`shm_ring.py`) beside a manifest of the update (which
    slices each bucket holds). Bucket k's pieces are assembled straight into a free slot (one copy, cast
-   to the rollout dtype), then published; meanwhile rank 0 has already asked the server (over HTTP, in
+   to the rollout dtype), then published; meanwhile the leader has already asked the server (over HTTP, in
    order, from one background thread) to load bucket k, and goes on with bucket k+1: the trainer fills
    the next slot while the server loads the previous one, and no more than `slots` buckets are ever in
    shared memory.
-3. `PodLink` (optional) sends each published slot on to the receivers of other pods (`dist/pod_group.py`).
-4. Rank 0 finishes the update; every writer compares the server's checksums of what landed (its report)
-   with the senders' (`plan.expected`), exactly as colocated verification does; only when every rank
-   agrees does rank 0 stamp the version (`/update_weight_version`) and read it back (`/weight_info`).
+3. `PodLink` (optional) sends each slot of server 0's writers on to the receivers of other pods
+   (`dist/pod_group.py`), and tells them when an update is abandoned mid-way.
+4. Each leader finishes the update; every writer compares the server's checksums of what landed (its
+   report) with the senders' (`plan.expected`), exactly as colocated verification does; only when every
+   rank agrees does each leader stamp the version (`/update_weight_version`) and read it back.
 
 Generation is paused (vLLM's `keep` mode) from the start of the update until after the stamp: requests in
 flight wait, then continue under the new weights (their KV recomputed, as the prefix cache's is dropped),
 each token stamped with the version that sampled it (`server_update.py`); after a failed update they are
-aborted instead.
+aborted instead and the server stays paused (its owner withdraws it from dispatch) until an update lands.
 """
 
 from __future__ import annotations
@@ -215,8 +217,8 @@ class CheckpointEngine:
             if self._failed:
                 abort_path(self.namespace).touch()  # writers waiting on the server stop waiting
         if bool(all_reduce(torch.tensor([float(bool(self._failed))]), "max")[0]):
-            raise ServerError(f"weight update {self.updates} abandoned: the vLLM server failed"
-                              f"{' (' + self._failed + ')' if self._failed else ' (see rank 0)'}")
+            raise ServerError(f"weight update {self.updates} abandoned: a vLLM server failed"
+                              f"{' (' + self._failed + ')' if self._failed else ' (see the first rank of its TP group)'}")
 
     def _plan(self, sources: list[SourceParam], sharded: bool) -> tuple[ReshardPlan, list[list[Entry]]]:
         key = tuple(s.name for s in sources)

@@ -42,7 +42,8 @@ def test_vllm_reproduces_fsdp_model_after_each_sync(tiny_models, tmp_path, tp, r
 
 @pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="the packed path needs AVX512-BF16 (CI has it)")
 def test_packed_sync_lands_every_slice_in_the_weight_vllms_kernel_reads(tiny_models, tmp_path):
-    r = run_torchrun(WORKERS / "packed_sync.py", "--model", tiny_models["qwen2"], "--tp", "1", tmp_path=tmp_path)
+    # Tied embeddings (as the small Qwen2.5 models): the head's own packed copy must follow the embedding too.
+    r = run_torchrun(WORKERS / "packed_sync.py", "--model", tiny_models["qwen2_tied"], "--tp", "1", tmp_path=tmp_path)
     for step in r["steps"]:
         assert step["sync_path"] == "packed"  # bf16 on AMX: no reload of vLLM's weight processing
         assert step["packed_slices_min"] >= step["slices"] // 2, step  # every projection, on every rank

@@ -10,6 +10,7 @@ trainer's (fp32). The model ties its word embeddings, as the small models users 
 
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -19,8 +20,8 @@ import pytest
 from hybrid_rl.build import sidecar_namespace
 from hybrid_rl.config import load_config
 from hybrid_rl.dist.etcd_server import EtcdProcess
-from hybrid_rl.dist.mesh import free_port
 from hybrid_rl.engine.cpu_shm import mapped_paths
+from hybrid_rl.engine.vllm_server import port_free
 from tests.conftest import REPO, run_torchrun
 from tests.e2e.conftest import tiny_overrides
 
@@ -35,12 +36,12 @@ def test_grpo_in_sidecar_mode_with_a_second_pod_a_killed_server_and_an_etcd_rest
     out = tmp_path / "run"
     # A model with tied word embeddings (as the small Qwen2.5 models): the servers' head must follow the embedding.
     overrides = tiny_overrides(tiny_models["qwen2_tied"], task_files, out, **{
-        "rollout.mode": "sidecar", "sidecar.etcd": etcd.endpoint, "sidecar.port": free_port(), "sidecar.pods": 2,
+        "rollout.mode": "sidecar", "sidecar.etcd": etcd.endpoint, "sidecar.port": server_port(), "sidecar.pods": 2,
         "sidecar.pod_wait_s": 600, "sidecar.etcd_wait_s": 120, "rollout.kv_cache_gb": 0.125,
         "data.val_prompts": 4, "sidecar.servers_per_node": 1, "sidecar.lease_ttl_s": 3})  # one server on the trainer's pod (two TP-1 groups)
     pod_log = open(tmp_path / "pod1.log", "w")  # noqa: SIM115
     pod = subprocess.Popen([sys.executable, "-m", "hybrid_rl.pod", "--config-name=grpo", *overrides, "sidecar.pod=1",
-                            f"sidecar.port={free_port()}"], cwd=REPO, stdout=pod_log, stderr=subprocess.STDOUT,
+                            f"sidecar.port={server_port()}"], cwd=REPO, stdout=pod_log, stderr=subprocess.STDOUT,
                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         args = {"overrides": overrides, "etcd": {"dir": str(etcd.data_dir), "port": etcd.port,
@@ -82,7 +83,7 @@ def test_a_pod_of_four_ranks_at_tp2_runs_two_tp2_servers_both_fed_and_generating
     shm_before = set(os.listdir("/dev/shm"))
     out = tmp_path / "run"
     overrides = tiny_overrides(tiny_models["qwen2"], task_files, out, **{
-        "rollout.mode": "sidecar", "rollout.tp": 2, "sidecar.port": free_port(),
+        "rollout.mode": "sidecar", "rollout.tp": 2, "sidecar.port": server_port(2),
         "rollout.kv_cache_gb": 0.0625, "data.val_prompts": 4, "sidecar.max_num_seqs": 16,
         "sidecar.servers_per_node": 2})  # one per TP group (the default on GPUs; on CPU it is 1)
     r = run_torchrun(WORKER, json.dumps({"overrides": overrides, "faults": False}), nproc=4, tmp_path=tmp_path,
@@ -102,6 +103,19 @@ def test_a_pod_of_four_ranks_at_tp2_runs_two_tp2_servers_both_fed_and_generating
     new = {f"/dev/shm/{n}" for n in set(os.listdir("/dev/shm")) - shm_before}
     left = {p for p in new - mapped_paths() if Path(p).name.startswith(("sem.mp-", "psm_", "hrl-"))}
     assert not left, f"left in /dev/shm: {sorted(left)}"
+
+
+def server_port(n: int = 1) -> int:
+    """n free consecutive ports below the kernel's ephemeral range: a server binds its port minutes after it is
+    chosen (its start on a loaded machine), and in between any outgoing connection or port-0 listener (gloo's,
+    etcd's clients) may be given a port of that range."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(max(1024, low - 12000), low - n)
+        if all(port_free("127.0.0.1", p) for p in range(port, port + n)):
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def _answers(endpoint: str) -> bool:
