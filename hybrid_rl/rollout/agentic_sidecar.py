@@ -78,21 +78,26 @@ class MultiTurnSidecar:
         """Start one trajectory per request and return at once. Collective (the servers are listed on rank 0)."""
         if not self.inner._active:
             raise RuntimeError("MultiTurnSidecar.submit() needs a session: use `with rollout.session():`")
+        self._start(requests, greedy, self._arrived, counted=True)
+
+    def _start(self, requests: list[Request], greedy: bool, sink: queue.SimpleQueue, *, counted: bool) -> None:
         route = self.inner._router()
         sampling = self.inner._sampling(greedy)
         for r in requests:
-            with self._lock:
-                self._in_flight += 1
-            self.pool.submit(self._play, r, sampling, route(r))
+            if counted:
+                with self._lock:
+                    self._in_flight += 1
+            self.pool.submit(self._play, r, sampling, route(r), sink, counted)
 
-    def _play(self, r: Request, sampling: Sampling, url: str) -> None:
+    def _play(self, r: Request, sampling: Sampling, url: str, sink: queue.SimpleQueue, counted: bool) -> None:
         try:
             arrival, error = self._trajectory(r, sampling, url), ""
         except Exception as e:  # noqa: BLE001 - a failed request: the buffer recovers and sends it again
             arrival, error = None, f"{type(e).__name__}: {e}"
-        with self._lock:
-            self._in_flight -= 1
-        self._arrived.put((r.key, arrival, error))
+        if counted:
+            with self._lock:
+                self._in_flight -= 1
+        sink.put((r.key, arrival, error))
 
     def _trajectory(self, r: Request, sampling: Sampling, url: str) -> Arrival:
         t = Trajectory(list(r.prompt))
@@ -130,16 +135,7 @@ class MultiTurnSidecar:
                        t.infra_failed, stats)
 
     def arrivals(self) -> tuple[dict[int, Arrival], dict[int, str]]:
-        done, failed = {}, {}
-        while True:
-            try:
-                key, arrival, error = self._arrived.get_nowait()
-            except queue.Empty:
-                return done, failed
-            if arrival is None:
-                failed[key] = error
-            else:
-                done[key] = arrival
+        return _drain(self._arrived)
 
     # -- whole batches (held-out validation) -----------------------------------------------------
 
@@ -149,12 +145,15 @@ class MultiTurnSidecar:
         d = self.inner.dims
         total = len(records) * n
         mine = range(d.rank, total, d.world)
-        self.submit([Request(u, list(records[u // n].prompt_ids), request_seed(self.inner.seed, step,
-                                                                                 group_base + u // n) + u % n)
-                     for u in mine], greedy=greedy)
+        if not self.inner._active:
+            raise RuntimeError("MultiTurnSidecar.generate() needs a session: use `with rollout.session():`")
+        sink: queue.SimpleQueue = queue.SimpleQueue()  # its own: streamed trajectories may be in flight meanwhile
+        self._start([Request(u, list(records[u // n].prompt_ids), request_seed(self.inner.seed, step,
+                                                                                group_base + u // n) + u % n)
+                     for u in mine], greedy, sink, counted=False)
         got: dict[int, Arrival] = {}
         while len(got) < len(mine):
-            done, failed = self.arrivals()
+            done, failed = _drain(sink)
             if failed:
                 raise RolloutError(f"multi-turn generation failed: {next(iter(failed.values()))}")
             got.update(done)
@@ -163,6 +162,20 @@ class MultiTurnSidecar:
             {u: sample_of(u, records[u // n], a.generation, group_base + u // n, token_versions=a.token_versions,
                           loss_mask=a.loss_mask, extra_fields=a.fields) for u, a in got.items()},
             {u for u, a in got.items() if a.infra_failed}, total, [a.stats for a in got.values()])
+
+
+def _drain(sink: queue.SimpleQueue) -> tuple[dict[int, Arrival], dict[int, str]]:
+    """(arrivals by key, errors by key) of the trajectories that ended since the last call."""
+    done, failed = {}, {}
+    while True:
+        try:
+            key, arrival, error = sink.get_nowait()
+        except queue.Empty:
+            return done, failed
+        if arrival is None:
+            failed[key] = error
+        else:
+            done[key] = arrival
 
 
 class _Discard:
