@@ -20,7 +20,6 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import torch
@@ -48,7 +47,10 @@ class MultiTurnSidecar:
         self.inner, self.tokenizer, self.setup = inner, tokenizer, setup
         self.batcher = ToolBatcher(setup.runner)
         self.loop = replace_runner(setup.loop, self.batcher)
-        self.pool = ThreadPoolExecutor(max_inflight, thread_name_prefix="trajectory")
+        # One daemon thread per trajectory, at most max_inflight playing at once: a thread still waiting on a server
+        # or a tool when the run ends must not hold the process up (pool threads are joined at exit)
+        self._slots = threading.BoundedSemaphore(max_inflight)
+        self._closed = False
         self._arrived: queue.SimpleQueue[tuple[int, Arrival | None, str]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._in_flight = 0
@@ -68,7 +70,7 @@ class MultiTurnSidecar:
         return self._in_flight
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self._closed = True
         self.batcher.close()
         self.inner.close()
 
@@ -87,11 +89,15 @@ class MultiTurnSidecar:
             if counted:
                 with self._lock:
                     self._in_flight += 1
-            self.pool.submit(self._play, r, sampling, route(r), sink, counted)
+            threading.Thread(target=self._play, args=(r, sampling, route(r), sink, counted), daemon=True,
+                             name=f"trajectory-{r.key}").start()
 
     def _play(self, r: Request, sampling: Sampling, url: str, sink: queue.SimpleQueue, counted: bool) -> None:
         try:
-            arrival, error = self._trajectory(r, sampling, url), ""
+            with self._slots:
+                if self._closed:
+                    raise RuntimeError("the rollout worker is closed")
+                arrival, error = self._trajectory(r, sampling, url), ""
         except Exception as e:  # noqa: BLE001 - a failed request: the buffer recovers and sends it again
             arrival, error = None, f"{type(e).__name__}: {e}"
         if counted:
