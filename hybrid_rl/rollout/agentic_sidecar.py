@@ -20,7 +20,6 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import torch
@@ -48,7 +47,10 @@ class MultiTurnSidecar:
         self.inner, self.tokenizer, self.setup = inner, tokenizer, setup
         self.batcher = ToolBatcher(setup.runner)
         self.loop = replace_runner(setup.loop, self.batcher)
-        self.pool = ThreadPoolExecutor(max_inflight, thread_name_prefix="trajectory")
+        # One daemon thread per trajectory, at most max_inflight playing at once: a thread still waiting on a server
+        # or a tool when the run ends must not hold the process up (pool threads are joined at exit)
+        self._slots = threading.BoundedSemaphore(max_inflight)
+        self._closed = False
         self._arrived: queue.SimpleQueue[tuple[int, Arrival | None, str]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._in_flight = 0
@@ -68,7 +70,7 @@ class MultiTurnSidecar:
         return self._in_flight
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self._closed = True
         self.batcher.close()
         self.inner.close()
 
@@ -78,21 +80,30 @@ class MultiTurnSidecar:
         """Start one trajectory per request and return at once. Collective (the servers are listed on rank 0)."""
         if not self.inner._active:
             raise RuntimeError("MultiTurnSidecar.submit() needs a session: use `with rollout.session():`")
+        self._start(requests, greedy, self._arrived, counted=True)
+
+    def _start(self, requests: list[Request], greedy: bool, sink: queue.SimpleQueue, *, counted: bool) -> None:
         route = self.inner._router()
         sampling = self.inner._sampling(greedy)
         for r in requests:
-            with self._lock:
-                self._in_flight += 1
-            self.pool.submit(self._play, r, sampling, route(r))
+            if counted:
+                with self._lock:
+                    self._in_flight += 1
+            threading.Thread(target=self._play, args=(r, sampling, route(r), sink, counted), daemon=True,
+                             name=f"trajectory-{r.key}").start()
 
-    def _play(self, r: Request, sampling: Sampling, url: str) -> None:
+    def _play(self, r: Request, sampling: Sampling, url: str, sink: queue.SimpleQueue, counted: bool) -> None:
         try:
-            arrival, error = self._trajectory(r, sampling, url), ""
+            with self._slots:
+                if self._closed:
+                    raise RuntimeError("the rollout worker is closed")
+                arrival, error = self._trajectory(r, sampling, url), ""
         except Exception as e:  # noqa: BLE001 - a failed request: the buffer recovers and sends it again
             arrival, error = None, f"{type(e).__name__}: {e}"
-        with self._lock:
-            self._in_flight -= 1
-        self._arrived.put((r.key, arrival, error))
+        if counted:
+            with self._lock:
+                self._in_flight -= 1
+        sink.put((r.key, arrival, error))
 
     def _trajectory(self, r: Request, sampling: Sampling, url: str) -> Arrival:
         t = Trajectory(list(r.prompt))
@@ -130,16 +141,7 @@ class MultiTurnSidecar:
                        t.infra_failed, stats)
 
     def arrivals(self) -> tuple[dict[int, Arrival], dict[int, str]]:
-        done, failed = {}, {}
-        while True:
-            try:
-                key, arrival, error = self._arrived.get_nowait()
-            except queue.Empty:
-                return done, failed
-            if arrival is None:
-                failed[key] = error
-            else:
-                done[key] = arrival
+        return _drain(self._arrived)
 
     # -- whole batches (held-out validation) -----------------------------------------------------
 
@@ -149,12 +151,15 @@ class MultiTurnSidecar:
         d = self.inner.dims
         total = len(records) * n
         mine = range(d.rank, total, d.world)
-        self.submit([Request(u, list(records[u // n].prompt_ids), request_seed(self.inner.seed, step,
-                                                                                 group_base + u // n) + u % n)
-                     for u in mine], greedy=greedy)
+        if not self.inner._active:
+            raise RuntimeError("MultiTurnSidecar.generate() needs a session: use `with rollout.session():`")
+        sink: queue.SimpleQueue = queue.SimpleQueue()  # its own: streamed trajectories may be in flight meanwhile
+        self._start([Request(u, list(records[u // n].prompt_ids), request_seed(self.inner.seed, step,
+                                                                                group_base + u // n) + u % n)
+                     for u in mine], greedy, sink, counted=False)
         got: dict[int, Arrival] = {}
         while len(got) < len(mine):
-            done, failed = self.arrivals()
+            done, failed = _drain(sink)
             if failed:
                 raise RolloutError(f"multi-turn generation failed: {next(iter(failed.values()))}")
             got.update(done)
@@ -163,6 +168,20 @@ class MultiTurnSidecar:
             {u: sample_of(u, records[u // n], a.generation, group_base + u // n, token_versions=a.token_versions,
                           loss_mask=a.loss_mask, extra_fields=a.fields) for u, a in got.items()},
             {u for u, a in got.items() if a.infra_failed}, total, [a.stats for a in got.values()])
+
+
+def _drain(sink: queue.SimpleQueue) -> tuple[dict[int, Arrival], dict[int, str]]:
+    """(arrivals by key, errors by key) of the trajectories that ended since the last call."""
+    done, failed = {}, {}
+    while True:
+        try:
+            key, arrival, error = sink.get_nowait()
+        except queue.Empty:
+            return done, failed
+        if arrival is None:
+            failed[key] = error
+        else:
+            done[key] = arrival
 
 
 class _Discard:

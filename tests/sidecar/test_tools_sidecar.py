@@ -18,6 +18,7 @@ pytestmark = pytest.mark.slow
 WORKER = Path(__file__).parents[1] / "e2e" / "workers" / "run_recipes.py"
 
 
+@pytest.mark.timeout(1500)  # two server starts: about 2 x 2 min on a loaded 2-core machine
 def test_grpo_with_the_tool_loop_in_sidecar_mode_at_staleness_0_and_1(tiny_models, task_files, tmp_path):
     etcd = EtcdProcess(tmp_path / "etcd")
     etcd.start()
@@ -32,8 +33,8 @@ def test_grpo_with_the_tool_loop_in_sidecar_mode_at_staleness_0_and_1(tiny_model
                     "rollout.tools": "[python]", "rollout.multi_turn.parser": "tests.e2e.tools:always_python",
                     "rollout.multi_turn.max_turn_tokens": 6, "rollout.multi_turn.max_turns": 3,
                     "rollout.multi_turn.tool_workers": 1, "reward.fn": "tests.e2e.rewards:length_parity",
-                    "algorithm.rollout_correction": "tis"})})
-        result = run_torchrun(WORKER, json.dumps(runs), tmp_path=tmp_path, timeout=900)
+                    "algorithm.rollout_correction": "tis", "data.val_files": "[]"})})
+        result = run_torchrun(WORKER, json.dumps(runs), tmp_path=tmp_path, timeout=1400)
     finally:
         etcd.stop()
     for k in (0, 1):
@@ -45,6 +46,8 @@ def test_grpo_with_the_tool_loop_in_sidecar_mode_at_staleness_0_and_1(tiny_model
             assert TOOL_KEYS <= set(m), sorted(TOOL_KEYS - set(m))
             assert m["rollout/tool_call_rate"] == 1.0 and m["rollout/turns_mean"] >= 2
             assert m["rollout/infra_failed_rate"] == 0 and m["rollout/context_tokens_mean"] > 0
-            assert m["rollout/logprob_diff_max"] < 1e-3, m["rollout/logprob_diff_max"]
-        if k == 1:
-            assert "async/staleness_tokens_mean" in steps[2]
+            if m["async/staleness_tokens_mean"] == 0:  # sampled by the weights trained: the same log-probs
+                assert m["rollout/logprob_diff_max"] < 1e-3, m["rollout/logprob_diff_max"]
+        # K = 1: step 2 trains trajectories sent during step 1 (measured: every token of every turn one version old)
+        assert (steps[2]["async/staleness_tokens_mean"] > 0) == (k == 1)
+        assert steps[1]["async/staleness_tokens_mean"] == 0

@@ -19,6 +19,7 @@ class ToolBatcher:
     def __init__(self, runner: ToolRunner):
         self.runner = runner
         self._queue: queue.SimpleQueue[tuple[list[ToolRequest], Future] | None] = queue.SimpleQueue()
+        self._closed = False
         self._thread = threading.Thread(target=self._serve, name="tool-batcher", daemon=True)
         self._thread.start()
 
@@ -27,6 +28,8 @@ class ToolBatcher:
         return self.runner.restarts
 
     def run(self, requests: list[ToolRequest]) -> list[ToolResult]:
+        if self._closed:
+            raise RuntimeError("the tool batcher is closed")
         done: Future = Future()
         self._queue.put((requests, done))
         return done.result()
@@ -56,6 +59,15 @@ class ToolBatcher:
                 at += len(requests)
 
     def close(self) -> None:
+        """Stop; trajectories still waiting for tools get an error (no thread is left waiting forever)."""
+        self._closed = True
         self._queue.put(None)
         self._thread.join(timeout=5)
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[1].set_exception(RuntimeError("the tool batcher is closed"))
         self.runner.close()
