@@ -11,7 +11,6 @@ sends the base weights): the median of `sync/bytes_per_rank`, `timing/sync_s` an
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -25,7 +24,8 @@ KEYS = {"bytes": "sync/bytes_per_rank", "sync_s": "timing/sync_s", "gen_tok_s": 
 
 def run(size: str, mode: str, a) -> dict:
     out = common.CACHE / "lora_sync" / f"{size}_{mode}"
-    overrides = base_overrides(qwen_shapes.folder(size), out, a.steps) + [
+    model = common.sized_model(size) if size in common.SIZES else qwen_shapes.folder(size)
+    overrides = base_overrides(model, out, a.steps) + [
         f"model.lora.rank={a.rank}", f"model.lora.sync={mode}", "trainer.memory_check=warn"]
     r = train(f"lora_sync_{size}_{mode}", overrides, a.nproc, out)
     later = [s for s in r["steps"] if s["step"] >= 2]
@@ -41,7 +41,10 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--smoke", action="store_true", help=common.SMOKE_HELP + " (the 4M model, 2 steps)")
     a = p.parse_args()
+    if a.smoke:
+        a.sizes, a.steps = ["4M"], 2
     rows = [run(size, mode, a) for size in a.sizes for mode in ("adapter", "merged")]
     print(common.table(rows, [("size", "shape", "s"), ("mode", "sync", "s"), ("bytes", "bytes/update/rank", ".3g"),
                               ("sync_s", "sync s/update", ".3f"), ("gen_tok_s", "gen tok/s", ".1f"),
@@ -53,9 +56,8 @@ def main() -> None:
                        "gen_tok_s_ratio": ad["gen_tok_s"] / me["gen_tok_s"]})
         print(f"  {size}: adapter/merged bytes {ratios[-1]['bytes_ratio']:.4f}, sync seconds "
               f"{ratios[-1]['sync_s_ratio']:.3f}, generation tokens/s {ratios[-1]['gen_tok_s_ratio']:.3f}")
-    out = Path(__file__).parent / "results" / "lora_sync.json"
-    out.write_text(json.dumps({"runs": rows, "ratios": ratios, "rank": a.rank, "nproc": a.nproc}, indent=1))
-    print(f"wrote {out}")
+    common.write_result("lora_sync", {"runs": rows, "ratios": ratios, "rank": a.rank, "nproc": a.nproc},
+                        quick=False)
 
 
 if __name__ == "__main__":

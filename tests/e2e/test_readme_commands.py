@@ -38,7 +38,10 @@ COVERED_ELSEWHERE = {
     "make demo": "tests/e2e/test_demo.py (40 steps)",
     "make lint": "not run by `make test` (ruff + import-linter; the layer rules: tests/unit/*/test_import_rule.py)",
     "etcd": "tests/sidecar start their own etcd on free ports (the README's line is the stock etcd command)",
+    "python hybrid_rl.model.smollm2": "the `smollm2` fixture of tests/conftest.py builds it (tests/e2e/test_smollm2.py)",
 }
+# Recipes whose training command runs for real elsewhere (its model is not a tiny one): here its keys are checked.
+RECIPES_RUN_ELSEWHERE = {"smollm2_arithmetic": "tests/e2e/test_smollm2.py (a 1-step run of the recipe on SmolLM2)"}
 # Appended to every training command that runs here: the run's shape stays the README's, its size shrinks.
 SMALL = ["rollout.n=2", "rollout.max_new_tokens=8", "data.prompts_per_step=4", "data.val_prompts=4",
          "trainer.micro_batch_tokens=512", "reward.num_workers=1", "trainer.show_progress=false", "rollout.bucket_mb=1"]
@@ -180,6 +183,7 @@ class User:
         if what in COVERED_ELSEWHERE or argv[0] in COVERED_ELSEWHERE:
             return f"covered elsewhere: {COVERED_ELSEWHERE.get(what) or COVERED_ELSEWHERE[argv[0]]}"
         handler = {"hf download": self.hf_download, "python hybrid_rl.data.gsm8k": self.gsm8k,
+                   "python hybrid_rl.demo.arithmetic": self.arithmetic,
                    "python hybrid_rl.plan": self.plan, "torchrun hybrid_rl.train": self.train,
                    "python hybrid_rl.pod": self.check_config}.get(what)
         assert handler is not None, f"the README shows a command this test does not know: {line}"
@@ -204,6 +208,13 @@ class User:
         assert r.returncode == 0, r.stdout + r.stderr
         rows = [json.loads(x) for x in (self.cwd / argv[-1]).read_text().splitlines()]
         assert rows and all(row["ground_truth"].isdigit() for row in rows)
+        return r.stdout.strip()
+
+    def arithmetic(self, argv: list[str]) -> str:
+        r = run(executable(argv), self.cwd, 120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        rows = [json.loads(x) for x in (self.cwd / argv[-1] / "train.jsonl").read_text().splitlines()]
+        assert rows and all(row["prompt"][0]["role"] == "user" for row in rows)
         return r.stdout.strip()
 
     def model_for_plan(self, argv: list[str]) -> list[str]:
@@ -274,7 +285,9 @@ class User:
 
     def train(self, argv: list[str]) -> str:
         nproc = int(next(a.split("=")[1] for a in argv if a.startswith("--nproc_per_node=")))
-        if override(argv, "rollout.mode") == "sidecar":
+        # Sidecar mode (tests/sidecar), tools (tests/e2e/test_tools.py) and the SmolLM2 recipe run for real elsewhere.
+        if override(argv, "rollout.mode") == "sidecar" or override(argv, "rollout.tools") or \
+                flag(argv, "--config-name") in RECIPES_RUN_ELSEWHERE:
             return self.check_config(argv, world=nproc)
         out = self.cwd / f"run{len(self.trained)}"
         launcher = [a for a in argv[:argv.index("-m")] if not a.startswith("--nproc_per_node")]
@@ -296,7 +309,7 @@ def test_every_readme_command_is_known():
     commands = readme_commands()
     assert any(program(shlex.split(c)) == "torchrun hybrid_rl.train" for c in commands)
     known = {"hf download", "python hybrid_rl.data.gsm8k", "python hybrid_rl.plan", "torchrun hybrid_rl.train",
-             "python hybrid_rl.pod", *COVERED_ELSEWHERE}
+             "python hybrid_rl.pod", "python hybrid_rl.demo.arithmetic", *COVERED_ELSEWHERE}
     for c in commands:
         argv = split_env(shlex.split(c))[1]
         assert program(argv) in known or argv[0] in known, f"README command with no test: {c}"
