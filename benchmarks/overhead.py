@@ -92,7 +92,9 @@ def worker(shapes: list[tuple[int, int]], model: str, steps: int) -> None:
                      f"trainer.total_steps={steps}", f"trainer.output_dir={common.CACHE / 'overhead' / str(samples)}",
                      "trainer.show_progress=false", "trainer.export=false", "trainer.resume=never",
                      "reward.fn=tests.e2e.rewards:length_parity", "reward.num_workers=1",
-                     "trainer.micro_batch_tokens=65536", "model.dtype=float32", "data.max_prompt_tokens=128"]
+                     "trainer.micro_batch_tokens=65536", "model.dtype=float32", "data.max_prompt_tokens=128",
+                     # The synthetic engine's log-probs are random: the policy-mismatch guard would (rightly) stop it.
+                     "trainer.max_logprob_diff=null"]
         c = build(load_config("grpo", overrides))
         engine = SyntheticEngine(tokens, c.actor.module.config.vocab_size, seed=c.dims.rank)
         c.rollout.engine = engine  # the colocated worker (rollout.Sampler) generates with it
