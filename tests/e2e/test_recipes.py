@@ -192,24 +192,15 @@ def _numbers(out: Path) -> list[dict]:
 
 def _final_weights(out: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
     flat = {f"export/{k}": v for k, v in load_file(out / "export" / "model.safetensors").items()}
+    # Checkpoint format 2 keeps one DCP folder per rank holding that rank's shards (node-local disks): its data
+    # files, byte for byte (equal states write equal bytes), stand for the actor and critic with their AdamW state.
     for comp in ("actor", "critic"):
-        dcp_to_torch_save(out / "checkpoints" / "step_2" / comp, out / f"{comp}.pt")
-        _flatten(torch.load(out / f"{comp}.pt", weights_only=False), comp, flat)
+        for data in sorted((out / "checkpoints" / "step_2" / comp).glob("rank*/*.distcp")):
+            flat[f"{comp}/{data.parent.name}/{data.name}"] = torch.frombuffer(bytearray(data.read_bytes()), dtype=torch.uint8)
+        assert any(k.startswith(f"{comp}/rank") for k in flat), f"{out}: no {comp} checkpoint data"
     return flat
 
-
-def _flatten(tree, prefix: str, out: dict[str, torch.Tensor]) -> None:
-    if isinstance(tree, torch.Tensor):
-        out[prefix] = tree
-    elif isinstance(tree, dict):
-        for k, v in tree.items():
-            _flatten(v, f"{prefix}/{k}", out)
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            _flatten(v, f"{prefix}/{i}", out)
 
 
 def _check_overlap(out: Path) -> None:
