@@ -25,7 +25,7 @@ from dataclasses import replace
 import torch
 
 from hybrid_rl.data import PromptRecord
-from hybrid_rl.engine.completions import Request
+from hybrid_rl.engine.completions import Request, Router
 from hybrid_rl.engine.vllm_engine import Generation, Sampling
 from hybrid_rl.rollout.agentic import AgentSetup, keep_survivors, stats_of
 from hybrid_rl.rollout.base import Arrival, RolloutError, SyncReport
@@ -83,21 +83,21 @@ class MultiTurnSidecar:
         self._start(requests, greedy, self._arrived, counted=True)
 
     def _start(self, requests: list[Request], greedy: bool, sink: queue.SimpleQueue, *, counted: bool) -> None:
-        route = self.inner._router()
+        router = self.inner._router()  # every turn's request has the trajectory's key: it sticks to one server
         sampling = self.inner._sampling(greedy)
         for r in requests:
             if counted:
                 with self._lock:
                     self._in_flight += 1
-            threading.Thread(target=self._play, args=(r, sampling, route(r), sink, counted), daemon=True,
+            threading.Thread(target=self._play, args=(r, sampling, router, sink, counted), daemon=True,
                              name=f"trajectory-{r.key}").start()
 
-    def _play(self, r: Request, sampling: Sampling, url: str, sink: queue.SimpleQueue, counted: bool) -> None:
+    def _play(self, r: Request, sampling: Sampling, router: Router, sink: queue.SimpleQueue, counted: bool) -> None:
         try:
             with self._slots:
                 if self._closed:
                     raise RuntimeError("the rollout worker is closed")
-                arrival, error = self._trajectory(r, sampling, url), ""
+                arrival, error = self._trajectory(r, sampling, router), ""
         except Exception as e:  # noqa: BLE001 - a failed request: the buffer recovers and sends it again
             arrival, error = None, f"{type(e).__name__}: {e}"
         if counted:
@@ -105,7 +105,7 @@ class MultiTurnSidecar:
                 self._in_flight -= 1
         sink.put((r.key, arrival, error))
 
-    def _trajectory(self, r: Request, sampling: Sampling, url: str) -> Arrival:
+    def _trajectory(self, r: Request, sampling: Sampling, router: Router) -> Arrival:
         t = Trajectory(list(r.prompt))
         versions: list[torch.Tensor] = []
         generate_s = tool_s = 0.0
@@ -113,7 +113,7 @@ class MultiTurnSidecar:
         for turn in range(self.loop.limits.max_turns):
             start = time.monotonic()
             done, failed = client.run([Request(r.key, t.context, r.seed + turn * TURN_SEED_STRIDE)],
-                                      replace(sampling, max_tokens=self.loop.turn_budget(t)), lambda _: url)
+                                      replace(sampling, max_tokens=self.loop.turn_budget(t)), router)
             generate_s += time.monotonic() - start
             if failed:
                 raise RuntimeError(failed[r.key])
