@@ -386,7 +386,8 @@ def _sidecar(cfg: Config, dims: ParallelDims, actor: Model, offload: OffloadMana
     inner = _sidecar_plain(cfg, dims, actor, offload, tokenizer, plan)
     if not uses_tools(cfg):
         return inner
-    return MultiTurnSidecar(inner, tokenizer, agent_setup(cfg, tokenizer), max_inflight=cfg.sidecar.max_inflight)
+    # As many trajectories at once as the rank has requests in flight (`max_inflight`: 0 in config means "shared out").
+    return MultiTurnSidecar(inner, tokenizer, agent_setup(cfg, tokenizer), max_inflight=inner.stream.max_inflight)
 
 
 def _sidecar_plain(cfg: Config, dims: ParallelDims, actor: Model, offload: OffloadManager, tokenizer,

@@ -111,7 +111,7 @@ class CompletionClient:
     """Sends requests to servers (chosen per request by a `Router`) with `max_inflight` in flight."""
 
     def __init__(self, *, max_inflight: int, timeout_s: float):
-        self.timeout_s = timeout_s
+        self.max_inflight, self.timeout_s = max_inflight, timeout_s
         self.pool = ThreadPoolExecutor(max_inflight, thread_name_prefix="rollout-http")
         self._local = threading.local()
         self._arrivals: queue.SimpleQueue[tuple[int, Generation | None, str]] = queue.SimpleQueue()
