@@ -15,9 +15,10 @@ and the SmolLM2 tests.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 from pathlib import Path
+
+from hybrid_rl.demo.task import write_splits
 
 QUESTION = "What is {a} {op} {b}? Answer with just the number."
 
@@ -36,20 +37,9 @@ def write_arithmetic(out_dir: str | Path, *, n_train: int, n_val: int, seed: int
     if n_train + n_val > space:
         raise ValueError(f"only {space} distinct questions with operands up to {max_operand}; "
                          f"asked for {n_train + n_val}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
-    rows, seen = [], set()
-    while len(rows) < n_train + n_val:
-        row = make_row(rng, max_operand=max_operand)
-        key = row["prompt"][0]["content"]
-        if key not in seen:
-            seen.add(key)
-            rows.append(row)
-    paths = out / "train.jsonl", out / "val.jsonl"
-    for path, part in zip(paths, (rows[:n_train], rows[n_train:]), strict=True):
-        path.write_text("".join(json.dumps(r) + "\n" for r in part))
-    return paths
+    return write_splits(out_dir, lambda: make_row(rng, max_operand=max_operand),
+                        lambda row: row["prompt"][0]["content"], n_train=n_train, n_val=n_val)
 
 
 def main() -> None:

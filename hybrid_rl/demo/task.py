@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable, Hashable
 from pathlib import Path
 
 ORDINALS = ["first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth"]
@@ -38,18 +39,28 @@ def warmup_target(row: dict, rng: random.Random) -> str:
 def write_task(out_dir: str | Path, *, n_train: int, n_val: int, seed: int = 0,
                fixed_position: int | None = None) -> tuple[Path, Path]:
     """Write train.jsonl and val.jsonl (disjoint prompts) under out_dir."""
+    rng = random.Random(seed)
+
+    def draw() -> dict:
+        row = make_row(rng, fixed_position=fixed_position)
+        return {"prompt": row["prompt"], "ground_truth": row["ground_truth"]}
+
+    return write_splits(out_dir, draw, lambda row: row["prompt"], n_train=n_train, n_val=n_val)
+
+
+def write_splits(out_dir: str | Path, draw: Callable[[], dict], key: Callable[[dict], Hashable], *, n_train: int,
+                 n_val: int) -> tuple[Path, Path]:
+    """Rows from `draw()` until n_train + n_val distinct ones (by `key`): the first n_train to train.jsonl, the rest
+    to val.jsonl under out_dir, so no held-out prompt is also a training prompt."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(seed)
     rows, seen = [], set()
     while len(rows) < n_train + n_val:
-        row = make_row(rng, fixed_position=fixed_position)
-        if row["prompt"] not in seen:
-            seen.add(row["prompt"])
+        row = draw()
+        if key(row) not in seen:
+            seen.add(key(row))
             rows.append(row)
     paths = out / "train.jsonl", out / "val.jsonl"
     for path, part in zip(paths, (rows[:n_train], rows[n_train:]), strict=True):
-        with open(path, "w") as f:
-            for r in part:
-                f.write(json.dumps({"prompt": r["prompt"], "ground_truth": r["ground_truth"]}) + "\n")
+        path.write_text("".join(json.dumps(r) + "\n" for r in part))
     return paths

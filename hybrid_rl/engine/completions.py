@@ -81,6 +81,20 @@ class Router:
                 self.load[url] = max(0, self.load[url] - cost)
 
 
+def drain_arrivals(arrivals: queue.SimpleQueue) -> tuple[dict, dict[int, str]]:
+    """(results by key, errors by key) of what `arrivals` holds now: (key, result or None, error) items."""
+    done, failed = {}, {}
+    while True:
+        try:
+            key, result, error = arrivals.get_nowait()
+        except queue.Empty:
+            return done, failed
+        if result is None:
+            failed[key] = error
+        else:
+            done[key] = result
+
+
 def request_cost(r: Request, sampling: Sampling) -> int:
     return len(r.prompt) + sampling.max_tokens
 
@@ -172,16 +186,7 @@ class CompletionClient:
 
     def drain(self) -> tuple[dict[int, Generation], dict[int, str]]:
         """(generations by key, errors by key) of the submitted requests that ended since the last call."""
-        done, failed = {}, {}
-        while True:
-            try:
-                key, result, error = self._arrivals.get_nowait()
-            except queue.Empty:
-                return done, failed
-            if result is None:
-                failed[key] = error
-            else:
-                done[key] = result
+        return drain_arrivals(self._arrivals)
 
     @property
     def in_flight(self) -> int:

@@ -25,7 +25,7 @@ from dataclasses import replace
 import torch
 
 from hybrid_rl.data import PromptRecord
-from hybrid_rl.engine.completions import Request, Router
+from hybrid_rl.engine.completions import Request, Router, drain_arrivals
 from hybrid_rl.engine.vllm_engine import Generation, Sampling
 from hybrid_rl.rollout.agentic import AgentSetup, keep_survivors, stats_of
 from hybrid_rl.rollout.base import Arrival, RolloutError, SyncReport
@@ -141,7 +141,7 @@ class MultiTurnSidecar:
                        t.infra_failed, stats)
 
     def arrivals(self) -> tuple[dict[int, Arrival], dict[int, str]]:
-        return _drain(self._arrived)
+        return drain_arrivals(self._arrived)
 
     # -- whole batches (held-out validation) -----------------------------------------------------
 
@@ -159,7 +159,7 @@ class MultiTurnSidecar:
                      for u in mine], greedy, sink, counted=False)
         got: dict[int, Arrival] = {}
         while len(got) < len(mine):
-            done, failed = _drain(sink)
+            done, failed = drain_arrivals(sink)
             if failed:
                 raise RolloutError(f"multi-turn generation failed: {next(iter(failed.values()))}")
             got.update(done)
@@ -168,20 +168,6 @@ class MultiTurnSidecar:
             {u: sample_of(u, records[u // n], a.generation, group_base + u // n, token_versions=a.token_versions,
                           loss_mask=a.loss_mask, extra_fields=a.fields) for u, a in got.items()},
             {u for u, a in got.items() if a.infra_failed}, total, [a.stats for a in got.values()])
-
-
-def _drain(sink: queue.SimpleQueue) -> tuple[dict[int, Arrival], dict[int, str]]:
-    """(arrivals by key, errors by key) of the trajectories that ended since the last call."""
-    done, failed = {}, {}
-    while True:
-        try:
-            key, arrival, error = sink.get_nowait()
-        except queue.Empty:
-            return done, failed
-        if arrival is None:
-            failed[key] = error
-        else:
-            done[key] = arrival
 
 
 class _Discard:
