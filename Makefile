@@ -76,8 +76,14 @@ install-flash-attn: $(STAMP)
 install-all: install-sidecar install-sandbox
 	@bash scripts/install_check.sh
 
+# Two phases: the single-process tests on both cores at once (pytest-xdist), then the multi-process ones
+# (torchrun, vLLM, servers: `-m slow`, each already using both cores) one at a time. Both always run; the exit
+# status is the first failure's (5, "nothing collected", is no failure: PYTEST_ARGS may select one phase's tests).
 test: install-all
-	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
+	@status=0; \
+	$(BIN)/python -m pytest tests -m "not slow" -n 2 $(PYTEST_ARGS) || { rc=$$?; [ $$rc -eq 5 ] || status=$$rc; }; \
+	$(BIN)/python -m pytest tests -m slow $(PYTEST_ARGS) || { rc=$$?; [ $$rc -eq 5 ] || [ $$status -ne 0 ] || status=$$rc; }; \
+	exit $$status
 
 test-fast: install-all
 	$(BIN)/python -m pytest tests -m "not slow" $(PYTEST_ARGS)

@@ -1,4 +1,8 @@
-"""Bad input fails fast: one message naming the file/line or key and what is allowed, exit code 2."""
+"""Bad input fails fast: one message naming the file/line or key and what is allowed, exit code 2.
+
+Each case is one `python -m hybrid_rl.train` process (no torchrun, no vLLM): not `slow`, so `make test` runs these
+beside the other single-process tests.
+"""
 
 import json
 import os
@@ -8,8 +12,6 @@ import sys
 import pytest
 
 from tests.conftest import REPO
-
-pytestmark = pytest.mark.slow
 
 
 def _train(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

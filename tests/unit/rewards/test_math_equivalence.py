@@ -87,12 +87,13 @@ def test_equal_answers_are_equivalent(pred, gold):
     assert is_equivalent(pred, gold) is True
 
 
-@pytest.mark.parametrize(("pred", "gold"), EQUAL)
+# Symmetric cases only: a gold given as a number cannot be a prediction, and words after a number are forgiven in
+# the prediction only.
+SYMMETRIC = [(p, g) for p, g in EQUAL if isinstance(g, str) and (p, g) != ("5 apples", "5")]
+
+
+@pytest.mark.parametrize(("pred", "gold"), SYMMETRIC)
 def test_equivalence_holds_when_arguments_are_swapped(pred, gold):
-    if not isinstance(gold, str):
-        pytest.skip("gold given as a number")
-    if (pred, gold) == ("5 apples", "5"):
-        pytest.skip("words after a number are forgiven in the prediction only")
     assert is_equivalent(gold, pred) is True
 
 
