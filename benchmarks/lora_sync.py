@@ -1,6 +1,6 @@
 """LoRA weight sync, adapter vs merged (`model.lora.sync`): bytes and seconds per update, and generation speed.
 
-    python benchmarks/lora_sync.py [--sizes 0.5B] [--rank 16] [--nproc 2] [--steps 3]
+    python benchmarks/lora_sync.py [--sizes 0.5B] [--rank 16] [--nproc 2] [--steps 3] [--order merged adapter]
 
 For each Qwen2.5 shape (random weights, `qwen_shapes.py`), one GRPO LoRA run per sync mode through
 `hybrid_rl.train` (the batch of `scale.py`), alternating nothing else. Per mode, over steps >= 2 (step 1 also
@@ -41,11 +41,13 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--order", nargs=2, default=["adapter", "merged"], choices=["adapter", "merged"],
+                   help="which mode runs first (run both orders on a loaded machine: the load drifts)")
     p.add_argument("--smoke", action="store_true", help=common.SMOKE_HELP + " (the 4M model, 2 steps)")
     a = p.parse_args()
     if a.smoke:
         a.sizes, a.steps = ["4M"], 2
-    rows = [run(size, mode, a) for size in a.sizes for mode in ("adapter", "merged")]
+    rows = [run(size, mode, a) for size in a.sizes for mode in a.order]
     print(common.table(rows, [("size", "shape", "s"), ("mode", "sync", "s"), ("bytes", "bytes/update/rank", ".3g"),
                               ("sync_s", "sync s/update", ".3f"), ("gen_tok_s", "gen tok/s", ".1f"),
                               ("first_sync_bytes", "first sync bytes", ".3g")]))

@@ -42,6 +42,16 @@ def config(size: str):
     return cfg, tok
 
 
+def config_folder(size: str) -> Path:
+    """`size`'s config and tokenizer without weights: enough for the memory planner (`scale.py --plan-only`)."""
+    path = common.CACHE / "models" / f"qwen2.5-{size.lower()}-config"
+    if not (path / "config.json").exists():
+        cfg, tok = config(size)
+        tok.save_pretrained(path)
+        cfg.save_pretrained(path)
+    return path
+
+
 def folder(size: str) -> Path:
     """The model folder of `size` (one of SHAPES), built on first use."""
     path = common.CACHE / "models" / f"qwen2.5-{size.lower()}-shape"

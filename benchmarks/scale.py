@@ -1,6 +1,7 @@
 """Real scale on one box: Qwen2.5-shaped models through `hybrid_rl.train`, each phase's measured peak beside the plan.
 
-    python benchmarks/scale.py [--runs full_0.5B lora_3B largest_lora] [--nproc 2] [--steps 2]
+    python benchmarks/scale.py [--runs full_0.5B lora_3B largest_lora lora_3B_merged largest_full_8bit] [--nproc 2]
+                               [--steps 2] [--plan-only]
 
 * `full_0.5B`: Qwen2.5-0.5B's shape, full fine-tuning, GRPO as shipped (`recipes/grpo.yaml`) with 4 prompts x 4
   samples x 32 new tokens, every other setting the recipe's default.
@@ -9,6 +10,13 @@
 * `largest_lora`: from the largest Qwen2.5 shape (7B, 3B, 1.5B, 0.5B) down, the first that the planner says
   fits (with its recommended settings) and that then trains a LoRA step; a shape trained by `lora_3B` in the
   same run counts.
+* `lora_3B_merged`: `lora_3B` with `model.lora.sync=merged` (the planner's settings of `lora_3B`): step time and
+  peaks of adapter sync (the default, `lora_3B`) against merged weights.
+* `largest_full_8bit`: from the largest shape down, the first whose *full fine-tuning* step with
+  `optim.name=adamw8bit` the planner says fits (with its recommended settings), then trained.
+
+`--plan-only`: the planner's verdicts (and recommended settings) for the runs asked, no training (for a machine
+without the memory free to run them).
 
 Weights are random, saved in bf16 as real checkpoints are (`qwen_shapes.py`; nothing is downloaded). Per phase
 the measured peak is the largest over steps and ranks of the trainer's own `memory/<phase>/peak_gib` (each
@@ -41,9 +49,11 @@ def base_overrides(model: Path, out: Path, steps: int) -> list[str]:
             f"trainer.output_dir={out}", "trainer.resume=never", "trainer.show_progress=false", "trainer.export=false"]
 
 
-def recommended(overrides: list[str], nproc: int) -> tuple[bool, list[str], str]:
-    """(fits as asked, the planner's settings that make it fit, its verdict text) for this machine."""
+def recommended(overrides: list[str], nproc: int, device_gib: float | None = None) -> tuple[bool, list[str], str]:
+    """(fits as asked, the planner's settings that make it fit, its verdict text) for this machine (the memory
+    available now, or `device_gib` per rank)."""
     cmd = [sys.executable, "-m", "hybrid_rl.plan", "--config-name=grpo", *overrides, "--world", str(nproc)]
+    cmd += ["--device-gib", str(device_gib)] if device_gib else []
     proc = subprocess.run(cmd, cwd=common.REPO, capture_output=True, text=True, timeout=600)
     if proc.returncode not in (0, 1):
         raise RuntimeError(f"planner failed: {proc.stderr[-2000:]}")
@@ -96,9 +106,15 @@ def main() -> None:
     p.add_argument("--runs", nargs="+", default=["full_0.5B", "lora_3B", "largest_lora"])
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--plan-only", action="store_true", help="plan the runs asked, train none")
+    p.add_argument("--device-gib", type=float, default=None,
+                   help="with --plan-only: plan for this much memory per rank (default: what is available now)")
     p.add_argument("--smoke", action="store_true", help=common.SMOKE_HELP + " (the full run on the 4M model only)")
     a = p.parse_args()
     runs, plans, largest = [], {}, None
+    if a.plan_only:
+        plan_only(a)
+        return
     if a.smoke:
         out = common.CACHE / "scale" / "smoke"
         runs.append(train("full_4M", base_overrides(common.sized_model("4M"), out, a.steps), a.nproc, out))
@@ -122,12 +138,64 @@ def main() -> None:
             if run["ok"]:
                 largest = size
                 break
-    report(runs, plans, largest, a)
+    if "lora_3B_merged" in a.runs:
+        if "3B" not in plans:
+            _plan_lora("3B", a, plans)
+        out = common.CACHE / "scale" / "lora_3B_merged"
+        runs.append(train("lora_3B_merged", base_overrides(qwen_shapes.folder("3B"), out, a.steps) + [
+            "model.lora.rank=16", "model.lora.sync=merged", *plans["3B"]["recommended"]], a.nproc, out))
+    eight = None
+    if "largest_full_8bit" in a.runs:
+        if (size := _largest_8bit_plan(a, plans)) is not None:
+            out = common.CACHE / "scale" / f"full8bit_{size}"
+            run = train(f"full8bit_{size}", _full8bit_overrides(size, a, plans[f"full8bit_{size}"]["recommended"]),
+                        a.nproc, out)
+            runs.append(run)
+            eight = size if run["ok"] else None
+    report(runs, plans, largest, a, eight)
+
+
+def _model(size: str, a) -> Path:
+    return qwen_shapes.config_folder(size) if a.plan_only else qwen_shapes.folder(size)
+
+
+def _full8bit_overrides(size: str, a, extra: list[str]) -> list[str]:
+    out = common.CACHE / "scale" / f"full8bit_{size}"
+    return base_overrides(_model(size, a), out, a.steps) + ["optim.name=adamw8bit", *extra]
+
+
+def _largest_8bit_plan(a, plans: dict) -> str | None:
+    """The largest shape whose full fine-tuning step with 8-bit AdamW the planner fits here (its settings applied)."""
+    for size in ("7B", "3B", "1.5B", "0.5B"):
+        fits, settings, verdict = recommended(_full8bit_overrides(size, a, []), a.nproc, a.device_gib)
+        entry = plans[f"full8bit_{size}"] = {"fits_as_shipped": fits, "recommended": settings, "verdict": verdict}
+        print(f"plan full fine-tuning {size} with adamw8bit: {verdict.splitlines()[0]}", flush=True)
+        if not fits and settings:
+            fits, _, verdict = recommended(_full8bit_overrides(size, a, settings), a.nproc, a.device_gib)
+            entry.update(fits_with_recommended=fits, verdict_with_recommended=verdict)
+            print(f"  with {' '.join(settings)}: {verdict.splitlines()[0]}", flush=True)
+        if fits:
+            return size
+    return None
+
+
+def plan_only(a) -> None:
+    """The planner's verdicts for the runs asked (each with and without its recommended settings), no training."""
+    plans = {}
+    if "largest_full_8bit" in a.runs:
+        plans["largest_full_8bit"] = _largest_8bit_plan(a, plans)
+    for size in ("3B",) if {"lora_3B", "lora_3B_merged"} & set(a.runs) else ():
+        for mode in ("adapter", "merged"):
+            fits, settings, verdict = recommended(_lora_overrides(size, a, [f"model.lora.sync={mode}"]), a.nproc,
+                                                  a.device_gib)
+            plans[f"lora_{size}_{mode}"] = {"fits_as_shipped": fits, "recommended": settings, "verdict": verdict}
+            print(f"plan LoRA {size} sync={mode}: {verdict.splitlines()[0]}", flush=True)
+    common.write_result("scale_plan", {"plans": plans, "nproc": a.nproc, "device_gib": a.device_gib}, quick=False)
 
 
 def _lora_overrides(size: str, a, extra: list[str]) -> list[str]:
     out = common.CACHE / "scale" / f"lora_{size}"
-    return base_overrides(qwen_shapes.folder(size), out, a.steps) + ["model.lora.rank=16", *extra]
+    return base_overrides(_model(size, a), out, a.steps) + ["model.lora.rank=16", *extra]
 
 
 def _plan_lora(size: str, a, plans: dict) -> tuple[bool, list[str], str]:
@@ -155,7 +223,7 @@ def _lora(size: str, a, plans: dict) -> dict:
     return train(f"lora_{size}", _lora_overrides(size, a, settings), a.nproc, out)
 
 
-def report(runs: list[dict], plans: dict, largest: str | None, a) -> None:
+def report(runs: list[dict], plans: dict, largest: str | None, a, eight: str | None = None) -> None:
     rows = [r for run in runs if run["ok"] for r in compare(run)]
     print(common.table(rows, [("run", "run", "s"), ("phase", "phase", "s"), ("plan_gib", "plan GiB", ".2f"),
                               ("measured_gib", "measured GiB", ".2f"), ("step1_gib", "step 1 GiB", ".2f"),
@@ -168,8 +236,11 @@ def report(runs: list[dict], plans: dict, largest: str | None, a) -> None:
     targets += [common.check(f"{run['name']} trains {a.steps} steps", float(run["ok"]), 1.0, higher_is_better=True,
                              unit="") for run in runs]
     print(f"largest Qwen2.5 shape that trains a LoRA step here: {largest or 'none'}")
+    if "largest_full_8bit" in a.runs:
+        print(f"largest Qwen2.5 shape that trains a full fine-tuning step with adamw8bit here: {eight or 'none'}")
     common.write_result("scale", {"runs": [{**r, "timings": timings(r)} for r in runs], "phases": rows,
-                                  "plans": plans, "largest_lora": largest, "targets": targets,
+                                  "plans": plans, "largest_lora": largest, "largest_full_8bit": eight,
+                                  "targets": targets,
                                   "headline": [{"what": f"{r['run']} {r['phase']} measured/plan", "value": r["ratio"]}
                                                for r in rows]}, quick=False)
 

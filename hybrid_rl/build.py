@@ -36,6 +36,7 @@ from hybrid_rl.engine.hybrid import HybridEngine, ModuleWeights, SwitchOptions
 from hybrid_rl.engine.layout import Layout, ModelDims, check_architecture
 from hybrid_rl.engine.lora_sync import AdapterSync
 from hybrid_rl.engine.pod_link import pod_link
+from hybrid_rl.engine.server_adapter import AdapterPublisher
 from hybrid_rl.engine.shm_ring import ShmSpaceError, check_space
 from hybrid_rl.engine.sidecar_server import Sidecar
 from hybrid_rl.engine.vllm_engine import EngineSpec, VLLMEngine
@@ -396,9 +397,6 @@ def _sidecar_plain(cfg: Config, dims: ParallelDims, actor: Model, offload: Offlo
     engine; other pods (`python -m hybrid_rl.pod`) get each update through the pod group."""
     r, sc = cfg.rollout, cfg.sidecar
     d = resolve_rollout(r, "cuda" if torch.cuda.is_available() else "cpu")
-    if is_lora(actor.module) and cfg.model.lora.sync == "adapter" and dims.is_main:
-        log.warning("model.lora.sync=adapter is built for colocated mode only: the sidecar's servers get merged "
-                    "weights (as model.lora.sync=merged)")
     endpoint, private_etcd = _private_etcd(cfg, dims)
     run_id = sidecar_run_id(cfg, dims)
     etcd = Etcd(endpoint, sidecar_prefix(cfg, run_id), wait_s=sc.etcd_wait_s)
@@ -441,6 +439,11 @@ def _sidecar_plain(cfg: Config, dims: ParallelDims, actor: Model, offload: Offlo
     opts = SidecarOptions(o.actor_params, o.actor_grads, o.actor_optim, sc.max_restarts, sc.sleep_level,
                           sleep=d.release == "sleep" and r.max_staleness == 0)
     weights = LoraWeights(actor.module) if is_lora(actor.module) else ModuleWeights(actor.module)
+    adapter = None
+    if adapter_sync(cfg):  # the base once, then the adapter alone at each update (`engine/server_adapter.py`)
+        weights = BaseWeights(actor.module)
+        adapter = AdapterPublisher(actor.module, Path(cfg.trainer.output_dir) / "adapter_sync", index=index,
+                                   dtype=DTYPES[r.dtype], keep=adapter_versions(cfg) + 1)
     inflight = max_inflight(cfg, dims.world, servers * (dims.world // local_world) + sc.pods - 1)
     return SidecarRollout(policy=actor.module, optimizer=actor.optimizer, dims=dims, weights=weights, engine=engine,
                           sidecar=sidecar, etcd=etcd,
@@ -448,7 +451,8 @@ def _sidecar_plain(cfg: Config, dims: ParallelDims, actor: Model, offload: Offlo
                           stream=CompletionClient(max_inflight=inflight, timeout_s=sc.request_timeout_s),
                           offload=offload, options=opts, tokenizer=tokenizer, settings=sampling_settings(cfg),
                           seed=cfg.trainer.seed, sharded=any(is_sharded(p) for p in actor.module.parameters()),
-                          private_etcd=private_etcd, run_id=run_id, announcement=announcement)
+                          private_etcd=private_etcd, run_id=run_id, announcement=announcement, adapter=adapter,
+                          adapter_timeout_s=sc.update_timeout_s)
 
 
 def measured_utilization(spec: ServerSpec, *, bucket_bytes: int, mem_get_info=None) -> ServerSpec:
@@ -485,7 +489,19 @@ def server_spec(cfg: Config, *, port: int, log_path: Path, group: int = 0, group
                       seed=cfg.trainer.seed, enforce_eager=d.enforce_eager, log_path=str(log_path),
                       python=sc.python or sys.executable, kv_cache_gb=d.kv_cache_gb,
                       gpu_memory_utilization=d.gpu_memory_utilization, sleep_mode=d.release == "sleep", cuda=cuda,
-                      max_num_seqs=sc.max_num_seqs, devices=devices if cuda and groups > 1 else (), cpus=cpus)
+                      max_num_seqs=sc.max_num_seqs, devices=devices if cuda and groups > 1 else (), cpus=cpus,
+                      max_lora_rank=cfg.model.lora.rank if adapter_sync(cfg) else 0, max_loras=adapter_versions(cfg))
+
+
+def adapter_sync(cfg: Config) -> bool:
+    """A LoRA actor whose adapter goes to vLLM by itself (`model.lora.sync=adapter`)."""
+    return cfg.model.lora.rank > 0 and cfg.model.lora.sync == "adapter"
+
+
+def adapter_versions(cfg: Config) -> int:
+    """Adapter versions a sidecar server may have in flight at once: the current one and, in asynchronous runs,
+    those of requests sent up to `rollout.max_staleness` updates ago."""
+    return cfg.rollout.max_staleness + 1
 
 
 # rollout.mode -> builder of the rollout worker (one signature: cfg, dims, actor, offload, tokenizer, plan)
@@ -497,7 +513,7 @@ ROLLOUT_CHECKS = {"colocated": _check_colocated, "sidecar": _check_sidecar}
 def _engine(cfg: Config, dims: ParallelDims, actor: Model, offload: OffloadManager, plan: MemoryPlan) -> HybridEngine:
     r = cfg.rollout
     d = resolve_rollout(r, "cuda" if torch.cuda.is_available() else "cpu")  # as the memory planner resolves it
-    adapter_sync = is_lora(actor.module) and cfg.model.lora.sync == "adapter"
+    adapter_on = adapter_sync(cfg)
     bucket_bytes = int(r.bucket_mb * 2**20)
     spec = EngineSpec(model_path=cfg.model.path, tp=r.tp, dtype=r.dtype,
                       max_model_len=r.max_model_len or cfg.data.max_prompt_tokens + r.max_new_tokens,
@@ -505,7 +521,7 @@ def _engine(cfg: Config, dims: ParallelDims, actor: Model, offload: OffloadManag
                       gpu_memory_utilization=d.gpu_memory_utilization,
                       sync_reserve_bytes=plan_sync_reserve(plan.inputs), kv_cache_gb=d.kv_cache_gb,
                       sleep_mode=d.release == "sleep", shm_ledger_dir=str(Path(cfg.trainer.output_dir) / "vllm_shm"),
-                      max_lora_rank=cfg.model.lora.rank if adapter_sync else 0,
+                      max_lora_rank=cfg.model.lora.rank if adapter_on else 0,
                       cpu_packed_linears=r.cpu_packed_linears)
     o = cfg.offload
     options = SwitchOptions(bucket_bytes=bucket_bytes, verify=r.verify, probe_cols=r.verify_probe_cols,
@@ -513,7 +529,7 @@ def _engine(cfg: Config, dims: ParallelDims, actor: Model, offload: OffloadManag
                             offload_optim=o.actor_optim)
     layout = Layout(ModelDims.from_hf_config(actor.module.config), r.tp)
     weights, adapter = (LoraWeights(actor.module) if is_lora(actor.module) else None), None
-    if adapter_sync:
+    if adapter_on:
         weights = BaseWeights(actor.module)
         adapter = AdapterSync(actor.module, Path(cfg.trainer.output_dir) / "adapter_sync", rank=dims.rank,
                               dtype=DTYPES[r.dtype])

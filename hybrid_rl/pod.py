@@ -55,6 +55,7 @@ def run(cfg, etcd, *, log_path: Path, namespace, spec, prefix) -> None:
 
     from hybrid_rl.dist.pod_group import PodGroup, payload_device_for, pod_store
     from hybrid_rl.engine.pod_link import GROUP_KEY, PodReceiver
+    from hybrid_rl.engine.server_adapter import AdapterFolders
     from hybrid_rl.engine.sidecar_server import Sidecar
 
     sc = cfg.sidecar
@@ -76,7 +77,11 @@ def run(cfg, etcd, *, log_path: Path, namespace, spec, prefix) -> None:
                          payload_device=device)
         sidecar.ensure_running()
         log.info("pod %d joined the trainer's pod group; waiting for weight updates", sc.pod)
-        receiver = PodReceiver(group, sidecar, namespace=namespace(run_id), slots=sc.slots, timeout_s=sc.update_timeout_s)
+        spec_ = sidecar.server.spec
+        adapters = AdapterFolders(Path(cfg.trainer.output_dir) / f"adapter_sync_pod{sc.pod}", keep=spec_.max_loras + 1) \
+            if spec_.max_lora_rank else None  # `model.lora.sync=adapter`: the versions this pod's server may serve
+        receiver = PodReceiver(group, sidecar, namespace=namespace(run_id), slots=sc.slots, timeout_s=sc.update_timeout_s,
+                               adapters=adapters)
         receiver.run()
     finally:
         if receiver is not None:

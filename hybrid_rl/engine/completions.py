@@ -18,6 +18,7 @@ first one, so its prefix cache serves the rest.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 from collections import OrderedDict
@@ -99,9 +100,10 @@ def request_cost(r: Request, sampling: Sampling) -> int:
     return len(r.prompt) + sampling.max_tokens
 
 
-def request_body(prompt: list[int], sampling: Sampling, seed: int) -> dict:
+def request_body(prompt: list[int], sampling: Sampling, seed: int, model: str = SERVED_MODEL) -> dict:
+    """`model`: the served base, or a LoRA adapter version loaded under that name (`model.lora.sync=adapter`)."""
     s = sampling
-    return {"model": SERVED_MODEL, "token_ids": prompt,
+    return {"model": model, "token_ids": prompt,
             "sampling_params": {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
                                 "top_k": s.top_k, "seed": seed, "stop_token_ids": list(s.stop_token_ids),
                                 "logprobs": 0, "n": 1, "detokenize": False}}
@@ -141,19 +143,24 @@ class CompletionClient:
         r = self._session().post(f"{url}{GENERATE}", json=body, timeout=self.timeout_s)
         if r.status_code != 200:
             raise RuntimeError(f"{url}{GENERATE} answered {r.status_code}: {r.text[:500]}")
-        return parse_choice(r.json()["choices"][0])
+        g = parse_choice(r.json()["choices"][0])
+        if body["model"] != SERVED_MODEL and g.token_ids:
+            # A LoRA adapter version: the base never changes after its one load, so every token of the request was
+            # sampled under the adapter it named (the server's stamps say which base-and-adapter update was last).
+            g = dataclasses.replace(g, weight_spans=((body["model"], 0, len(g.token_ids)),))
+        return g
 
-    def _send(self, r: Request, sampling: Sampling, router: Router) -> Future:
+    def _send(self, r: Request, sampling: Sampling, router: Router, model: str = SERVED_MODEL) -> Future:
         cost = request_cost(r, sampling)
         url = router.pick(r, cost)
-        f = self.pool.submit(self._one, url, request_body(r.prompt, sampling, r.seed))
+        f = self.pool.submit(self._one, url, request_body(r.prompt, sampling, r.seed, model))
         f.add_done_callback(lambda _: router.done(url, cost))
         return f
 
-    def run(self, requests_: Iterable[Request], sampling: Sampling,
-            router: Router) -> tuple[dict[int, Generation], dict[int, str]]:
+    def run(self, requests_: Iterable[Request], sampling: Sampling, router: Router,
+            model: str = SERVED_MODEL) -> tuple[dict[int, Generation], dict[int, str]]:
         """(generations by key, errors by key): a failed request (server gone, error answer) is reported, not raised."""
-        futures = {r.key: self._send(r, sampling, router) for r in requests_}
+        futures = {r.key: self._send(r, sampling, router, model) for r in requests_}
         done, failed = {}, {}
         for key, f in futures.items():
             try:
@@ -164,12 +171,13 @@ class CompletionClient:
 
     # -- requests in flight while the caller does something else ---------------------------------
 
-    def submit(self, requests_: Iterable[Request], sampling: Sampling, router: Router) -> None:
+    def submit(self, requests_: Iterable[Request], sampling: Sampling, router: Router,
+               model: str = SERVED_MODEL) -> None:
         """Send the requests and return at once; each result (or error) is kept for `drain`."""
         for r in requests_:
             with self._lock:
                 self._in_flight += 1
-            f = self._send(r, sampling, router)
+            f = self._send(r, sampling, router, model)
             f.add_done_callback(lambda f, key=r.key: self._arrived(key, f))
 
     def _arrived(self, key: int, f: Future) -> None:

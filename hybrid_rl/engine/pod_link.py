@@ -29,10 +29,12 @@ from hybrid_rl.dist.collectives import broadcast_object
 from hybrid_rl.dist.etcd import Etcd
 from hybrid_rl.dist.mesh import ParallelDims
 from hybrid_rl.dist.pod_group import PodGroup, payload_device_for, pod_store
-from hybrid_rl.engine.reshard import checksums_match
+from hybrid_rl.engine.reshard import WeightSyncError, checksums_match
+from hybrid_rl.engine.server_adapter import AdapterFolders, load_on_server
 from hybrid_rl.engine.server_update import ServerUpdate
 from hybrid_rl.engine.shm_ring import Manifest, RingAborted, RingTimeout, ShmRing, write_manifest
 from hybrid_rl.engine.sidecar_server import Sidecar
+from hybrid_rl.engine.vllm_server import ServerError
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +80,19 @@ class GroupLink:
                 if not ok:
                     log.warning("pod %d did not load the update (see its log): it gets no requests until it does", pod)
 
+    def adapter(self, version: str, files: dict[str, bytes] | None, rank: int) -> None:
+        """An adapter-only update (`model.lora.sync=adapter`): writer 0 sends the adapter's files (a few MB) to every
+        pod, which loads them into its server; pods that could not are left out of dispatch until they do."""
+        if rank != 0:
+            return
+        self.group.broadcast_json(0, {"adapter": version, "files": {n: len(b) for n, b in files.items()}})
+        for data in files.values():
+            self.group.broadcast_weights(0, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        for pod, ok in enumerate(self.group.all_values(1.0)[1:], start=1):
+            if not ok:
+                log.warning("pod %d did not load adapter %s (see its log): it gets no requests until it does", pod,
+                            version)
+
     def close(self, rank: int) -> None:
         if rank == 0:
             self.group.broadcast_json(0, {"stop": True})
@@ -106,8 +121,11 @@ def pod_link(etcd: Etcd, dims: ParallelDims, *, host: str, tp: int, pods: int, w
 class PodReceiver:
     """Pod side: every update the trainer broadcasts lands in this pod's server, verified and stamped."""
 
-    def __init__(self, group: PodGroup, sidecar: Sidecar, *, namespace: str, slots: int, timeout_s: float):
+    def __init__(self, group: PodGroup, sidecar: Sidecar, *, namespace: str, slots: int, timeout_s: float,
+                 adapters: AdapterFolders | None = None):
         self.group, self.sidecar, self.namespace = group, sidecar, namespace
+        self.adapters = adapters  # `model.lora.sync=adapter`: where this pod keeps the adapter versions it serves
+        self.base = False  # the server holds the trainer's base weights (a full update landed since its start)
         self.slots, self.timeout_s, self.tp = slots, timeout_s, group.tp
         self.rings: list[ShmRing] = []
         self.http = ServerUpdate(namespace, timeout_s=timeout_s)
@@ -121,11 +139,15 @@ class PodReceiver:
             if header.get("stop"):
                 log.info("the trainer is done: pod stops")
                 return
-            self.receive(header["update"], header["version"])
+            if "adapter" in header:
+                self.receive_adapter(header["adapter"], header["files"])
+            else:
+                self.receive(header["update"], header["version"])
 
     def receive(self, update: int, version: str) -> bool:
         manifests = [Manifest.from_json(self.group.broadcast_json(r)) for r in range(self.tp)]
         self.sidecar.ensure_running()
+        self.base = False  # until this update lands whole
         self._rings(manifests)
         for ring, m in zip(self.rings, manifests, strict=True):
             ring.reset()
@@ -149,6 +171,7 @@ class PodReceiver:
             self.group.broadcast(r, expected)
             ok = ok and bool(checksums_match(expected, ring.read_report(update)).all())
         if ok:  # stamped and registered before the trainer hears back: its next dispatch sees this pod
+            self.base = True
             self.http.stamp(version)
             self.sidecar.loaded(version)
             log.info("pod %d: weights %s loaded and verified", self.sidecar.pod, version)
@@ -161,6 +184,36 @@ class PodReceiver:
         self.group.all_values(float(ok))
         self.updates += 1
         return ok
+
+    def receive_adapter(self, version: str, sizes: dict[str, int]) -> bool:
+        """An adapter-only update: its files from the trainer, loaded into this pod's server under `version`. A
+        server that lost its base since the last full update (restarted from dummy weights) refuses it and stays
+        out of dispatch: the trainer then sends the base again (it pushes everything when a server is behind)."""
+        files = {}
+        for name, n in sizes.items():
+            buf = torch.empty(n, dtype=torch.uint8)
+            self.group.broadcast_weights(0, buf)
+            files[name] = bytes(buf.numpy())
+        why = ""
+        try:
+            if self.sidecar.ensure_running() or not self.base:
+                self.base = False
+                why = "its server holds no base weights (started since the last full update)"
+            elif self.adapters is None:
+                why = "this pod was started without model.lora.sync=adapter"
+            else:
+                self.adapters.write_files(version, files)
+                load_on_server(self.sidecar.server, self.adapters, version, timeout_s=self.timeout_s)
+        except (ServerError, WeightSyncError, OSError) as e:
+            why = str(e)
+        if not why:
+            self.sidecar.loaded(version)
+            log.info("pod %d: adapter %s loaded", self.sidecar.pod, version)
+        else:
+            self.sidecar.withdraw()
+            log.error("pod %d: adapter %s did not load (%s); withdrawn from dispatch", self.sidecar.pod, version, why)
+        self.group.all_values(float(not why))
+        return not why
 
     def _aborted(self, version: str, why: str) -> bool:
         """The trainer abandoned the update: drop it. The server's weights are partly new under the old label, so it
@@ -201,5 +254,7 @@ class PodReceiver:
 
     def close(self) -> None:
         self.http.close()
+        if self.adapters is not None:
+            self.adapters.close()
         for ring in self.rings:
             ring.close()

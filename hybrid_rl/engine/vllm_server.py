@@ -32,6 +32,7 @@ from pathlib import Path
 import requests
 
 from hybrid_rl.engine.shm_reclaim import ShmReclaimer, group_pids
+from hybrid_rl.engine.vllm_engine import lora_slot_rank
 from hybrid_rl.engine.vllm_plugin import BACKEND
 
 SERVED_MODEL = "policy"  # the name every sidecar serves its model under (requests name it)
@@ -64,6 +65,9 @@ class ServerSpec:
     cuda: bool = False
     devices: tuple[int, ...] = ()  # CUDA: the GPUs of its TP group (`CUDA_VISIBLE_DEVICES`); () = inherited
     cpus: tuple[int, ...] = ()  # CPU, TP > 1: the cores its TP workers are bound to; () = this process's
+    # > 0 (`model.lora.sync=adapter`): LoRA enabled, adapters up to this rank, loaded at run time by name
+    max_lora_rank: int = 0
+    max_loras: int = 1  # adapter versions one batch may mix (asynchronous runs keep older ones in flight)
 
     @property
     def url(self) -> str:
@@ -93,6 +97,10 @@ def server_command(spec: ServerSpec) -> list[str]:
         cmd += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
     if s.sleep_mode:
         cmd.append("--enable-sleep-mode")
+    if s.max_lora_rank:
+        # One more adapter in host memory than in a batch: the next version loads while the oldest still serves.
+        cmd += ["--enable-lora", "--max-lora-rank", str(lora_slot_rank(s.max_lora_rank)), "--max-loras",
+                str(s.max_loras), "--max-cpu-loras", str(s.max_loras + 1)]
     if not s.cuda:
         # As the colocated engine on CPU: whole prompts per step (CPU generators cannot rewind a seeded request).
         cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(8192, s.max_model_len))]
@@ -102,6 +110,8 @@ def server_command(spec: ServerSpec) -> list[str]:
 def server_env(spec: ServerSpec | None = None, base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     env["VLLM_SERVER_DEV_MODE"] = "1"  # the RL endpoints
+    if spec is not None and spec.max_lora_rank:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # /v1/load_lora_adapter: each adapter version by name
     # The trainer runs vLLM in-process; a server runs its engine core in its own process, as vLLM intends.
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
@@ -247,7 +257,11 @@ class VLLMServer:
             raise ServerError(f"{self.url}{path}: {e}") from None
         if r.status_code != 200:
             raise ServerError(f"{self.url}{path} answered {r.status_code}: {r.text[:2000]}")
-        return r.json() if r.content else {}
+        if not r.content:
+            return {}
+        if not r.headers.get("content-type", "").startswith("application/json"):
+            return {"text": r.text}  # the LoRA endpoints answer in plain text
+        return r.json()
 
     def get(self, path: str, *, timeout_s: float = 30.0) -> dict:
         try:

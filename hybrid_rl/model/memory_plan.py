@@ -456,6 +456,8 @@ def _vllm_items(x: PlanInputs, phase: str) -> list[Item]:
                           released))
     if phase == "sync":
         items.append(Item("vllm", "weight sync in flight", sync_transient_bytes(x)))
+        if merge := lora_merge_bytes(x):
+            items.append(Item("actor", "LoRA merge of the largest adapted layer (float32)", merge))
     return items
 
 
@@ -489,6 +491,19 @@ def lora_adapter_bytes(spec: ModelSpec, dtype_bytes: int) -> int:
     slot = next(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= spec.lora_rank)  # vLLM's max_lora_rank
     numel = sum(p.numel for p in spec.params if "lora_" in p.name)
     return numel * dtype_bytes * (spec.lora_rank + slot) // spec.lora_rank
+
+
+def lora_merge_bytes(x: PlanInputs) -> int:
+    """Merged LoRA sync (`model.lora.sync=merged`): each adapted weight is sent as `W + scaling * B @ A`, computed on
+    each rank for the rows it holds (`model/lora.py:_merged_shard`): float32 copies of W's rows, of B @ A and of
+    their sum are alive at once, for one layer at a time (the largest counts). Adapter sync merges nothing."""
+    s = x.actor
+    if not s.lora_rank or x.rollout.lora_adapter:
+        return 0
+    adapted = {p.name.replace(".lora_B.default.weight", ".base_layer.weight") for p in s.params
+               if p.name.endswith(".lora_B.default.weight")}
+    largest = max((p.numel for p in s.params if p.name in adapted), default=0)
+    return 3 * 4 * -(-largest // x.world)
 
 
 def sync_transient_bytes(x: PlanInputs) -> int:

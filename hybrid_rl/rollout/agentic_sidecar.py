@@ -113,7 +113,8 @@ class MultiTurnSidecar:
         for turn in range(self.loop.limits.max_turns):
             start = time.monotonic()
             done, failed = client.run([Request(r.key, t.context, r.seed + turn * TURN_SEED_STRIDE)],
-                                      replace(sampling, max_tokens=self.loop.turn_budget(t)), router)
+                                      replace(sampling, max_tokens=self.loop.turn_budget(t)), router,
+                                      self.inner.model_name())
             generate_s += time.monotonic() - start
             if failed:
                 raise RuntimeError(failed[r.key])

@@ -46,14 +46,15 @@ from hybrid_rl.dist.collectives import all_gather_object, all_reduce_max, broadc
 from hybrid_rl.dist.etcd import Etcd, EtcdUnavailable, Registration
 from hybrid_rl.dist.mesh import ParallelDims
 from hybrid_rl.dist.offload import OffloadManager, grad_tensors, optimizer_tensors, param_tensors
-from hybrid_rl.engine.checkpoint_engine import CheckpointEngine
+from hybrid_rl.engine.checkpoint_engine import CheckpointEngine, PushReport
 from hybrid_rl.engine.completions import CompletionClient, Request, Router
 from hybrid_rl.engine.hybrid import WeightSource
 from hybrid_rl.engine.pod_link import GROUP_KEY
 from hybrid_rl.engine.reshard import SourceParam, WeightSyncError
+from hybrid_rl.engine.server_adapter import AdapterPublisher, load_on_server, read_files
 from hybrid_rl.engine.sidecar_server import Sidecar
 from hybrid_rl.engine.vllm_engine import Generation, Sampling
-from hybrid_rl.engine.vllm_server import ServerError
+from hybrid_rl.engine.vllm_server import SERVED_MODEL, ServerError
 from hybrid_rl.rollout.base import Arrival, RolloutError, SyncReport
 from hybrid_rl.rollout.exchange import gather_index
 from hybrid_rl.rollout.sampler import SamplingSettings, generation_eos, request_seed, sample_of
@@ -80,7 +81,8 @@ class SidecarRollout:
                  weights: WeightSource, engine: CheckpointEngine, sidecar: Sidecar | None, etcd: Etcd,
                  client: CompletionClient, stream: CompletionClient, offload: OffloadManager, options: SidecarOptions,
                  tokenizer, settings: SamplingSettings, seed: int, sharded: bool, private_etcd=None,
-                 run_id: str = "", announcement: Registration | None = None):
+                 run_id: str = "", announcement: Registration | None = None,
+                 adapter: AdapterPublisher | None = None, adapter_timeout_s: float = 600.0):
         self.policy, self.optimizer, self.dims, self.weights = policy, optimizer, dims, weights
         self.engine, self.sidecar, self.etcd, self.client, self.stream = engine, sidecar, etcd, client, stream
         self.offload, self.options, self.settings, self.seed, self.sharded = offload, options, settings, seed, sharded
@@ -97,6 +99,9 @@ class SidecarRollout:
         # (same output folder name, same etcd) is never listed at our version, and tokens it sampled are refused.
         self.run_id = run_id
         self.announcement = announcement  # rank 0: the run announced to rollout-only pods (closed at close)
+        # `model.lora.sync=adapter`: `weights` are the frozen base (pushed where a server lacks it), and each update
+        # is the adapter alone, loaded under the update's version label, which requests name as their model.
+        self.adapter, self.adapter_timeout_s = adapter, adapter_timeout_s
 
     # -- the session -----------------------------------------------------------------------------
 
@@ -163,14 +168,55 @@ class SidecarRollout:
                 self._leaders("restarting the pod's vLLM servers", self._wake)
 
     def _push(self, version: str):
-        """Every rank: the checkpoint engine's update; the leaders then mark their servers and rank 0 publishes the
-        version."""
-        sources = [SourceParam(name, local, shape) for name, local, shape in self.weights.weights()
-                   if not self.engine.layout.skip(name)]
-        rep = self.engine.push(sources, version, sharded=self.sharded)
+        """Every rank: the checkpoint engine's update (with an adapter: the base, only where a server lacks it, then
+        the adapter); the leaders then mark their servers and rank 0 publishes the version."""
+        rep = PushReport(version)
+        if self.adapter is None or not self._base_everywhere():
+            sources = [SourceParam(name, local, shape) for name, local, shape in self.weights.weights()
+                       if not self.engine.layout.skip(name)]
+            rep = self.engine.push(sources, version, sharded=self.sharded)
+        if self.adapter is not None:
+            rep = self._push_adapter(version, rep)
         self._leaders("publishing the weight version in etcd", lambda: self._publish(version))
         self.version = version
         return rep
+
+    def _base_everywhere(self) -> bool:
+        """Every server of the run holds the base weights: each is at the version last pushed (one restarted, found
+        dead or failed is at none; a busy server slow to answer `/health` still holds them)."""
+        if self.version is None:
+            return False
+        here = all(self._leaders("checking the servers", lambda: self.sidecar is None or
+                                 self.sidecar.version == self.version))
+        everywhere = here and self._rank0("listing the servers in etcd", self._all_current)
+        if not everywhere and self.dims.rank == 0:
+            log.info("sending the base weights again with update %s: some server no longer holds %s",
+                     self.versions, self.version)
+        return everywhere
+
+    def _push_adapter(self, version: str, rep: PushReport) -> PushReport:
+        """Every rank gathers the adapter; each leader loads it into its server, rank 0 sends it to the other pods.
+        ServerError on every rank when a server refused it (the server is withdrawn and gets the base again)."""
+        t0 = time.perf_counter()
+        path, nbytes = self.adapter.write(version, writes=self.sidecar is not None)
+        error = ""
+        if self.sidecar is not None:
+            try:
+                load_on_server(self.sidecar.server, self.adapter.folders, version, timeout_s=self.adapter_timeout_s)
+            except (ServerError, WeightSyncError, OSError) as e:
+                error = f"rank {self.dims.rank}: {e}"
+        if errors := [e for e in all_gather_object(error) if e]:
+            raise ServerError(f"adapter {version} did not load: {errors[0]}")
+        if self.engine.link is not None:
+            self.engine.link.adapter(version, read_files(path) if self.dims.rank == 0 else None, self.dims.rank)
+        rep.seconds += time.perf_counter() - t0
+        rep.phases["adapter_s"] = time.perf_counter() - t0
+        rep.bytes_written += nbytes if self.sidecar is not None else 0
+        return rep
+
+    def model_name(self) -> str:
+        """What requests name: the served base, or the adapter version the servers were last brought to."""
+        return self.version if self.adapter is not None and self.version is not None else SERVED_MODEL
 
     def _publish(self, version: str) -> None:
         if self.sidecar is not None:
@@ -222,7 +268,7 @@ class SidecarRollout:
                         affinity=group_base + u // n) for u in range(d.rank, total, d.world)]
         done = {}
         for attempt in range(self.options.max_restarts + 1):
-            results, failed = self.client.run(todo, sampling, self._router())
+            results, failed = self.client.run(todo, sampling, self._router(), self.model_name())
             for key, g in results.items():
                 if unknown := [v for v, _, _ in g.weight_spans if v not in self.policy_of]:
                     failed[key] = f"tokens sampled under weight version {unknown[0]!r}, which this run did not push"
@@ -254,7 +300,7 @@ class SidecarRollout:
         """Send this rank's requests and return at once. Collective (the servers are listed on rank 0)."""
         if not self._active:
             raise RuntimeError("SidecarRollout.submit() needs a session: use `with rollout.session():`")
-        self.stream.submit(requests, self._sampling(greedy), self._router())
+        self.stream.submit(requests, self._sampling(greedy), self._router(), self.model_name())
 
     def arrivals(self) -> tuple[dict[int, Arrival], dict[int, str]]:
         """This rank's streamed requests that ended since the last call: responses with the policy version of
@@ -306,6 +352,8 @@ class SidecarRollout:
         self.client.close()
         self.stream.close()
         self.engine.close()
+        if self.adapter is not None:
+            self.adapter.close()
         if self.sidecar is not None:
             self.sidecar.close()
         if self.dims.rank == 0:

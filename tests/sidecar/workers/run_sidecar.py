@@ -40,6 +40,8 @@ from hybrid_rl.build import build  # noqa: E402
 from hybrid_rl.config import load_config  # noqa: E402
 from hybrid_rl.dist.collectives import all_gather_object, barrier  # noqa: E402
 from hybrid_rl.engine.completions import CompletionClient, Request, Router  # noqa: E402
+from hybrid_rl.model.loading import DTYPES  # noqa: E402
+from hybrid_rl.model.lora import gather_adapter, is_lora, merge_full_state_dict  # noqa: E402
 from hybrid_rl.train import setup_logging  # noqa: E402
 from hybrid_rl.trainer import Trainer  # noqa: E402
 
@@ -66,7 +68,12 @@ def greedy_check(c, trainer) -> dict:
     for part in all_gather_object([(s.uid, s.response_ids.tolist()) for s in roll.held]):
         got.update(dict(part))
     full = get_model_state_dict(c.actor.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    out = {"servers": servers, "vllm": [got[u] for u in range(len(records))], "version": c.rollout.version}
+    out = {"servers": servers, "vllm": [got[u] for u in range(len(records))], "version": c.rollout.version,
+           "sync_bytes": c.rollout.last_sync().bytes_per_rank}
+    if is_lora(c.actor.module):  # HF's reference: the merged weights; the adapter's bytes in the rollout dtype
+        out["adapter_bytes"] = sum(v.numel() * DTYPES[c.cfg.rollout.dtype].itemsize
+                                   for v in gather_adapter(c.actor.module).values())
+        full = merge_full_state_dict(c.actor.module, full)
     if c.dims.rank == 0:
         hf = AutoModelForCausalLM.from_pretrained(c.cfg.model.path, dtype=torch.float32)
         hf.load_state_dict(full)
@@ -85,7 +92,7 @@ def greedy_check(c, trainer) -> dict:
             router = Router()
             router.set_servers([url])
             done, failed = client.run([Request(i, list(r.prompt_ids), 0) for i, r in enumerate(records)], sampling,
-                                      router)
+                                      router, c.rollout.model_name())
             assert not failed, failed
             out["per_server"][url] = [list(done[i].token_ids) for i in range(len(records))]
         client.close()

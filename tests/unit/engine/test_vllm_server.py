@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from hybrid_rl.engine.completions import UNAVAILABLE, Request, Router, parse_choice, request_body
+from hybrid_rl.engine.reshard import WeightSyncError
+from hybrid_rl.engine.server_adapter import AdapterFolders
 from hybrid_rl.engine.shm_reclaim import ShmReclaimer
 from hybrid_rl.engine.vllm_engine import Sampling
 from hybrid_rl.engine.vllm_plugin import BACKEND
@@ -169,3 +171,26 @@ def test_servers_per_node_one_per_tp_group_on_gpus_one_on_cpu_unless_set():
     assert max_inflight(cfg, 8, 4) == 128  # the servers' batches shared out over the ranks
     cfg.sidecar.max_inflight = 5
     assert max_inflight(cfg, 8, 4) == 5
+
+
+def test_an_adapter_sync_server_runs_with_lora_and_runtime_adapter_loading(tmp_path):
+    """`model.lora.sync=adapter` in sidecar mode: LoRA on, vLLM's rank slot, the versions in flight plus the next."""
+    cmd = server_command(_spec(max_lora_rank=12, max_loras=3))
+    flag = {cmd[i]: cmd[i + 1] for i in range(3, len(cmd) - 1) if cmd[i].startswith("--")}
+    assert "--enable-lora" in cmd and flag["--max-lora-rank"] == "16"  # the smallest rank vLLM allows >= 12
+    assert flag["--max-loras"] == "3" and flag["--max-cpu-loras"] == "4"
+    assert server_env(_spec(max_lora_rank=12), base={})["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+    assert "--enable-lora" not in server_command(_spec()) and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in server_env(
+        _spec(), base={})
+    # The folders of the newest `keep` versions stay (vLLM may read an evicted adapter again); older ones go.
+    folders = AdapterFolders(tmp_path / "a", keep=2)
+    dropped = []
+    for v in ("v1", "v2", "v3"):
+        folders.write_files(v, {"adapter_config.json": b"{}", "adapter_model.safetensors": v.encode()})
+        dropped += folders.add(v)
+    assert dropped == ["v1"] and sorted(p.name for p in (tmp_path / "a").iterdir()) == ["v2", "v3"]
+    assert (tmp_path / "a" / "v3" / "adapter_model.safetensors").read_bytes() == b"v3"
+    with pytest.raises(WeightSyncError):
+        folders.write_files("v4", {"../escape": b""})
+    # Requests name the adapter version they use as their model.
+    assert request_body([1], Sampling(max_tokens=2), 5, "run-v3")["model"] == "run-v3"
