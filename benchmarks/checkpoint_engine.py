@@ -97,14 +97,14 @@ def _sidecar(cfg, a) -> dict:
     from hybrid_rl.dist.etcd import Etcd
     from hybrid_rl.dist.fsdp import shard_model
     from hybrid_rl.dist.mesh import device, fsdp_mesh, init_distributed
-    from hybrid_rl.engine.checkpoint_engine import CheckpointEngine, PushOptions
     from hybrid_rl.engine.hybrid import ModuleWeights
     from hybrid_rl.engine.layout import Layout, ModelDims
-    from hybrid_rl.engine.pod_link import pod_link
     from hybrid_rl.engine.reshard import SourceParam
-    from hybrid_rl.engine.shm_ring import ShmRing
-    from hybrid_rl.engine.sidecar_server import Sidecar
     from hybrid_rl.model.loading import DTYPES, load_causal_lm
+    from hybrid_rl.sidecar.checkpoint_engine import CheckpointEngine, PushOptions
+    from hybrid_rl.sidecar.pod_link import pod_link
+    from hybrid_rl.sidecar.shm_ring import ShmRing
+    from hybrid_rl.sidecar.sidecar_server import Sidecar
 
     dims = init_distributed(1)
     module = load_causal_lm(a.model)
@@ -169,14 +169,14 @@ def servers_worker(a) -> None:
     from hybrid_rl.dist.etcd import Etcd
     from hybrid_rl.dist.fsdp import shard_model
     from hybrid_rl.dist.mesh import device, fsdp_mesh, init_distributed
-    from hybrid_rl.engine.checkpoint_engine import CheckpointEngine, PushOptions
-    from hybrid_rl.engine.completions import CompletionClient, Request, Router
     from hybrid_rl.engine.hybrid import ModuleWeights
     from hybrid_rl.engine.layout import Layout, ModelDims
     from hybrid_rl.engine.reshard import SourceParam
-    from hybrid_rl.engine.sidecar_server import Sidecar
     from hybrid_rl.engine.vllm_engine import Sampling
     from hybrid_rl.model.loading import DTYPES, load_causal_lm
+    from hybrid_rl.sidecar.checkpoint_engine import CheckpointEngine, PushOptions
+    from hybrid_rl.sidecar.completions import CompletionClient, Request, Router
+    from hybrid_rl.sidecar.sidecar_server import Sidecar
 
     cfg = load_config("grpo", json.loads(a.overrides))
     tp = cfg.rollout.tp
@@ -351,7 +351,7 @@ def run_servers(model: str, a, repeats: int) -> dict:
 
 
 def common_port_free(port: int) -> bool:
-    from hybrid_rl.engine.vllm_server import port_free
+    from hybrid_rl.sidecar.vllm_server import port_free
 
     return port_free("127.0.0.1", port)
 

@@ -30,16 +30,10 @@ from hybrid_rl.dist.etcd_server import EtcdProcess
 from hybrid_rl.dist.fsdp import is_sharded, shard_model
 from hybrid_rl.dist.mesh import ParallelDims, device, fsdp_mesh, init_distributed
 from hybrid_rl.dist.offload import OffloadManager
-from hybrid_rl.engine.checkpoint_engine import CheckpointEngine, PushOptions
-from hybrid_rl.engine.completions import CompletionClient
 from hybrid_rl.engine.hybrid import HybridEngine, ModuleWeights, SwitchOptions
 from hybrid_rl.engine.layout import Layout, ModelDims, check_architecture
 from hybrid_rl.engine.lora_sync import AdapterSync
-from hybrid_rl.engine.pod_link import pod_link
-from hybrid_rl.engine.shm_ring import ShmSpaceError, check_space
-from hybrid_rl.engine.sidecar_server import Sidecar
 from hybrid_rl.engine.vllm_engine import EngineSpec, VLLMEngine
-from hybrid_rl.engine.vllm_server import ServerError, ServerSpec, check_python, port_free
 from hybrid_rl.model.handle import Model
 from hybrid_rl.model.loading import DTYPES, empty_model, enable_activation_checkpointing, load_config, load_tokenizer
 from hybrid_rl.model.lora import BaseWeights, LoraWeights, apply_lora, is_lora
@@ -58,6 +52,12 @@ from hybrid_rl.rollout.sampler import Sampler, SamplingSettings
 from hybrid_rl.rollout.sidecar import SidecarOptions, SidecarRollout
 from hybrid_rl.rollout.tool_calls import get_parser
 from hybrid_rl.rollout.tools import EnvironmentReward, ToolRunner, load_environment, resolve_tools
+from hybrid_rl.sidecar.checkpoint_engine import CheckpointEngine, PushOptions
+from hybrid_rl.sidecar.completions import CompletionClient
+from hybrid_rl.sidecar.pod_link import pod_link
+from hybrid_rl.sidecar.shm_ring import ShmSpaceError, check_space
+from hybrid_rl.sidecar.sidecar_server import Sidecar
+from hybrid_rl.sidecar.vllm_server import ServerError, ServerSpec, check_python, port_free
 from hybrid_rl.utils.schedule import lr_multiplier
 
 log = logging.getLogger(__name__)

@@ -47,17 +47,17 @@ from hybrid_rl.dist.collectives import all_gather_object, all_reduce_max, broadc
 from hybrid_rl.dist.etcd import Etcd, EtcdUnavailable, Registration
 from hybrid_rl.dist.mesh import ParallelDims
 from hybrid_rl.dist.offload import OffloadManager, grad_tensors, optimizer_tensors, param_tensors
-from hybrid_rl.engine.checkpoint_engine import CheckpointEngine
-from hybrid_rl.engine.completions import CompletionClient, Request, Router
 from hybrid_rl.engine.hybrid import WeightSource
-from hybrid_rl.engine.pod_link import GROUP_KEY
 from hybrid_rl.engine.reshard import SourceParam, WeightSyncError
-from hybrid_rl.engine.sidecar_server import Sidecar
 from hybrid_rl.engine.vllm_engine import Generation, Sampling
-from hybrid_rl.engine.vllm_server import ServerError
 from hybrid_rl.rollout.base import Arrival, RolloutError, SyncReport
 from hybrid_rl.rollout.exchange import gather_index
 from hybrid_rl.rollout.sampler import SamplingSettings, generation_eos, request_seed, sample_of
+from hybrid_rl.sidecar.checkpoint_engine import CheckpointEngine
+from hybrid_rl.sidecar.completions import CompletionClient, Request, Router
+from hybrid_rl.sidecar.pod_link import GROUP_KEY
+from hybrid_rl.sidecar.sidecar_server import Sidecar
+from hybrid_rl.sidecar.vllm_server import ServerError
 from hybrid_rl.types import Rollout
 
 log = logging.getLogger(__name__)

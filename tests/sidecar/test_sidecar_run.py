@@ -21,7 +21,7 @@ from hybrid_rl.build import sidecar_namespace
 from hybrid_rl.config import load_config
 from hybrid_rl.dist.etcd_server import EtcdProcess
 from hybrid_rl.engine.cpu_shm import mapped_paths
-from hybrid_rl.engine.vllm_server import port_free
+from hybrid_rl.sidecar.vllm_server import port_free
 from tests.conftest import REPO, run_torchrun
 from tests.e2e.conftest import tiny_overrides
 

@@ -44,8 +44,8 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from hybrid_rl.build import build  # noqa: E402
 from hybrid_rl.config import load_config  # noqa: E402
 from hybrid_rl.dist.collectives import all_gather_object, barrier  # noqa: E402
-from hybrid_rl.engine.completions import CompletionClient, Request, Router  # noqa: E402
-from hybrid_rl.engine.vllm_server import kv_capacity_from_metrics  # noqa: E402
+from hybrid_rl.sidecar.completions import CompletionClient, Request, Router  # noqa: E402
+from hybrid_rl.sidecar.vllm_server import kv_capacity_from_metrics  # noqa: E402
 from hybrid_rl.train import setup_logging  # noqa: E402
 from hybrid_rl.trainer import Trainer  # noqa: E402
 

@@ -46,8 +46,8 @@ from hybrid_rl.engine.reshard import (
     target_label,
     verify_targets,
 )
-from hybrid_rl.engine.server_update import ServerUpdate
-from hybrid_rl.engine.shm_ring import (
+from hybrid_rl.sidecar.server_update import ServerUpdate
+from hybrid_rl.sidecar.shm_ring import (
     Entry,
     Manifest,
     RingAborted,
@@ -58,7 +58,7 @@ from hybrid_rl.engine.shm_ring import (
     layout_bucket,
     write_manifest,
 )
-from hybrid_rl.engine.vllm_server import ServerError, VLLMServer
+from hybrid_rl.sidecar.vllm_server import ServerError, VLLMServer
 
 log = logging.getLogger(__name__)
 

@@ -30,9 +30,9 @@ from hybrid_rl.dist.etcd import Etcd
 from hybrid_rl.dist.mesh import ParallelDims
 from hybrid_rl.dist.pod_group import PodGroup, payload_device_for, pod_store
 from hybrid_rl.engine.reshard import checksums_match
-from hybrid_rl.engine.server_update import ServerUpdate
-from hybrid_rl.engine.shm_ring import Manifest, RingAborted, RingTimeout, ShmRing, write_manifest
-from hybrid_rl.engine.sidecar_server import Sidecar
+from hybrid_rl.sidecar.server_update import ServerUpdate
+from hybrid_rl.sidecar.shm_ring import Manifest, RingAborted, RingTimeout, ShmRing, write_manifest
+from hybrid_rl.sidecar.sidecar_server import Sidecar
 
 log = logging.getLogger(__name__)
 

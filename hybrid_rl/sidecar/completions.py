@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import requests
 
 from hybrid_rl.engine.vllm_engine import Generation, Sampling
-from hybrid_rl.engine.vllm_server import SERVED_MODEL
+from hybrid_rl.sidecar.vllm_server import SERVED_MODEL
 
 GENERATE = "/inference/v1/generate"
 _ERRORS = (requests.RequestException, RuntimeError, ValueError, KeyError, TypeError)

@@ -1,4 +1,4 @@
-"""The project's vLLM plugin (entry point `vllm.general_plugins` -> `hybrid_rl = hybrid_rl.engine.vllm_plugin:register`).
+"""The project's vLLM plugin (entry point `vllm.general_plugins` -> `hybrid_rl = hybrid_rl.sidecar.vllm_plugin:register`).
 
 vLLM loads general plugins in every process it starts (API server, engine core, workers), so a stock
 vLLM server knows the checkpoint engine's weight-transfer backend without any patch to vLLM. The
@@ -15,7 +15,7 @@ def register() -> None:
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
     try:
-        WeightTransferEngineFactory.register_engine(BACKEND, "hybrid_rl.engine.shm_transfer", "ShmTransfer")
+        WeightTransferEngineFactory.register_engine(BACKEND, "hybrid_rl.sidecar.shm_transfer", "ShmTransfer")
     except ValueError as e:  # vLLM may call plugins more than once per process
         if "already registered" not in str(e):
             raise

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import requests
 
-from hybrid_rl.engine.shm_reclaim import ShmReclaimer, group_pids
-from hybrid_rl.engine.vllm_plugin import BACKEND
+from hybrid_rl.sidecar.shm_reclaim import ShmReclaimer, group_pids
+from hybrid_rl.sidecar.vllm_plugin import BACKEND
 
 SERVED_MODEL = "policy"  # the name every sidecar serves its model under (requests name it)
 
