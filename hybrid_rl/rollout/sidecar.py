@@ -364,8 +364,7 @@ class SidecarRollout:
         if self.private_etcd is not None:  # (another leader's lease revoke then fails at once: nothing to wait for)
             self.private_etcd.stop()
             shutil.rmtree(self.private_etcd.data_dir, ignore_errors=True)
-            for suffix in (".log", ".pid"):
-                self.private_etcd.data_dir.with_suffix(suffix).unlink(missing_ok=True)
+            self.private_etcd.data_dir.with_suffix(".log").unlink(missing_ok=True)
 
 
 

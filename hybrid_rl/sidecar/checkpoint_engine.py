@@ -55,6 +55,7 @@ from hybrid_rl.sidecar.shm_ring import (
     ShmRing,
     ShmSpaceError,
     abort_path,
+    bucket_bytes,
     layout_bucket,
     write_manifest,
 )
@@ -187,7 +188,7 @@ class CheckpointEngine:
                 self.ring.publish(self.seq)
                 rep.bytes_written += sum(t.numel() * t.element_size() for _, t in items)
             if self.link is not None and self.rank < self.tp:  # other pods get server 0's slices (stale once failed)
-                self.link.send(self.rank, k, self.ring.buffers[self.ring.slot_of(self.seq)][:_bucket_bytes(buckets[k])])
+                self.link.send(self.rank, k, self.ring.buffers[self.ring.slot_of(self.seq)][:bucket_bytes(buckets[k])])
             if self._drives and not self._failed:
                 self.http.bucket(self.seq, k)
             rep.buckets += 1
@@ -250,7 +251,7 @@ class CheckpointEngine:
         return self._plans[key]
 
     def _ring(self, buckets: list[list[Entry]]) -> ShmRing:
-        need = max((_bucket_bytes(b) for b in buckets), default=0)
+        need = max((bucket_bytes(b) for b in buckets), default=0)
         if self.ring is None or self.ring.slot_bytes < need:
             if self.ring is not None:
                 self.ring.close()
@@ -302,7 +303,3 @@ class CheckpointEngine:
         if self.ring is not None:
             self.ring.close()
             self.ring = None
-
-
-def _bucket_bytes(entries: list[Entry]) -> int:
-    return max((e.offset + e.nbytes for e in entries), default=0)

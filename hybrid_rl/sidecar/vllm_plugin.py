@@ -3,7 +3,7 @@
 vLLM loads general plugins in every process it starts (API server, engine core, workers), so a stock
 vLLM server knows the checkpoint engine's weight-transfer backend without any patch to vLLM. The
 entry point needs installed package metadata: `make install` writes it (`scripts/write_dist_info.py`).
-Registration is by module path, so nothing heavy is imported until vLLM builds the backend.
+Registration is by module path, so the backend's own module is imported only when vLLM builds it.
 """
 
 from __future__ import annotations
@@ -12,10 +12,6 @@ BACKEND = "hybrid_rl_shm"  # the weight-transfer backend's name (`--weight-trans
 
 
 def register() -> None:
-    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+    from hybrid_rl.engine.vllm_landing import register_backend
 
-    try:
-        WeightTransferEngineFactory.register_engine(BACKEND, "hybrid_rl.sidecar.shm_transfer", "ShmTransfer")
-    except ValueError as e:  # vLLM may call plugins more than once per process
-        if "already registered" not in str(e):
-            raise
+    register_backend(BACKEND, "hybrid_rl.sidecar.shm_transfer", "ShmTransfer")

@@ -19,11 +19,11 @@ import pytest
 
 from hybrid_rl.build import sidecar_namespace
 from hybrid_rl.config import load_config
-from hybrid_rl.dist.etcd_server import EtcdProcess
 from hybrid_rl.engine.cpu_shm import mapped_paths
 from hybrid_rl.sidecar.vllm_server import port_free
 from tests.conftest import REPO, run_torchrun
 from tests.e2e.conftest import tiny_overrides
+from tests.sidecar.etcd import SharedEtcd
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).parent / "workers" / "run_sidecar.py"
@@ -31,7 +31,7 @@ WORKER = Path(__file__).parent / "workers" / "run_sidecar.py"
 
 def test_grpo_in_sidecar_mode_with_a_second_pod_a_killed_server_and_an_etcd_restart(tiny_models, task_files,
                                                                                    tmp_path):
-    etcd = EtcdProcess(tmp_path / "etcd")
+    etcd = SharedEtcd(tmp_path / "etcd")
     etcd.start()
     out = tmp_path / "run"
     # A model with tied word embeddings (as the small Qwen2.5 models): the servers' head must follow the embedding.

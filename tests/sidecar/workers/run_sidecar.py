@@ -50,8 +50,8 @@ from hybrid_rl.train import setup_logging  # noqa: E402
 from hybrid_rl.trainer import Trainer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from hybrid_rl.dist.etcd_server import EtcdProcess  # noqa: E402
 from tests.engine.workers.common import write_result  # noqa: E402
+from tests.sidecar.etcd import SharedEtcd  # noqa: E402
 
 
 class Captured(logging.Handler):
@@ -136,7 +136,7 @@ def kill_second_server_mid_generation(c, result: dict) -> None:
     result["fault_held"] = sum(all_gather_object(len(roll.held)))
 
 
-def restart_without_data(etcd: EtcdProcess) -> None:
+def restart_without_data(etcd: SharedEtcd) -> None:
     shutil.rmtree(etcd.data_dir, ignore_errors=True)
     etcd.start()
 
@@ -170,7 +170,7 @@ def main() -> None:
             if step == 2 and c.dims.rank == 0 and args.get("faults", True):
                 os.kill(c.rollout.sidecar.server.proc.pid, signal.SIGKILL)  # the API server; its children linger
                 e = args["etcd"]
-                etcd = EtcdProcess(Path(e["dir"]), e["port"], e["peer_port"])
+                etcd = SharedEtcd(Path(e["dir"]), e["port"], e["peer_port"])
                 etcd.stop()
                 # Back after 6 s, twice the leases' TTL, and without its data (a replaced etcd): etcd restores leases
                 # on a plain restart, so only then do the registrations take the re-grant path.
