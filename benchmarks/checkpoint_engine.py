@@ -1,6 +1,6 @@
 """Sidecar mode's weight update (the checkpoint engine) per GiB, against a copy, the colocated sync, and 2 pods.
 
-    python benchmarks/checkpoint_engine.py [--quick] [--size 25M] [--dtype bfloat16] [--repeats 5]
+    python benchmarks/checkpoint_engine.py [--quick] [--size 25M] [--dtype bfloat16] [--repeats 5] [--no-servers]
 
 One 2-rank torchrun launch on one model (FSDP shards over both ranks), a private etcd, and a second
 pod (`python -m hybrid_rl.pod`, its own vLLM server and shared-memory namespace) started beside it:
@@ -15,7 +15,15 @@ pod (`python -m hybrid_rl.pod`, its own vLLM server and shared-memory namespace)
 
 Figures per GiB of weights in the rollout dtype (what each server TP rank receives). Targets: the second
 pod adds <= 20% (`push_2pods / push_1pod <= 1.2`). Reported without a target: `push_1pod / copy` and
-`push_1pod / colocated sync` (per GiB). Writes benchmarks/results/checkpoint_engine.json.
+`push_1pod / colocated sync` (per GiB).
+
+3. servers per pod (skipped by `--smoke` and `--no-servers`): a 4-rank launch at `rollout.tp=2` with two TP-2
+   servers (one per TP group), alternating: `push_1server` (the checkpoint engine feeding server 0 only, ranks
+   2-3 sending their FSDP rows) vs `push_2servers` (each TP group feeding its own server), and the generation
+   phase of a synchronous sidecar step (every rank's share of `samples` requests, sent through the router) on
+   server 0 alone vs on both: samples per second, slowest rank.
+
+Writes benchmarks/results/checkpoint_engine.json.
 """
 
 from __future__ import annotations
@@ -89,14 +97,14 @@ def _sidecar(cfg, a) -> dict:
     from hybrid_rl.dist.etcd import Etcd
     from hybrid_rl.dist.fsdp import shard_model
     from hybrid_rl.dist.mesh import device, fsdp_mesh, init_distributed
-    from hybrid_rl.engine.checkpoint_engine import CheckpointEngine, PushOptions
     from hybrid_rl.engine.hybrid import ModuleWeights
     from hybrid_rl.engine.layout import Layout, ModelDims
-    from hybrid_rl.engine.pod_link import pod_link
     from hybrid_rl.engine.reshard import SourceParam
-    from hybrid_rl.engine.shm_ring import ShmRing
-    from hybrid_rl.engine.sidecar_server import Sidecar
     from hybrid_rl.model.loading import DTYPES, load_causal_lm
+    from hybrid_rl.sidecar.checkpoint_engine import CheckpointEngine, PushOptions
+    from hybrid_rl.sidecar.pod_link import pod_link
+    from hybrid_rl.sidecar.shm_ring import ShmRing
+    from hybrid_rl.sidecar.sidecar_server import Sidecar
 
     dims = init_distributed(1)
     module = load_causal_lm(a.model)
@@ -151,6 +159,91 @@ def _sidecar(cfg, a) -> dict:
     return {"bytes": nbytes, "samples": samples, **{k: common.median(v) for k, v in samples.items()}}
 
 
+def servers_worker(a) -> None:
+    """4 ranks, TP 2: update time and generation samples/s with 1 vs 2 servers in the pod."""
+    import torch.distributed as dist
+
+    from hybrid_rl.build import server_spec, sidecar_namespace, sidecar_prefix
+    from hybrid_rl.config import load_config
+    from hybrid_rl.dist.collectives import all_gather_object, all_reduce_max, barrier
+    from hybrid_rl.dist.etcd import Etcd
+    from hybrid_rl.dist.fsdp import shard_model
+    from hybrid_rl.dist.mesh import device, fsdp_mesh, init_distributed
+    from hybrid_rl.engine.hybrid import ModuleWeights
+    from hybrid_rl.engine.layout import Layout, ModelDims
+    from hybrid_rl.engine.reshard import SourceParam
+    from hybrid_rl.engine.vllm_engine import Sampling
+    from hybrid_rl.model.loading import DTYPES, load_causal_lm
+    from hybrid_rl.sidecar.checkpoint_engine import CheckpointEngine, PushOptions
+    from hybrid_rl.sidecar.completions import CompletionClient, Request, Router
+    from hybrid_rl.sidecar.sidecar_server import Sidecar
+
+    cfg = load_config("grpo", json.loads(a.overrides))
+    tp = cfg.rollout.tp
+    dims = init_distributed(tp)
+    module = load_causal_lm(a.model)
+    shard_model(module, fsdp_mesh(dims), param_dtype=DTYPES[a.dtype])
+    etcd = Etcd(cfg.sidecar.etcd, sidecar_prefix(cfg, RUN_ID), wait_s=60)
+    group = dims.rank // tp
+    sidecar = None
+    if dims.rank % tp == 0:  # the leader of each TP group starts its server (both load at once)
+        spec = server_spec(cfg, port=a.port + group, group=group, groups=2,
+                           log_path=common.CACHE / "logs" / f"ckpt_servers_{group}.log")
+        sidecar = Sidecar(spec, etcd, pod=0, index=group, ttl_s=10, start_timeout_s=900)
+        sidecar.start()
+    urls = sorted(u for u in all_gather_object(sidecar.server.url if sidecar else None) if u)
+    layout = Layout(ModelDims.from_hf_config(module.config), tp)
+    options = PushOptions(int(a.bucket_mb * 2**20), cfg.sidecar.slots, 32, 600)
+    engines = {n: CheckpointEngine(rank=dims.rank, world=dims.world, layout=layout,
+                                   namespace=sidecar_namespace(cfg, 0, group, RUN_ID) + f"n{n}", options=options,
+                                   device=device(), dtype=DTYPES[a.dtype], servers=n,
+                                   server=(lambda: sidecar.server) if sidecar and group < n else None)
+               for n in (1, 2)}
+    sources = [SourceParam(n, t, s) for n, t, s in ModuleWeights(module).weights() if not layout.skip(n)]
+    for n, e in engines.items():  # plans, rings, the servers' backends: not timed
+        e.push(sources, f"warm{n}", sharded=True)
+    pushes = {"n": 0}
+
+    def push(n: int):
+        def run():
+            barrier()
+            t = time.perf_counter()
+            pushes["n"] += 1
+            engines[n].push(sources, f"bench{pushes['n']}", sharded=True)
+            return all_reduce_max([time.perf_counter() - t])[0]
+        return run
+
+    sampling = Sampling(max_tokens=a.max_new_tokens, temperature=1.0, n=1)
+    mine = [Request(u, [1 + (u * 7 + j) % 200 for j in range(16)], seed=u, affinity=u // 4)
+            for u in range(dims.rank, a.samples, dims.world)]
+    client = CompletionClient(max_inflight=max(1, len(mine)), progress_timeout_s=600)
+
+    def generate(n: int):
+        router = Router()
+        router.set_servers(urls[:n])
+
+        def run():
+            barrier()
+            t = time.perf_counter()
+            done, failed = client.run(mine, sampling, router)
+            if failed:
+                raise RuntimeError(f"generation failed: {list(failed.values())[:2]}")
+            return a.samples / all_reduce_max([time.perf_counter() - t])[0]  # samples/s, slowest rank
+        return run
+
+    samples = common.alternate({"push_1server": push(1), "push_2servers": push(2), "gen_1server": generate(1),
+                                "gen_2servers": generate(2)}, a.repeats)
+    client.close()
+    for e in engines.values():
+        e.close()
+    if sidecar is not None:
+        sidecar.close()
+    if dims.rank == 0:
+        common.worker_write({"samples": samples, **{k: common.median(v) for k, v in samples.items()},
+                             "generate_samples": a.samples, "max_new_tokens": a.max_new_tokens})
+    dist.destroy_process_group()
+
+
 # =================================================================================================
 # The driver
 # =================================================================================================
@@ -164,7 +257,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--bucket-mb", type=float, default=8.0)
     p.add_argument("--smoke", action="store_true", help=common.SMOKE_HELP)
+    p.add_argument("--no-servers", action="store_true", help="skip the 4-rank launch with 1 vs 2 servers per pod")
+    p.add_argument("--samples", type=int, default=64, help="servers section: samples generated per round")
+    p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--servers-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--overrides", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -175,11 +272,20 @@ def main() -> None:
         set_runtime_defaults()
         worker(a)
         return
+    if a.servers_worker:
+        from hybrid_rl.utils.env import set_runtime_defaults
+
+        set_runtime_defaults()
+        servers_worker(a)
+        return
     if a.smoke:
         a.size, a.repeats = "4M", 1
     size, repeats = a.size or ("4M" if a.quick else "25M"), a.repeats or (3 if a.quick else 5)
     print(f"checkpoint engine: {size} {a.dtype}, bucket {a.bucket_mb:g} MiB, {repeats} repeats", flush=True)
-    result = run(str(common.sized_model(size)), a, repeats)
+    model = str(common.sized_model(size))
+    result = run(model, a, repeats)
+    if not (a.smoke or a.no_servers):
+        result["servers"] = run_servers(model, a, repeats)
     result.update(size=size, dtype=a.dtype, bucket_mb=a.bucket_mb, repeats=repeats)
     common.write_result("checkpoint_engine", result, quick=a.quick)
 
@@ -210,6 +316,44 @@ def run(model: str, a, repeats: int) -> dict:
         log.close()
         etcd.stop()
     return _figures(r)
+
+
+def run_servers(model: str, a, repeats: int) -> dict:
+    """The 4-rank, TP-2 launch: one pod with two servers (a private etcd for their registrations)."""
+    from hybrid_rl.dist.etcd_server import EtcdProcess
+    from hybrid_rl.dist.mesh import free_port
+
+    root = Path(tempfile.mkdtemp(prefix="ckpt_servers_", dir=common.CACHE))
+    train = root / "train.jsonl"
+    train.write_text('{"prompt": "x", "ground_truth": "1"}\n')
+    etcd = EtcdProcess(root / "etcd")
+    etcd.start()
+    overrides = [o for o in _overrides(model, a, etcd.endpoint, f"/bench_s_{os.getpid()}", root / "run", train)
+                 if not o.startswith(("rollout.tp=", "sidecar.pods="))] + ["rollout.tp=2", "rollout.kv_cache_gb=0.0625"]
+    port = free_port()
+    while not all(common_port_free(p) for p in (port, port + 1)):
+        port = free_port()
+    try:
+        r = common.torchrun(__file__, ["--servers-worker", "--model", model, "--dtype", a.dtype, "--repeats",
+                                       str(repeats), "--bucket-mb", str(a.bucket_mb), "--overrides",
+                                       json.dumps(overrides), "--port", str(port), "--samples", str(a.samples),
+                                       "--max-new-tokens", str(a.max_new_tokens)],
+                            nproc=4, timeout=2400, tag="checkpoint_engine_servers")
+    finally:
+        etcd.stop()
+    ratios = {"push_2servers/push_1server": r["push_2servers"] / r["push_1server"],
+              "gen_2servers/gen_1server": r["gen_2servers"] / r["gen_1server"]}
+    print(f"  4 ranks, TP 2: update {r['push_1server']:.2f} s (1 server) vs {r['push_2servers']:.2f} s (2 servers); "
+          f"generation {r['gen_1server']:.2f} vs {r['gen_2servers']:.2f} samples/s")
+    for k, v in ratios.items():
+        print(f"  {k}: {v:.3g}x")
+    return {"ratios": ratios, "raw": r}
+
+
+def common_port_free(port: int) -> bool:
+    from hybrid_rl.sidecar.vllm_server import port_free
+
+    return port_free("127.0.0.1", port)
 
 
 def _figures(r: dict) -> dict:

@@ -30,17 +30,10 @@ from hybrid_rl.dist.etcd_server import EtcdProcess
 from hybrid_rl.dist.fsdp import is_sharded, shard_model
 from hybrid_rl.dist.mesh import ParallelDims, device, fsdp_mesh, init_distributed
 from hybrid_rl.dist.offload import OffloadManager
-from hybrid_rl.engine.checkpoint_engine import CheckpointEngine, PushOptions
-from hybrid_rl.engine.completions import CompletionClient
 from hybrid_rl.engine.hybrid import HybridEngine, ModuleWeights, SwitchOptions
 from hybrid_rl.engine.layout import Layout, ModelDims, check_architecture
 from hybrid_rl.engine.lora_sync import AdapterSync
-from hybrid_rl.engine.pod_link import pod_link
-from hybrid_rl.engine.server_adapter import AdapterPublisher
-from hybrid_rl.engine.shm_ring import ShmSpaceError, check_space
-from hybrid_rl.engine.sidecar_server import Sidecar
 from hybrid_rl.engine.vllm_engine import EngineSpec, VLLMEngine
-from hybrid_rl.engine.vllm_server import ServerError, ServerSpec, check_python, port_free
 from hybrid_rl.model.handle import Model
 from hybrid_rl.model.loading import DTYPES, empty_model, enable_activation_checkpointing, load_config, load_tokenizer
 from hybrid_rl.model.lora import BaseWeights, LoraWeights, apply_lora, is_lora
@@ -59,6 +52,13 @@ from hybrid_rl.rollout.sampler import Sampler, SamplingSettings
 from hybrid_rl.rollout.sidecar import SidecarOptions, SidecarRollout
 from hybrid_rl.rollout.tool_calls import get_parser
 from hybrid_rl.rollout.tools import EnvironmentReward, ToolRunner, load_environment, resolve_tools
+from hybrid_rl.sidecar.checkpoint_engine import CheckpointEngine, PushOptions
+from hybrid_rl.sidecar.completions import CompletionClient
+from hybrid_rl.sidecar.pod_link import pod_link
+from hybrid_rl.sidecar.server_adapter import AdapterPublisher
+from hybrid_rl.sidecar.shm_ring import ShmSpaceError, check_space
+from hybrid_rl.sidecar.sidecar_server import Sidecar
+from hybrid_rl.sidecar.vllm_server import ServerError, ServerSpec, check_python, port_free
 from hybrid_rl.utils.schedule import lr_multiplier
 
 log = logging.getLogger(__name__)
@@ -313,7 +313,8 @@ def servers_per_node(cfg: Config, local_world: int) -> int:
 
 
 def max_inflight(cfg: Config, world: int, servers: int) -> int:
-    """Requests in flight per rank: `sidecar.max_inflight`, or (0) what the servers batch at once, shared out."""
+    """Requests in flight per rank: `sidecar.max_inflight`, or (0) what the servers batch at once, shared out (the
+    start; once the servers are up, their measured KV capacity may lower it: `SidecarRollout._size_inflight`)."""
     sc = cfg.sidecar
     return sc.max_inflight or max(1, -(-servers * sc.max_num_seqs // world))
 
@@ -436,19 +437,22 @@ def _sidecar_plain(cfg: Config, dims: ParallelDims, actor: Model, offload: Offlo
                               link=link, servers=servers, local_world=local_world)
     o = cfg.offload
     # Asynchronous runs generate while the trainer trains: the server never sleeps (give it its own GPUs).
+    total_servers = servers * (dims.world // local_world) + sc.pods - 1
     opts = SidecarOptions(o.actor_params, o.actor_grads, o.actor_optim, sc.max_restarts, sc.sleep_level,
-                          sleep=d.release == "sleep" and r.max_staleness == 0)
+                          sleep=d.release == "sleep" and r.max_staleness == 0, max_inflight=sc.max_inflight,
+                          max_num_seqs=sc.max_num_seqs, request_tokens=r.max_model_len or cfg.data.max_prompt_tokens + r.max_new_tokens,
+                          servers=total_servers)
     weights = LoraWeights(actor.module) if is_lora(actor.module) else ModuleWeights(actor.module)
     adapter = None
-    if adapter_sync(cfg):  # the base once, then the adapter alone at each update (`engine/server_adapter.py`)
+    if adapter_sync(cfg):  # the base once, then the adapter alone at each update (`sidecar/server_adapter.py`)
         weights = BaseWeights(actor.module)
         adapter = AdapterPublisher(actor.module, Path(cfg.trainer.output_dir) / "adapter_sync", index=index,
                                    dtype=DTYPES[r.dtype], keep=adapter_versions(cfg) + 1)
-    inflight = max_inflight(cfg, dims.world, servers * (dims.world // local_world) + sc.pods - 1)
+    inflight = max_inflight(cfg, dims.world, total_servers)  # until the servers' KV capacity is read
     return SidecarRollout(policy=actor.module, optimizer=actor.optimizer, dims=dims, weights=weights, engine=engine,
                           sidecar=sidecar, etcd=etcd,
-                          client=CompletionClient(max_inflight=inflight, timeout_s=sc.request_timeout_s),
-                          stream=CompletionClient(max_inflight=inflight, timeout_s=sc.request_timeout_s),
+                          client=CompletionClient(max_inflight=inflight, progress_timeout_s=sc.progress_timeout_s),
+                          stream=CompletionClient(max_inflight=inflight, progress_timeout_s=sc.progress_timeout_s),
                           offload=offload, options=opts, tokenizer=tokenizer, settings=sampling_settings(cfg),
                           seed=cfg.trainer.seed, sharded=any(is_sharded(p) for p in actor.module.parameters()),
                           private_etcd=private_etcd, run_id=run_id, announcement=announcement, adapter=adapter,

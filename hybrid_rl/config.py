@@ -123,9 +123,13 @@ class SidecarConfig:
     python: str = ""  # the interpreter that runs the vLLM server; "" = the trainer's own
     start_timeout_s: float = 900.0  # the server's start, up to its first /health
     update_timeout_s: float = 600.0  # a weight update step (a bucket, a request) before the update fails
-    request_timeout_s: float = 900.0  # one generation request
+    # A generation request fails when no token arrives for this long (however long the whole response); a request
+    # paused by a weight update makes no progress meanwhile, so keep it above an update's length
+    progress_timeout_s: float = 900.0
     slots: int = 3  # shared-memory buckets in flight per server TP rank (memory: slots x rollout.bucket_mb)
-    max_inflight: int = 0  # generation requests in flight per trainer rank; 0 = the servers' max_num_seqs shared out
+    # generation requests in flight per trainer rank; 0 = what the servers hold at once, shared out over the ranks
+    # (each server: its measured KV cache over one request's tokens, at most max_num_seqs)
+    max_inflight: int = 0
     max_num_seqs: int = 256  # each server's `--max-num-seqs` (sequences it batches at once)
     servers_per_node: int = 0  # training pod: vLLM servers per node (<= its TP groups); 0 = every TP group on GPUs, 1 on CPU
     max_restarts: int = 3  # server restarts (or lost servers) tolerated within one rollout before the run stops
@@ -410,7 +414,7 @@ POSITIVE = ("rollout.n", "rollout.max_new_tokens", "rollout.bucket_mb", "data.pr
             "algorithm.ppo_epochs", "algorithm.mini_batches", "optim.lr", "rollout.tp", "trainer.max_bad_steps",
             "algorithm.max_sampling_rounds", "sidecar.port", "sidecar.lease_ttl_s", "sidecar.slots",
             "sidecar.max_num_seqs", "sidecar.pods", "sidecar.etcd_wait_s", "sidecar.start_timeout_s",
-            "sidecar.update_timeout_s", "sidecar.request_timeout_s", "sidecar.pod_wait_s", "sidecar.pod_timeout_s",
+            "sidecar.update_timeout_s", "sidecar.progress_timeout_s", "sidecar.pod_wait_s", "sidecar.pod_timeout_s",
             "rollout.multi_turn.max_turns", "rollout.multi_turn.max_tool_calls",
             "rollout.multi_turn.max_tool_response_tokens", "rollout.multi_turn.tool_timeout_s",
             "rollout.multi_turn.tool_workers")

@@ -54,9 +54,9 @@ def run(cfg, etcd, *, log_path: Path, namespace, spec, prefix) -> None:
     import torch
 
     from hybrid_rl.dist.pod_group import PodGroup, payload_device_for, pod_store
-    from hybrid_rl.engine.pod_link import GROUP_KEY, PodReceiver
-    from hybrid_rl.engine.server_adapter import AdapterFolders
-    from hybrid_rl.engine.sidecar_server import Sidecar
+    from hybrid_rl.sidecar.pod_link import GROUP_KEY, PodReceiver
+    from hybrid_rl.sidecar.server_adapter import AdapterFolders
+    from hybrid_rl.sidecar.sidecar_server import Sidecar
 
     sc = cfg.sidecar
     sidecar = Sidecar(spec(cfg, port=sc.port, log_path=log_path), etcd, pod=sc.pod, ttl_s=sc.lease_ttl_s,

@@ -38,10 +38,6 @@ def response_mask(samples: list[Sample], width: int) -> torch.Tensor:
     return torch.arange(width)[None, :] < lens[:, None]
 
 
-def width_of(samples: list[Sample]) -> int:
-    return max((s.response_len for s in samples), default=1) or 1
-
-
 @dataclass(frozen=True)
 class UpdateSettings:
     epochs: int

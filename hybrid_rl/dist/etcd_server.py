@@ -17,7 +17,7 @@ from hybrid_rl.dist.mesh import free_port
 
 
 class EtcdProcess:
-    """Any process may stop or restart the server: its pid is kept in `<data_dir>.pid`."""
+    """One etcd server process, started and stopped by this object."""
 
     def __init__(self, data_dir: Path, port: int = 0, peer_port: int = 0, *, die_with_parent: bool = False):
         binary = shutil.which("etcd")
@@ -25,7 +25,6 @@ class EtcdProcess:
             raise RuntimeError("etcd is not installed (Debian package etcd-server; `make install-sidecar` installs it)")
         self.binary, self.data_dir = binary, Path(data_dir)
         self.port, self.peer_port = port or free_port(), peer_port or free_port()
-        self.pid_file = self.data_dir.with_suffix(".pid")
         self.proc: subprocess.Popen | None = None
         self.die_with_parent = die_with_parent  # SIGTERM when the process that started it dies (Linux `setpriv`)
 
@@ -42,7 +41,6 @@ class EtcdProcess:
              "--advertise-client-urls", url, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
              "--initial-cluster", f"test={peer}"], stdout=log, stderr=subprocess.STDOUT)
         log.close()
-        self.pid_file.write_text(str(self.proc.pid))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
@@ -56,7 +54,6 @@ class EtcdProcess:
         raise RuntimeError(f"etcd did not answer on {url} within {timeout_s} s")
 
     def stop(self) -> None:
-        """Stop the server this data folder's pid file names (started by this process or another)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -64,26 +61,5 @@ class EtcdProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        elif self.pid_file.exists():
-            _stop_pid(int(self.pid_file.read_text()))
         self.proc = None
-        self.pid_file.unlink(missing_ok=True)
 
-
-def _stop_pid(pid: int) -> None:
-    """SIGTERM, then SIGKILL after 10 s, to a process this test did not start itself (an etcd a worker restarted)."""
-    import os
-    import signal
-
-    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.1)

@@ -17,10 +17,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransferEngineFactory
 
 from hybrid_rl.engine.layout import TPSlice
-from hybrid_rl.engine.vllm_weights import load_inplace, load_packed, model_params, refresh_tied, staged, tied_modules
+from hybrid_rl.engine.vllm_landing import LandingEngine, register_backend
+from hybrid_rl.engine.vllm_weights import load_inplace, load_packed, model_params, staged
 
 BACKEND = "hybrid_rl_inprocess"
 PATHS = ("inplace", "packed", "reload")
@@ -38,35 +38,6 @@ class InitInfo:
 @dataclass
 class UpdateInfo:
     stream: Iterable[tuple[TPSlice, torch.Tensor]]
-
-
-class LandingEngine(WeightTransferEngine):
-    """What both of the project's backends share: the sync path (`self.path`: inplace | reload) decides whether
-    an update runs inside vLLM's layerwise reload, and no accelerator call is made on a CPU-only torch."""
-
-    path: str | None = None
-    ties: list[tuple[str, str]] | None = None  # (alias, owner) modules sharing a weight (a tied lm_head)
-
-    def begin_landing(self) -> None:
-        if self.ties is None:  # recorded before any reload could separate the shared parameter
-            self.ties = tied_modules(self.model)
-        if self.path == "reload":
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-            initialize_layerwise_reload(self.model)
-
-    def update_weights(self, update_info: dict) -> None:
-        # The base class ends with torch.accelerator.synchronize(), which raises on a CPU-only torch.
-        self.receive_weights(self.parse_update_info(update_info))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def end_landing(self) -> None:
-        if self.path == "reload":
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-            finalize_layerwise_reload(self.model, self.model_config)
-        refresh_tied(self.model, self.ties or [])
 
 
 class InProcessTransfer(LandingEngine):
@@ -105,8 +76,4 @@ class InProcessTransfer(LandingEngine):
 
 def register() -> None:
     """Make BACKEND known to vLLM's factory (once per process; engines restart)."""
-    try:
-        WeightTransferEngineFactory.register_engine(BACKEND, __name__, InProcessTransfer.__name__)
-    except ValueError as e:
-        if "already registered" not in str(e):
-            raise
+    register_backend(BACKEND, __name__, InProcessTransfer.__name__)

@@ -25,7 +25,6 @@ from dataclasses import replace
 import torch
 
 from hybrid_rl.data import PromptRecord
-from hybrid_rl.engine.completions import Request, Router, drain_arrivals
 from hybrid_rl.engine.vllm_engine import Generation, Sampling
 from hybrid_rl.rollout.agentic import AgentSetup, keep_survivors, stats_of
 from hybrid_rl.rollout.base import Arrival, RolloutError, SyncReport
@@ -34,6 +33,7 @@ from hybrid_rl.rollout.sampler import request_seed, sample_of
 from hybrid_rl.rollout.sidecar import SidecarRollout, token_versions_of
 from hybrid_rl.rollout.tools.batcher import ToolBatcher
 from hybrid_rl.rollout.trajectory import Trajectory
+from hybrid_rl.sidecar.completions import Request, Router, drain_arrivals
 from hybrid_rl.types import Rollout
 
 log = logging.getLogger(__name__)

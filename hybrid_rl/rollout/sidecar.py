@@ -32,6 +32,7 @@ hold skips the update.
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -46,18 +47,18 @@ from hybrid_rl.dist.collectives import all_gather_object, all_reduce_max, broadc
 from hybrid_rl.dist.etcd import Etcd, EtcdUnavailable, Registration
 from hybrid_rl.dist.mesh import ParallelDims
 from hybrid_rl.dist.offload import OffloadManager, grad_tensors, optimizer_tensors, param_tensors
-from hybrid_rl.engine.checkpoint_engine import CheckpointEngine, PushReport
-from hybrid_rl.engine.completions import CompletionClient, Request, Router
 from hybrid_rl.engine.hybrid import WeightSource
-from hybrid_rl.engine.pod_link import GROUP_KEY
 from hybrid_rl.engine.reshard import SourceParam, WeightSyncError
-from hybrid_rl.engine.server_adapter import AdapterPublisher, load_on_server, read_files
-from hybrid_rl.engine.sidecar_server import Sidecar
 from hybrid_rl.engine.vllm_engine import Generation, Sampling
-from hybrid_rl.engine.vllm_server import SERVED_MODEL, ServerError
 from hybrid_rl.rollout.base import Arrival, RolloutError, SyncReport
 from hybrid_rl.rollout.exchange import gather_index
 from hybrid_rl.rollout.sampler import SamplingSettings, generation_eos, request_seed, sample_of
+from hybrid_rl.sidecar.checkpoint_engine import CheckpointEngine, PushReport
+from hybrid_rl.sidecar.completions import CompletionClient, Request, Router
+from hybrid_rl.sidecar.pod_link import GROUP_KEY
+from hybrid_rl.sidecar.server_adapter import AdapterPublisher, load_on_server, read_files
+from hybrid_rl.sidecar.sidecar_server import Sidecar
+from hybrid_rl.sidecar.vllm_server import SERVED_MODEL, ServerError
 from hybrid_rl.types import Rollout
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,10 @@ class SidecarOptions:
     max_restarts: int
     sleep_level: int  # CUDA: 1 or 2
     sleep: bool  # CUDA sleep mode between phases
+    max_inflight: int = 0  # requests in flight per rank (`sidecar.max_inflight`); 0 = sized from the servers' KV
+    max_num_seqs: int = 256  # each server's `--max-num-seqs`
+    request_tokens: int = 1  # the most tokens one request holds in the KV cache (prompt + response budget)
+    servers: int = 1  # the run's servers (every pod's)
 
 
 class SidecarRollout:
@@ -93,6 +98,7 @@ class SidecarRollout:
         self.policy_of: dict[str, int] = {}  # weight version -> policy version, for the tokens' spans
         self._report = SyncReport()
         self._active = False
+        self._sized = False  # the in-flight cap follows the servers' KV capacity (read once they are up)
         self.router = Router()
         self.private_etcd = private_etcd  # rank 0 of a one-pod run given no sidecar.etcd: stopped at close
         # Every key is under the run's prefix and every weight version is "<run id>-v<n>": a server of another run
@@ -113,6 +119,7 @@ class SidecarRollout:
         self._offload("actor.grads", grad_tensors(self.policy), o.offload_grads)
         try:
             self._leaders("starting the pod's vLLM servers", self._wake)
+            self._size_inflight()
             seconds, nbytes = 0.0, 0
             if version is None or version != self.policy_version or \
                     not all(self._leaders("checking the servers", self._holds)):
@@ -137,12 +144,43 @@ class SidecarRollout:
         self.offload.offload(name, tensors, target)
 
     def _holds(self) -> bool:
-        """A leader: its server is up and holds the weights last pushed (other ranks: True)."""
-        return self.sidecar is None or (self.sidecar.server.healthy() and self.sidecar.version == self.version)
+        """A leader: its server is up and holds the weights last pushed (other ranks: True). Called after `_wake`, which
+        waited for `/health`: a process still running is enough here (one slow health check costs no update)."""
+        return self.sidecar is None or (self.sidecar.server.running() and self.sidecar.version == self.version)
 
     def _withdraw(self) -> None:
-        if self.sidecar is not None:
+        """A leader whose server was in the failed update: out of dispatch (servers left out of it keep serving)."""
+        if self.sidecar is not None and self.engine.feeds:
             self.sidecar.withdraw()
+
+    def _stale(self) -> frozenset[int]:
+        """Every rank: the pod's servers (numbers as `CheckpointEngine.server_of`) that do not hold the weights last
+        pushed."""
+        states = self._leaders("checking the servers", lambda: None if self.sidecar is None else
+                               (self.engine.server_index, self._holds()))
+        return frozenset(index for state in states if state is not None for index, holds in [state] if not holds)
+
+    def _size_inflight(self) -> None:
+        """Once, the servers up: unless `sidecar.max_inflight` is set, the rank's requests in flight are what the
+        run's servers hold at once (each: its KV cache's tokens over one request's, at most `max_num_seqs`; other
+        pods' servers counted as this pod's), shared out over the ranks."""
+        if self._sized:
+            return
+        self._sized = True
+        o = self.options
+        caps = [c for c in self._leaders("reading the servers' KV capacity", self._kv_capacity) if c]
+        if o.max_inflight or not caps:
+            return
+        at_once = [min(o.max_num_seqs, max(1, c // o.request_tokens)) for c in caps]
+        n = max(1, math.ceil(sum(at_once) * o.servers / len(at_once) / self.dims.world))
+        self.client.resize(n)
+        self.stream.resize(n)
+        if self.dims.rank == 0:
+            log.info("vLLM servers' KV caches hold %s tokens: %s requests of %d tokens at once (sidecar.max_num_seqs="
+                     "%d); %d requests in flight per rank", caps, at_once, o.request_tokens, o.max_num_seqs, n)
+
+    def _kv_capacity(self) -> int | None:
+        return self.sidecar.server.kv_capacity_tokens() if self.sidecar is not None else None
 
     def _wake(self) -> None:
         if self.sidecar is not None:
@@ -150,11 +188,12 @@ class SidecarRollout:
             if self.options.sleep:
                 self.sidecar.wake_up()
 
-    def _push_recovering(self, version: str):
-        """`_push`, again after restarting the server when it failed during the update (every rank alike)."""
+    def _push_recovering(self, version: str, only: frozenset[int] | None = None):
+        """`_push`, again after restarting the server when it failed during the update (every rank alike). `only`:
+        the pod's servers to update (a retry then updates those that still lack the weights)."""
         for attempt in range(self.options.max_restarts + 1):
             try:
-                return self._push(version)
+                return self._push(version, only)
             except WeightSyncError:
                 self._leaders("withdrawing the servers of the failed update", self._withdraw)
                 raise
@@ -166,15 +205,18 @@ class SidecarRollout:
                     raise RolloutError(f"weight update {version} failed {attempt + 1} times: {e}") from None
                 log.warning("weight update %s failed (%s); restarting the server and updating again", version, e)
                 self._leaders("restarting the pod's vLLM servers", self._wake)
+                if only is not None:
+                    only = self._stale()
 
-    def _push(self, version: str):
+    def _push(self, version: str, only: frozenset[int] | None = None):
         """Every rank: the checkpoint engine's update (with an adapter: the base, only where a server lacks it, then
-        the adapter); the leaders then mark their servers and rank 0 publishes the version."""
+        the adapter); the leaders then mark their servers and rank 0 publishes the version. `only`: the pod's
+        servers whose base to update (None: all)."""
         rep = PushReport(version)
         if self.adapter is None or not self._base_everywhere():
             sources = [SourceParam(name, local, shape) for name, local, shape in self.weights.weights()
                        if not self.engine.layout.skip(name)]
-            rep = self.engine.push(sources, version, sharded=self.sharded)
+            rep = self.engine.push(sources, version, sharded=self.sharded, only=only)
         if self.adapter is not None:
             rep = self._push_adapter(version, rep)
         self._leaders("publishing the weight version in etcd", lambda: self._publish(version))
@@ -332,16 +374,20 @@ class SidecarRollout:
         return servers_at(self.etcd, self.version)
 
     def _recover(self) -> None:
-        """Every rank: restart this pod's servers that died; then, only if some server of the run (this pod's or
-        another's) does not hold the current weights, push them again (to every pod: the broadcast is one
-        collective). Failed requests on healthy servers at the current version cost no update."""
+        """Every rank: restart this pod's servers that died; then push the current weights to this pod's servers
+        that lack them (restarted, or withdrawn), and only to those; when another pod's server lacks them, the
+        broadcast goes to every other pod (it is one collective, fed by server 0's writers). Failed requests on
+        healthy servers at the current version cost no update."""
         self._leaders("restarting the pod's vLLM servers", self._wake)
-        if all(self._leaders("checking the servers", self._holds)) and self._rank0("listing the servers in etcd",
-                                                                                   self._all_current):
+        stale = self._stale()
+        if not stale and self._rank0("listing the servers in etcd", self._all_current):
             log.info("every server holds weights %s: resending the failed requests without an update", self.version)
             return
+        if self.dims.rank == 0:
+            log.info("weights %s pushed again to the pod's servers %s%s", self.version, sorted(stale) or "(none)",
+                     " and the other pods" if self.engine.link is not None else "")
         self.offload.reload("actor.params")
-        self._push_recovering(self.version)
+        self._push_recovering(self.version, only=stale if stale or self.engine.link is not None else None)
         self._offload("actor.params", param_tensors(self.policy), self.options.offload_params)
 
     def _all_current(self) -> bool:
@@ -367,8 +413,7 @@ class SidecarRollout:
         if self.private_etcd is not None:  # (another leader's lease revoke then fails at once: nothing to wait for)
             self.private_etcd.stop()
             shutil.rmtree(self.private_etcd.data_dir, ignore_errors=True)
-            for suffix in (".log", ".pid"):
-                self.private_etcd.data_dir.with_suffix(suffix).unlink(missing_ok=True)
+            self.private_etcd.data_dir.with_suffix(".log").unlink(missing_ok=True)
 
 
 

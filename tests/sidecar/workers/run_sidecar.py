@@ -1,6 +1,7 @@
 """Two GRPO steps in sidecar mode, with faults, checking the servers' greedy generations against HF after each.
 
-Argument: JSON {"overrides": [...], "etcd": {"dir", "port", "peer_port"}, "faults": bool (default true)}. Rank 0
+Argument: JSON {"overrides": [...], "etcd": {"dir", "port", "peer_port"}, "faults": bool (default true),
+"kill_second_server": bool (default false)}. Rank 0
 owns the etcd server's life from the start of step 2 on (it stops and restarts it). Per step:
 
 1. a trainer step (its session pushes the new weights to every pod's server through the checkpoint engine);
@@ -14,6 +15,10 @@ owns the etcd server's life from the start of step 2 on (it stops and restarts i
    against Hugging Face `generate` on the trainer's full weights (gathered from the FSDP shards), and the
    same prompts sent to each listed server on its own (every server holds the new weights), with the
    requests each server has served so far (its `/metrics`).
+
+With "kill_second_server" (a pod of two servers), after step 1 the second server is SIGKILLed in the middle of a
+generation (just after the ranks listed it): the requests sent to it fail, it is restarted, the weights go to it
+alone (each leader counts the updates its server was sent), and only the failed requests are sent again.
 """
 
 import json
@@ -39,15 +44,16 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from hybrid_rl.build import build  # noqa: E402
 from hybrid_rl.config import load_config  # noqa: E402
 from hybrid_rl.dist.collectives import all_gather_object, barrier  # noqa: E402
-from hybrid_rl.engine.completions import CompletionClient, Request, Router  # noqa: E402
 from hybrid_rl.model.loading import DTYPES  # noqa: E402
 from hybrid_rl.model.lora import gather_adapter, is_lora, merge_full_state_dict  # noqa: E402
+from hybrid_rl.sidecar.completions import CompletionClient, Request, Router  # noqa: E402
+from hybrid_rl.sidecar.vllm_server import kv_capacity_from_metrics  # noqa: E402
 from hybrid_rl.train import setup_logging  # noqa: E402
 from hybrid_rl.trainer import Trainer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from hybrid_rl.dist.etcd_server import EtcdProcess  # noqa: E402
 from tests.engine.workers.common import write_result  # noqa: E402
+from tests.sidecar.etcd import SharedEtcd  # noqa: E402
 
 
 class Captured(logging.Handler):
@@ -85,8 +91,10 @@ def greedy_check(c, trainer) -> dict:
             out["hf"].append(g[0, len(r.prompt_ids):].tolist())
         out["server_version"] = c.rollout.sidecar.server.weight_version()
         out["served"] = {url: served(url) for url in servers}  # by the trainer's rollouts and the check above
+        out["kv_tokens"] = {url: kv_capacity_from_metrics(requests.get(f"{url}/metrics", timeout=30).text)
+                            for url in servers}
         out["per_server"] = {}
-        client = CompletionClient(max_inflight=4, timeout_s=300)
+        client = CompletionClient(max_inflight=4, progress_timeout_s=300)
         sampling = c.rollout._sampling(greedy=True)
         for url in servers:
             router = Router()
@@ -106,7 +114,36 @@ def served(url: str) -> float:
                if line.startswith("vllm:request_success_total{"))
 
 
-def restart_without_data(etcd: EtcdProcess) -> None:
+def kill_second_server_mid_generation(c, result: dict) -> None:
+    """Every rank: a generation during which the pod's second server (its leader: rank 2) dies just after the ranks
+    listed it. Records the requests each rank sent and resent (`CompletionClient.run` calls)."""
+    rollout, sent = c.rollout, []
+    run, route = rollout.client.run, rollout._router
+
+    def counted_run(requests_, *args):
+        requests_ = list(requests_)
+        sent.append(len(requests_))
+        return run(requests_, *args)
+
+    def router_then_kill():
+        router = route()
+        if rollout.sidecar is not None and rollout.engine.server_index == 1 and not result.get("killed_second"):
+            os.killpg(rollout.sidecar.server.proc.pid, signal.SIGKILL)
+            rollout.sidecar.server.proc.wait()
+            result["killed_second"] = True
+        return router
+    rollout.client.run, rollout._router = counted_run, router_then_kill
+    try:
+        with rollout.session():
+            roll = rollout.generate(c.val_records[:4], n=4, step=-2, group_base=0)
+    finally:
+        rollout.client.run, rollout._router = run, route
+    result["killed_second"] = any(all_gather_object(bool(result.get("killed_second"))))  # rank 2 killed it
+    result["fault_sent"] = all_gather_object(sent)
+    result["fault_held"] = sum(all_gather_object(len(roll.held)))
+
+
+def restart_without_data(etcd: SharedEtcd) -> None:
     shutil.rmtree(etcd.data_dir, ignore_errors=True)
     etcd.start()
 
@@ -140,7 +177,7 @@ def main() -> None:
             if step == 2 and c.dims.rank == 0 and args.get("faults", True):
                 os.kill(c.rollout.sidecar.server.proc.pid, signal.SIGKILL)  # the API server; its children linger
                 e = args["etcd"]
-                etcd = EtcdProcess(Path(e["dir"]), e["port"], e["peer_port"])
+                etcd = SharedEtcd(Path(e["dir"]), e["port"], e["peer_port"])
                 etcd.stop()
                 # Back after 6 s, twice the leases' TTL, and without its data (a replaced etcd): etcd restores leases
                 # on a plain restart, so only then do the registrations take the re-grant path.
@@ -150,10 +187,16 @@ def main() -> None:
             metrics = trainer.step(step)
             if step == 1 and c.dims.rank == 0 and args.get("faults", True):
                 kill_between_buckets(c, result)  # the update of the check below: abandoned, retried, recovered
+            if step == 1 and args.get("kill_second_server"):
+                kill_second_server_mid_generation(c, result)
             check = greedy_check(c, trainer)
             check["loss_finite"] = all(v == v for k, v in metrics.items() if k.startswith("actor/"))
             check["logprob_diff_max"] = metrics["rollout/logprob_diff_max"]
             result["steps"].append(check)
+        engine = c.rollout.engine
+        pushes = all_gather_object((engine.server_index, engine.pushes) if engine.leader else None)
+        result["pushes"] = {index: n for index, n in filter(None, pushes)}  # updates sent, per server of the pod
+        result["max_inflight"] = c.rollout.client.max_inflight
         if c.dims.rank == 0:
             result["private_etcd"] = c.rollout.private_etcd.endpoint if c.rollout.private_etcd else ""
             result["server_starts"] = c.rollout.sidecar.server.starts

@@ -23,7 +23,7 @@ def test_pip_metadata_and_make_install_declare_the_vllm_plugin(tmp_path):
                         str(tmp_path / "meta")], cwd=src, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     built = (tmp_path / "meta" / "hybrid_rl.egg-info" / "entry_points.txt").read_text()
-    assert "[vllm.general_plugins]" in built and "hybrid_rl = hybrid_rl.engine.vllm_plugin:register" in built
+    assert "[vllm.general_plugins]" in built and "hybrid_rl = hybrid_rl.sidecar.vllm_plugin:register" in built
     spec = importlib.util.spec_from_file_location("write_dist_info", REPO / "scripts" / "write_dist_info.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

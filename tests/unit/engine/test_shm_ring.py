@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hybrid_rl.engine.layout import TPSlice
-from hybrid_rl.engine.shm_ring import (
+from hybrid_rl.sidecar.shm_ring import (
     SHM_DIR,
     Manifest,
     RingAborted,

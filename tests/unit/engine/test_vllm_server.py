@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_rl.engine.completions import UNAVAILABLE, Request, Router, parse_choice, request_body
 from hybrid_rl.engine.reshard import WeightSyncError
-from hybrid_rl.engine.server_adapter import AdapterFolders
-from hybrid_rl.engine.shm_reclaim import ShmReclaimer
 from hybrid_rl.engine.vllm_engine import Sampling
-from hybrid_rl.engine.vllm_plugin import BACKEND
-from hybrid_rl.engine.vllm_server import (
+from hybrid_rl.sidecar.completions import UNAVAILABLE, Request, Router, parse_choice, request_body
+from hybrid_rl.sidecar.server_adapter import AdapterFolders
+from hybrid_rl.sidecar.shm_reclaim import ShmReclaimer
+from hybrid_rl.sidecar.vllm_plugin import BACKEND
+from hybrid_rl.sidecar.vllm_server import (
     SERVED_MODEL,
     ServerError,
     ServerSpec,

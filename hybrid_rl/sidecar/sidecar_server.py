@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 
 from hybrid_rl.dist.etcd import Etcd, Registration
-from hybrid_rl.engine.vllm_server import ServerError, ServerSpec, VLLMServer
+from hybrid_rl.sidecar.vllm_server import ServerError, ServerSpec, VLLMServer
 
 log = logging.getLogger(__name__)
 HEALTH_MISSES = 3  # unanswered /health checks in a row before a running server is withdrawn

@@ -46,8 +46,8 @@ from hybrid_rl.engine.reshard import (
     target_label,
     verify_targets,
 )
-from hybrid_rl.engine.server_update import ServerUpdate
-from hybrid_rl.engine.shm_ring import (
+from hybrid_rl.sidecar.server_update import ServerUpdate
+from hybrid_rl.sidecar.shm_ring import (
     Entry,
     Manifest,
     RingAborted,
@@ -55,10 +55,11 @@ from hybrid_rl.engine.shm_ring import (
     ShmRing,
     ShmSpaceError,
     abort_path,
+    bucket_bytes,
     layout_bucket,
     write_manifest,
 )
-from hybrid_rl.engine.vllm_server import ServerError, VLLMServer
+from hybrid_rl.sidecar.vllm_server import ServerError, VLLMServer
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,9 @@ class CheckpointEngine:
         self.writer = self._writes(rank)
         self.tp_rank = rank % self.tp
         self.leader = self.writer and self.tp_rank == 0
+        self.server_index = self.server_of(rank)  # the server this rank writes to (writers only)
+        self.feeds = self.writer  # this rank writes to its server in the update in progress
+        self.pushes = 0  # updates this rank's server was sent (a leader's count)
         self._plans: dict[tuple[str, ...], tuple[ReshardPlan, list[list[Entry]]]] = {}
         self.ring: ShmRing | None = None
         self.seq = 0  # buckets written over the ring's life
@@ -129,10 +133,16 @@ class CheckpointEngine:
 
     # -- one update ------------------------------------------------------------------------------
 
-    def push(self, sources: list[SourceParam], version: str, *, sharded: bool) -> PushReport:
-        """Bring the server to `version`: every rank calls it with its shards, and every rank raises the same
+    def push(self, sources: list[SourceParam], version: str, *, sharded: bool,
+             only: frozenset[int] | None = None) -> PushReport:
+        """Bring the servers to `version`: every rank calls it with its shards, and every rank raises the same
         error when it fails: ServerError (the server failed or died; nothing is stamped) or WeightSyncError
-        (the server's weights do not match what was sent; the version is not stamped)."""
+        (the server's weights do not match what was sent; the version is not stamped). `only`: the pod's servers
+        (numbers as `server_of`) to update, the others keep what they hold and are not touched (a recovery after
+        some restarted); with other pods, server 0 is always among them (its writers feed the pod group)."""
+        if only is not None and self.link is not None:
+            only = only | {0}
+        self.feeds = self.writer and (only is None or self.server_index in only)
         ok = False
         try:
             rep = self._push(sources, version, sharded=sharded)
@@ -144,7 +154,7 @@ class CheckpointEngine:
                 self.link.abort(self.rank, f"{type(e).__name__}: {e}")
             raise
         finally:
-            if self.leader and (error := self.http.end(ok=ok)):
+            if self._drives and (error := self.http.end(ok=ok)):
                 log.warning("server %s after update %s (resuming generation): %s", self.http.server.url, version, error)
 
     def _push(self, sources: list[SourceParam], version: str, *, sharded: bool) -> PushReport:
@@ -155,7 +165,7 @@ class CheckpointEngine:
         self._failed = ""
         manifest = Manifest(update, self.options.probe_cols, buckets, tied=self.layout.dims.tie_word_embeddings)
         error = ""
-        if self.writer:
+        if self.feeds:
             try:
                 self._ring(buckets).reset()
                 write_manifest(self.ring, manifest)
@@ -163,27 +173,28 @@ class CheckpointEngine:
                 error = str(e)
         if bool(all_reduce(torch.tensor([float(bool(error))]), "max")[0]):
             raise ShmSpaceError(next(e for e in all_gather_object(error) if e))
-        if self.leader:
+        if self._drives:
             abort_path(self.namespace).unlink(missing_ok=True)
         if self.link is not None:
             self.link.begin(update, version, manifest, self.rank)
             self._link_open = True
         barrier()  # every writer's manifest is in place before the server reads them
-        if self.leader:
+        if self._drives:
             self.http.begin(self.server())
+            self.pushes += 1
         for k, items in stream_buckets(plan, sources, device=self.device, probe_cols=self.options.probe_cols,
                                        sync_index=update, alloc=self._alloc(rep)):
-            if self.writer and not self._failed:
+            if self.feeds and not self._failed:
                 self.ring.publish(self.seq)
                 rep.bytes_written += sum(t.numel() * t.element_size() for _, t in items)
             if self.link is not None and self.rank < self.tp:  # other pods get server 0's slices (stale once failed)
-                self.link.send(self.rank, k, self.ring.buffers[self.ring.slot_of(self.seq)][:_bucket_bytes(buckets[k])])
-            if self.leader and not self._failed:
+                self.link.send(self.rank, k, self.ring.buffers[self.ring.slot_of(self.seq)][:bucket_bytes(buckets[k])])
+            if self._drives and not self._failed:
                 self.http.bucket(self.seq, k)
             rep.buckets += 1
             self._agree()  # a failure on any rank stops every rank at the same bucket
         rep.phases["stream_s"] = time.perf_counter() - t0
-        if self.leader:
+        if self._drives:
             self._failed = self._failed or self.http.finish()
         self._agree()
         targets = verify_targets(plan.slices, tied=manifest.tied)
@@ -197,7 +208,7 @@ class CheckpointEngine:
             raise WeightSyncError(f"weight update {update} (version {version}) did not land in vLLM as sent "
                                   f"({len(bad)} mismatched: {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}); "
                                   "the server keeps its previous version stamp")
-        if self.leader:
+        if self._drives:
             try:
                 self.http.stamp(version)
             except (ServerError, WeightSyncError) as e:
@@ -210,9 +221,18 @@ class CheckpointEngine:
     def _writes(self, rank: int) -> bool:
         return rank % self.local_world < self.tp * self.servers
 
+    def server_of(self, rank: int) -> int:
+        """The pod's number of the server `rank` writes to (node-major: a node's servers, then the next node's)."""
+        return (rank // self.local_world) * self.servers + (rank % self.local_world) // self.tp
+
+    @property
+    def _drives(self) -> bool:
+        """This rank drives its server through the update in progress (its leader, when it is being updated)."""
+        return self.leader and self.feeds
+
     def _agree(self) -> None:
         """Every rank learns whether any rank failed; all raise the same ServerError if so."""
-        if self.leader:
+        if self._drives:
             self._failed = self._failed or self.http.error()
             if self._failed:
                 abort_path(self.namespace).touch()  # writers waiting on the server stop waiting
@@ -231,7 +251,7 @@ class CheckpointEngine:
         return self._plans[key]
 
     def _ring(self, buckets: list[list[Entry]]) -> ShmRing:
-        need = max((_bucket_bytes(b) for b in buckets), default=0)
+        need = max((bucket_bytes(b) for b in buckets), default=0)
         if self.ring is None or self.ring.slot_bytes < need:
             if self.ring is not None:
                 self.ring.close()
@@ -247,10 +267,10 @@ class CheckpointEngine:
         abort = abort_path(self.namespace)
 
         def aborted() -> bool:
-            return abort.exists() or (self.leader and bool(self.http.error()))
+            return abort.exists() or (self._drives and bool(self.http.error()))
 
         def alloc(k: int, slices: list[TPSlice]) -> list[torch.Tensor]:
-            if not self._failed:
+            if self.feeds and not self._failed:
                 self.seq += 1
                 t = time.perf_counter()
                 try:
@@ -266,7 +286,7 @@ class CheckpointEngine:
         """Per verification target, 1.0 where the server's checksum of what its forward reads matches the senders'
         (1.0 everywhere on ranks that write nothing; 0.0 everywhere when the report is not of these targets)."""
         ok = torch.ones(len(expected))
-        if not self.writer:
+        if not self.feeds:
             return ok
         got = self.ring.read_report(self.updates)
         if got.numel() != len(expected):
@@ -283,7 +303,3 @@ class CheckpointEngine:
         if self.ring is not None:
             self.ring.close()
             self.ring = None
-
-
-def _bucket_bytes(entries: list[Entry]) -> int:
-    return max((e.offset + e.nbytes for e in entries), default=0)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from hybrid_rl.engine.reshard import WeightSyncError
-from hybrid_rl.engine.vllm_server import VLLMServer
+from hybrid_rl.sidecar.vllm_server import VLLMServer
 
 
 class ServerUpdate:

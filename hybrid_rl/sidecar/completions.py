@@ -8,6 +8,11 @@ server runs with `--logprobs-mode processed_logprobs`, as the colocated engine d
 weight-version spans the server's engine core stamps on its outputs: a request paused while the
 weights change (asynchronous training) reports which tokens each version sampled.
 
+Each answer is streamed (`"stream": true`: a server-sent event per step of new tokens), so a request fails when no
+token arrives for `progress_timeout_s` (the server stopped making progress), however long the whole response:
+a long generation is not an error. (A request paused by a weight update makes no progress while it is paused:
+the progress timeout must exceed an update's length.)
+
 Requests go from a thread pool, many in flight; each thread has its own HTTP session. `run` waits for
 a set of requests; `submit` sends them and returns, their results collected later with `drain`. A
 `Router` picks each request's server: the one with the fewest outstanding tokens (prompt plus token
@@ -19,6 +24,7 @@ first one, so its prefix cache serves the rest.
 from __future__ import annotations
 
 import dataclasses
+import json
 import queue
 import threading
 from collections import OrderedDict
@@ -29,10 +35,11 @@ from dataclasses import dataclass
 import requests
 
 from hybrid_rl.engine.vllm_engine import Generation, Sampling
-from hybrid_rl.engine.vllm_server import SERVED_MODEL
+from hybrid_rl.sidecar.vllm_server import SERVED_MODEL
 
 GENERATE = "/inference/v1/generate"
 _ERRORS = (requests.RequestException, RuntimeError, ValueError, KeyError, TypeError)
+CONNECT_TIMEOUT_S = 30.0  # a server that does not even accept the connection
 
 
 UNAVAILABLE = "http://server-unavailable.invalid"  # no server listed: every request fails and the caller recovers
@@ -106,7 +113,8 @@ def request_body(prompt: list[int], sampling: Sampling, seed: int, model: str = 
     return {"model": model, "token_ids": prompt,
             "sampling_params": {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
                                 "top_k": s.top_k, "seed": seed, "stop_token_ids": list(s.stop_token_ids),
-                                "logprobs": 0, "n": 1, "detokenize": False}}
+                                "logprobs": 0, "n": 1, "detokenize": False},
+            "stream": True}
 
 
 def parse_choice(choice: dict) -> Generation:
@@ -123,16 +131,50 @@ def parse_choice(choice: dict) -> Generation:
     return Generation(0, ids, lps, choice["finish_reason"], spans)
 
 
-class CompletionClient:
-    """Sends requests to servers (chosen per request by a `Router`) with `max_inflight` in flight."""
+def parse_stream(lines: Iterable[bytes | str]) -> Generation:
+    """The server-sent events of one streamed request (n = 1), joined into one choice for `parse_choice`: token ids
+    and log-probs arrive per step, the finish reason and weight-version spans with the last step."""
+    ids, lps, finish, spans = [], [], None, None
+    for line in lines:
+        line = line.decode() if isinstance(line, bytes) else line
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            break
+        event = json.loads(data)
+        if "error" in event:
+            raise RuntimeError(f"the server failed the request mid-stream: {str(event['error'])[:500]}")
+        for choice in event.get("choices") or ():
+            ids += choice.get("token_ids") or ()
+            lps += (choice.get("logprobs") or {}).get("content") or ()
+            finish = choice.get("finish_reason") or finish
+            spans = choice.get("weight_versions") or spans
+    if finish is None:
+        raise ValueError("the server's stream ended before the request finished")
+    return parse_choice({"token_ids": ids, "logprobs": {"content": lps}, "finish_reason": finish,
+                         "weight_versions": spans})
 
-    def __init__(self, *, max_inflight: int, timeout_s: float):
-        self.max_inflight, self.timeout_s = max_inflight, timeout_s
+
+class CompletionClient:
+    """Sends requests to servers (chosen per request by a `Router`) with `max_inflight` in flight; a request fails
+    when no token arrives for `progress_timeout_s`."""
+
+    def __init__(self, *, max_inflight: int, progress_timeout_s: float):
+        self.max_inflight, self.progress_timeout_s = max_inflight, progress_timeout_s
         self.pool = ThreadPoolExecutor(max_inflight, thread_name_prefix="rollout-http")
         self._local = threading.local()
         self._arrivals: queue.SimpleQueue[tuple[int, Generation | None, str]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._in_flight = 0
+
+    def resize(self, max_inflight: int) -> None:
+        """A new cap on requests in flight (sized once the servers' KV capacity is known); requests already sent go
+        on on the old threads."""
+        if max_inflight != self.max_inflight:
+            old, self.max_inflight = self.pool, max_inflight
+            self.pool = ThreadPoolExecutor(max_inflight, thread_name_prefix="rollout-http")
+            old.shutdown(wait=False)
 
     def _session(self) -> requests.Session:
         if not hasattr(self._local, "session"):
@@ -140,10 +182,16 @@ class CompletionClient:
         return self._local.session
 
     def _one(self, url: str, body: dict) -> Generation:
-        r = self._session().post(f"{url}{GENERATE}", json=body, timeout=self.timeout_s)
-        if r.status_code != 200:
-            raise RuntimeError(f"{url}{GENERATE} answered {r.status_code}: {r.text[:500]}")
-        g = parse_choice(r.json()["choices"][0])
+        # requests' read timeout bounds each wait for the next bytes, not the whole response: a progress timeout.
+        timeout = (min(CONNECT_TIMEOUT_S, self.progress_timeout_s), self.progress_timeout_s)
+        with self._session().post(f"{url}{GENERATE}", json=body, timeout=timeout, stream=True) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"{url}{GENERATE} answered {r.status_code}: {r.text[:500]}")
+            try:
+                g = parse_stream(r.iter_lines())
+            except requests.ConnectionError as e:  # a read timeout mid-stream surfaces as a connection error
+                raise RuntimeError(f"{url}{GENERATE}: no token for {self.progress_timeout_s:.0f} s "
+                                   f"(sidecar.progress_timeout_s) or the connection broke: {e}") from None
         if body["model"] != SERVED_MODEL and g.token_ids:
             # A LoRA adapter version: the base never changes after its one load, so every token of the request was
             # sampled under the adapter it named (the server's stamps say which base-and-adapter update was last).

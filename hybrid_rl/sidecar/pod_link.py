@@ -30,19 +30,15 @@ from hybrid_rl.dist.etcd import Etcd
 from hybrid_rl.dist.mesh import ParallelDims
 from hybrid_rl.dist.pod_group import PodGroup, payload_device_for, pod_store
 from hybrid_rl.engine.reshard import WeightSyncError, checksums_match
-from hybrid_rl.engine.server_adapter import AdapterFolders, load_on_server
-from hybrid_rl.engine.server_update import ServerUpdate
-from hybrid_rl.engine.shm_ring import Manifest, RingAborted, RingTimeout, ShmRing, write_manifest
-from hybrid_rl.engine.sidecar_server import Sidecar
-from hybrid_rl.engine.vllm_server import ServerError
+from hybrid_rl.sidecar.server_adapter import AdapterFolders, load_on_server
+from hybrid_rl.sidecar.server_update import ServerUpdate
+from hybrid_rl.sidecar.shm_ring import Manifest, RingAborted, RingTimeout, ShmRing, bucket_bytes, write_manifest
+from hybrid_rl.sidecar.sidecar_server import Sidecar
+from hybrid_rl.sidecar.vllm_server import ServerError
 
 log = logging.getLogger(__name__)
 
 GROUP_KEY = "pods/group"
-
-
-def bucket_bytes(manifest: Manifest, k: int) -> int:
-    return max((e.offset + e.nbytes for e in manifest.buckets[k]), default=0)
 
 
 class GroupLink:
@@ -230,7 +226,7 @@ class PodReceiver:
     def _receive_bucket(self, r: int, ring: ShmRing, m: Manifest, k: int, failed: str) -> str:
         """Bucket k of TP rank r from the trainer into a free slot (into scratch once the update failed: the
         trainer's broadcast must still be received)."""
-        nbytes = bucket_bytes(m, k)
+        nbytes = bucket_bytes(m.buckets[k])
         if not failed:
             try:
                 slot = ring.acquire(self.seq, timeout_s=self.timeout_s,
@@ -244,7 +240,7 @@ class PodReceiver:
         return failed
 
     def _rings(self, manifests: list[Manifest]) -> None:
-        need = [max(bucket_bytes(m, k) for k in range(len(m.buckets))) for m in manifests]
+        need = [max(bucket_bytes(b) for b in m.buckets) for m in manifests]
         if not self.rings or any(ring.slot_bytes < n for ring, n in zip(self.rings, need, strict=True)):
             for ring in self.rings:
                 ring.close()

@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 
+from hybrid_rl.engine.cpu_shm import SHM_DIR
 from hybrid_rl.engine.layout import TPSlice
 from hybrid_rl.engine.reshard import verify_targets
 
-SHM_DIR = Path("/dev/shm")
 ALIGN = 64
 _WRITTEN, _CONSUMED = 0, 1
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -103,6 +103,11 @@ class Manifest:
     def targets(self) -> list[tuple[int, TPSlice]]:
         """What the server's verification report covers, in its order."""
         return verify_targets([e.slice for b in self.buckets for e in b], tied=self.tied)
+
+
+def bucket_bytes(entries: list[Entry]) -> int:
+    """The bytes of a slot that one bucket's entries (of a manifest) fill."""
+    return max((e.offset + e.nbytes for e in entries), default=0)
 
 
 def write_manifest(ring: ShmRing, manifest: Manifest) -> None:
