@@ -75,12 +75,15 @@ def tune_malloc() -> bool:
     thread (gloo, reward pool, tokenizer threads) a rank's peak RSS then ran gigabytes above the tensors
     alive (measured on a 0.5B model). A fixed 1 MiB threshold maps every tensor of 1 MiB or more
     directly (freed with it), two arenas bound the rest, and free heap tops are trimmed above 16 MiB.
+    The price is speed: each such tensor is fresh pages, zeroed by the kernel at first touch, and unmapped
+    when freed. HR_MALLOC_MMAP_THRESHOLD (bytes) moves the threshold (benchmarks/README.md: the A/B).
     """
     import ctypes
 
+    threshold = int(os.environ.get("HR_MALLOC_MMAP_THRESHOLD") or MMAP_THRESHOLD)
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return all(libc.mallopt(k, v) == 1 for k, v in ((_M_MMAP_THRESHOLD, MMAP_THRESHOLD), (_M_ARENA_MAX, 2),
+        return all(libc.mallopt(k, v) == 1 for k, v in ((_M_MMAP_THRESHOLD, threshold), (_M_ARENA_MAX, 2),
                                                          (_M_TRIM_THRESHOLD, 16 << 20)))
     except (OSError, AttributeError):
         return False

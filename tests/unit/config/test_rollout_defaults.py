@@ -91,3 +91,25 @@ def test_truncated_sampling_is_refused_in_both_modes(override):
     cfg.model.path, cfg.data.train_files = "/m", ["/t.jsonl"]
     cfg.rollout.top_k = 0  # vLLM's "off", as -1
     validate(cfg)
+
+
+def test_malloc_threshold_is_taken_from_the_environment(monkeypatch):
+    """HR_MALLOC_MMAP_THRESHOLD is the threshold handed to glibc's mallopt (1 MiB without it)."""
+    import ctypes
+
+    from hybrid_rl.utils import env
+
+    calls = []
+
+    class Libc:
+        def mallopt(self, key, value):
+            calls.append((key, value))
+            return 1
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: Libc())
+    monkeypatch.setenv("HR_MALLOC_MMAP_THRESHOLD", str(32 << 20))
+    assert env.tune_malloc()
+    monkeypatch.delenv("HR_MALLOC_MMAP_THRESHOLD")
+    assert env.tune_malloc()
+    thresholds = [v for k, v in calls if k == env._M_MMAP_THRESHOLD]
+    assert thresholds == [32 << 20, 1 << 20]
