@@ -19,7 +19,8 @@ prompts), scored by the math answer matcher. Both sides get the same things:
 Ours runs `hybrid_rl.train` under torchrun with `--ours RANKSxTHREADS`; TRL runs in benchmarks/.trl-venv (see
 vs_trl.py) as one process with torch's default threads and transformers' generate. Reported: the curves (PNG), and
 the training time each side takes to first reach the highest held-out reward both reach (and any `--target`).
-Full mode only in `make bench`; `--smoke` runs ours for 1 step (TRL's side only where its venv already exists).
+Full mode only in `make bench`; `--smoke` runs ours for 1 step on the 4M tiny model (TRL's side only where its venv
+already exists).
 Writes benchmarks/results/time_to_reward.json and .png.
 """
 
@@ -242,7 +243,9 @@ def main() -> None:
     from hybrid_rl.utils.env import set_runtime_defaults
 
     set_runtime_defaults()
-    model, (train, val) = model_folder(), data_files()
+    # Smoke: the 4M tiny model (chat template included) stands in for SmolLM2, whose load alone is minutes on a
+    # loaded CI machine; `tests/e2e/test_smollm2.py` already trains SmolLM2 itself.
+    model, (train, val) = (common.sized_model("4M") if a.smoke else model_folder()), data_files()
     settings = recipe_settings(model, train)
     if a.smoke:
         a.steps, a.val_every, a.val_prompts = 1, 1, 4
