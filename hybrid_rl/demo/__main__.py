@@ -48,7 +48,7 @@ def demo_overrides(*, model: Path, data: Path, out: Path, steps: int, prompts: i
     return [f"{k}={v}" for k, v in settings.items()]
 
 
-def _base_model(root: Path, log) -> Path:
+def base_model(root: Path, log) -> Path:
     from hybrid_rl.model.tiny import TinySpec, build_tiny_model
 
     base = root / "base_model"
@@ -66,7 +66,7 @@ def prepare(root: Path, *, log=print) -> tuple[Path, Path]:
     data, warm = root / "data", root / "warm_model"
     if not (data / "val.jsonl").exists():
         write_task(data, n_train=2048, n_val=64, fixed_position=2)
-    base = _base_model(root, log)
+    base = base_model(root, log)
     if not (warm / "config.json").exists():
         log("supervised warm-up on the answer format (about a minute) ...")
         t0 = time.perf_counter()
@@ -87,7 +87,7 @@ def prepare_tools(root: Path, *, log=print) -> tuple[Path, Path]:
     data, warm = root / "tools_data", root / "tools_warm_model"
     if not (data / "val.jsonl").exists():
         write_tools_task(data, n_train=2048, n_val=64)
-    base = _base_model(root, log)
+    base = base_model(root, log)
     if not (warm / "config.json").exists():
         log(f"supervised warm-up on the tool-call format ({TOOLS_WARMUP_STEPS} steps, {TOOLS_CALL_SHARE:.0%} of the "
             "conversations call the tool) ...")
@@ -103,18 +103,20 @@ class DemoTask:
     settings: dict[str, object]  # training settings beside `demo_overrides`'
     plot_keys: tuple[str, ...]
     title: str
+    steps: int  # the default of --steps
+    prompts: int  # the default of --prompts
 
 
 # The tools task: the budget holds the call (74 tokens), the tool's message (16) and the boxed answer (11); two model
 # turns and one call are all the task needs; fewer tool workers than cores leave room for vLLM and the trainer.
 TASKS = {
     "digits": DemoTask(prepare, {}, ("val/reward_mean", "reward/mean", "actor/kl", "response/length_mean"),
-                       "the demo task"),
+                       "the demo task", steps=80, prompts=32),
     "tools": DemoTask(prepare_tools, {
         "rollout.tools": "[python]", "rollout.max_new_tokens": 128, "rollout.multi_turn.max_turns": 2,
         "rollout.multi_turn.max_tool_calls": 1, "rollout.multi_turn.tool_workers": 1,
         "trainer.micro_batch_tokens": 2048}, ("val/reward_mean", "val/rollout/tool_call_rate", "reward/mean",
-                                              "rollout/tool_call_rate"), "the tools task"),
+                                              "rollout/tool_call_rate"), "the tools task", steps=20, prompts=8),
 }
 
 
@@ -137,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="digits: pick a digit from a list; tools: a product that one python tool call answers")
     p.add_argument("--algo", default="grpo", choices=["grpo", "ppo"])
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--steps", type=int, default=80)
-    p.add_argument("--prompts", type=int, default=32, help="prompts per step (8 samples each)")
+    p.add_argument("--steps", type=int, help="training steps (default: digits 80, tools 20)")
+    p.add_argument("--prompts", type=int, help="prompts per step, 8 samples each (default: digits 32, tools 8)")
     p.add_argument("--val-points", type=int, default=5, help="held-out scores after the first (every steps/N steps)")
     p.add_argument("--out", default="outputs/demo")
     p.add_argument("--mode", default="colocated", choices=["colocated", "sidecar"],
@@ -150,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--max-staleness needs --mode sidecar")
     root = Path(a.out).resolve()
     task = TASKS[a.task]
+    a.steps = a.steps or task.steps
+    a.prompts = a.prompts or task.prompts
     warm, data = task.prepare(root)
     name = a.algo if a.mode == "colocated" else f"{a.algo}_sidecar_k{a.max_staleness}"
     run = root / (name if a.task == "digits" else f"{a.task}_{name}")

@@ -73,3 +73,13 @@ def demo_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("demo")
     prepare(root, log=lambda *a: None)
     return root
+
+
+@pytest.fixture(scope="session")
+def tools_demo_root(tmp_path_factory) -> Path:
+    """The tools demo's folder with its task data and warmed-up model, built once for the session."""
+    from hybrid_rl.demo.__main__ import prepare_tools
+
+    root = tmp_path_factory.mktemp("tools_demo")
+    prepare_tools(root, log=lambda *a: None)
+    return root
