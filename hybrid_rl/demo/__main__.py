@@ -76,7 +76,7 @@ def prepare(root: Path, *, log=print) -> tuple[Path, Path]:
 
 
 TOOLS_CALL_SHARE = 0.3  # of the warm-up's conversations that call the tool: the rest box a guess
-TOOLS_WARMUP_STEPS = 400
+TOOLS_WARMUP_STEPS = 250
 
 
 def prepare_tools(root: Path, *, log=print) -> tuple[Path, Path]:
@@ -92,7 +92,8 @@ def prepare_tools(root: Path, *, log=print) -> tuple[Path, Path]:
         log(f"supervised warm-up on the tool-call format ({TOOLS_WARMUP_STEPS} steps, {TOOLS_CALL_SHARE:.0%} of the "
             "conversations call the tool) ...")
         t0 = time.perf_counter()
-        tools_warmup(base, data / "train.jsonl", warm, call_share=TOOLS_CALL_SHARE, steps=TOOLS_WARMUP_STEPS, log=log)
+        tools_warmup(base, data / "train.jsonl", warm, call_share=TOOLS_CALL_SHARE, steps=TOOLS_WARMUP_STEPS, lr=3e-3,
+                     log=log)
         log(f"warm-up done in {time.perf_counter() - t0:.0f}s")
     return warm, data
 
