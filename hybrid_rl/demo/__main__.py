@@ -79,8 +79,9 @@ TOOLS_CALL_SHARE = 0.3  # of the warm-up's conversations that call the tool: the
 TOOLS_WARMUP_STEPS = 250
 
 
-def prepare_tools(root: Path, *, log=print) -> tuple[Path, Path]:
-    """The tools task's data and warmed-up model (on the same tiny base model), each built once."""
+def prepare_tools(root: Path, *, log=print, warmup_batch: int = 32) -> tuple[Path, Path]:
+    """The tools task's data and warmed-up model (on the same tiny base model), each built once; `warmup_batch`:
+    conversations per warm-up step (the test halves it: its cost is most of the test's)."""
     from hybrid_rl.demo.tools_task import write_tools_task
     from hybrid_rl.demo.tools_warmup import tools_warmup
 
@@ -93,7 +94,7 @@ def prepare_tools(root: Path, *, log=print) -> tuple[Path, Path]:
             "conversations call the tool) ...")
         t0 = time.perf_counter()
         tools_warmup(base, data / "train.jsonl", warm, call_share=TOOLS_CALL_SHARE, steps=TOOLS_WARMUP_STEPS, lr=3e-3,
-                     log=log)
+                     batch_size=warmup_batch, log=log)
         log(f"warm-up done in {time.perf_counter() - t0:.0f}s")
     return warm, data
 

@@ -77,9 +77,9 @@ def demo_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tools_demo_root(tmp_path_factory) -> Path:
-    """The tools demo's folder with its task data and warmed-up model, built once for the session."""
+    """The tools demo's folder with its task data and warmed-up model (half the demo's warm-up batch), built once."""
     from hybrid_rl.demo.__main__ import prepare_tools
 
     root = tmp_path_factory.mktemp("tools_demo")
-    prepare_tools(root, log=lambda *a: None)
+    prepare_tools(root, log=lambda *a: None, warmup_batch=16)
     return root
