@@ -55,7 +55,8 @@ def run(name: str, model: Path, data: Path, a) -> dict:
             "tool_share_of_step": common.median([s.get("timing/tool_s", 0.0) / s["timing/step_s"] for s in later]),
             "tool_share_of_rollout": common.median([s.get("rollout/tool_time_share", 0.0) for s in later]),
             # without tools nothing counts the calls the model writes (they stay text): "-" in the table
-            "tool_call_rate": common.median([s["rollout/tool_call_rate"] for s in later]) if name == "tools" else None,
+            "tool_call_rate": common.median([s.get("rollout/tool_call_rate", 0.0) for s in later]) if name == "tools"
+            else None,
             "response_len": common.median([s.get("response/length_mean", 0.0) for s in later])}
 
 
