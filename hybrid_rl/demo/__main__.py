@@ -79,9 +79,10 @@ TOOLS_CALL_SHARE = 0.3  # of the warm-up's conversations that call the tool: the
 TOOLS_WARMUP_STEPS = 250
 
 
-def prepare_tools(root: Path, *, log=print, warmup_batch: int = 32) -> tuple[Path, Path]:
+def prepare_tools(root: Path, *, log=print, warmup_batch: int = 32,
+                  warmup_steps: int = TOOLS_WARMUP_STEPS) -> tuple[Path, Path]:
     """The tools task's data and warmed-up model (on the same tiny base model), each built once; `warmup_batch`:
-    conversations per warm-up step (the test halves it: its cost is most of the test's)."""
+    conversations per warm-up step, `warmup_steps` its steps (the test shrinks both: its cost is most of the test's)."""
     from hybrid_rl.demo.tools_task import write_tools_task
     from hybrid_rl.demo.tools_warmup import tools_warmup
 
@@ -90,10 +91,10 @@ def prepare_tools(root: Path, *, log=print, warmup_batch: int = 32) -> tuple[Pat
         write_tools_task(data, n_train=2048, n_val=64)
     base = base_model(root, log)
     if not (warm / "config.json").exists():
-        log(f"supervised warm-up on the tool-call format ({TOOLS_WARMUP_STEPS} steps, {TOOLS_CALL_SHARE:.0%} of the "
+        log(f"supervised warm-up on the tool-call format ({warmup_steps} steps, {TOOLS_CALL_SHARE:.0%} of the "
             "conversations call the tool) ...")
         t0 = time.perf_counter()
-        tools_warmup(base, data / "train.jsonl", warm, call_share=TOOLS_CALL_SHARE, steps=TOOLS_WARMUP_STEPS, lr=3e-3,
+        tools_warmup(base, data / "train.jsonl", warm, call_share=TOOLS_CALL_SHARE, steps=warmup_steps, lr=3e-3,
                      batch_size=warmup_batch, log=log)
         log(f"warm-up done in {time.perf_counter() - t0:.0f}s")
     return warm, data

@@ -91,3 +91,15 @@ def test_truncated_sampling_is_refused_in_both_modes(override):
     cfg.model.path, cfg.data.train_files = "/m", ["/t.jsonl"]
     cfg.rollout.top_k = 0  # vLLM's "off", as -1
     validate(cfg)
+
+
+def test_a_black_box_agent_needs_sidecar_mode_and_no_tools_of_the_runs():
+    cfg = Config()
+    cfg.model.path, cfg.data.train_files, cfg.rollout.agent = "/m", ["/t.jsonl"], "my_pkg.agent:run"
+    with pytest.raises(ConfigError, match="rollout.agent needs rollout.mode=sidecar"):
+        validate(cfg)
+    cfg.rollout.mode = "sidecar"
+    validate(cfg)
+    cfg.rollout.tools = ["python"]
+    with pytest.raises(ConfigError, match="rollout.agent runs its own tools"):
+        validate(cfg)
