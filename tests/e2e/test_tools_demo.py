@@ -2,9 +2,9 @@
 
 The warmed-up model calls the tool in about 30% of its samples, so greedy decoding (the held-out score) guesses and
 scores about 0; a guess at a 6-digit product is never right, a call is. Five steps of 8 prompts x 8 samples are
-enough for the sampled call rate to pass one half (measured with the test's warm-up, half the demo's batch: 0.12, 0.36,
-0.48, 0.64, 0.88 at steps 1-5; held-out reward 0.00 -> 1.00), and from
-then the greedy answer calls too.
+enough for the sampled call rate to pass one half (measured with the test's warm-up, 200 steps of 16 conversations:
+0.23, 0.44, 0.64, 0.83, 0.88 at steps 1-5; held-out reward 0.00 -> 0.98; with 120 steps the calls stay malformed
+and the held-out reward 0), and from then the greedy answer calls too.
 """
 
 import json
