@@ -16,6 +16,7 @@ from hybrid_rl.engine.vllm_server import ServerSpec, VLLMServer
 from hybrid_rl.rollout.black_box import load_agent, play
 from hybrid_rl.rollout.chat_endpoint import ChatEndpoint
 from hybrid_rl.rollout.chat_template import ToolSuffix, detect_family
+from hybrid_rl.rollout.stitch import stitch
 
 pytestmark = pytest.mark.slow
 
@@ -50,6 +51,7 @@ def server(tiny_models, tmp_path_factory):
 
 
 def test_an_openai_client_agent_is_recorded_as_the_ids_the_server_saw_and_stitched(server, tiny_models):
+    from openai import OpenAI
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_models["qwen2"])
@@ -90,6 +92,19 @@ def test_an_openai_client_agent_is_recorded_as_the_ids_the_server_saw_and_stitch
         own = [i for i, m in zip(one.response_ids, one.loss_mask, strict=True) if m]
         assert own == [*first.output_ids, *second.output_ids] and one.turns == 2
         assert two.prompt_ids == list(third.prompt_ids) and two.response_ids == list(third.output_ids)
+
+        # An agent that edits the reply it got (here: strips it) is rendered whole, not given the recorded ids; the
+        # stitch rule keeps it in the trajectory only where the re-rendered ids still extend it
+        base = endpoint.open("e2", sampling=sampling, router=router, seed=5)
+        api = OpenAI(base_url=base, api_key="unused", max_retries=0)
+        asked = [{"role": "user", "content": "What is 6 x 7?"}]
+        reply = api.chat.completions.create(model="policy", messages=asked).choices[0].message.content
+        edited = [*asked, {"role": "assistant", "content": "<" + reply + ">"}, {"role": "user", "content": "Sure?"}]
+        api.chat.completions.create(model="policy", messages=edited)
+        calls = endpoint.close("e2")
+        text = tok.apply_chat_template(edited, tokenize=False, add_generation_prompt=True)
+        assert list(calls[1].prompt_ids) == tok(text, add_special_tokens=False)["input_ids"]
+        assert len(stitch(calls)) == 2  # "<" ... ">" around the reply: the sampled ids are not a prefix any more
 
         # Bad requests are the agent's error, said plainly; an unknown path is a 404
         base = endpoint.open("e1", sampling=sampling, router=router)
