@@ -40,8 +40,7 @@ def test_grpo_with_the_tool_loop_and_a_black_box_agent_in_sidecar_mode(tiny_mode
             tiny_models["qwen2"], task_files, tmp_path / "agent", **{
                 "rollout.mode": "sidecar", "sidecar.etcd": etcd.endpoint, "sidecar.port": free_port(),
                 "rollout.kv_cache_gb": 0.125, "rollout.max_new_tokens": 48, "trainer.micro_batch_tokens": 512,
-                "rollout.agent": "tests.e2e.tools:openai_agent", "reward.fn": "tests.e2e.rewards:length_parity",
-                "data.val_files": "[]"})})
+                "rollout.agent": "tests.e2e.tools:openai_agent", "reward.fn": "tests.e2e.rewards:length_parity"})})
         result = run_torchrun(WORKER, json.dumps(runs), tmp_path=tmp_path, timeout=2000)
     finally:
         etcd.stop()
@@ -71,3 +70,6 @@ def test_grpo_with_the_tool_loop_and_a_black_box_agent_in_sidecar_mode(tiny_mode
         # the trained ids are those the server sampled: the trainer's log-probs match the server's on them
         assert m["rollout/logprob_diff_max"] < 1e-3, m["rollout/logprob_diff_max"]
         assert "reward/agent/mean" in m, sorted(m)  # the agent's returned reward, in the rubric
+    # held-out validation plays the agent too (greedy): its episodes, two model turns each
+    val = [d for d in lines if "val/reward_mean" in d]
+    assert val and all(d["val/rollout/turns_mean"] == 2 for d in val), val
