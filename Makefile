@@ -22,6 +22,7 @@ NPROC     ?= 2
 ALGO      ?= grpo
 MODE      ?= colocated
 STALENESS ?= 0
+TASK      ?= digits
 PYTEST_ARGS ?=
 # required: `make install-sandbox` fails where the code sandbox's bubblewrap is missing or does not work; optional: warns
 SANDBOX   ?= required
@@ -38,7 +39,7 @@ help:
 	@echo "make install-all      all three (what make test runs first)"
 	@echo "make test      install-all if needed, then run the whole test suite (what CI runs)"
 	@echo "make test-fast only the single-process tests (no torchrun)"
-	@echo "make demo      GRPO on a tiny model with the hybrid engine, 2 CPU ranks (ALGO=ppo for PPO)"
+	@echo "make demo      GRPO on a tiny model with the hybrid engine, 2 CPU ranks (ALGO=ppo for PPO, TASK=tools for the tools demo)"
 	@echo "make bench     quick versions of all benchmarks -> benchmarks/results/"
 	@echo "make lint      ruff + import-linter layer contracts"
 
@@ -96,8 +97,8 @@ fmt: install
 	$(BIN)/ruff check --fix hybrid_rl tests benchmarks
 	$(BIN)/ruff format hybrid_rl tests benchmarks
 
-demo: install $(if $(filter sidecar,$(MODE)),install-sidecar)
-	$(BIN)/python -m hybrid_rl.demo --algo $(ALGO) --nproc $(NPROC) --mode $(MODE) --max-staleness $(STALENESS)
+demo: install $(if $(filter sidecar,$(MODE)),install-sidecar) $(if $(filter tools,$(TASK)),install-sandbox)
+	$(BIN)/python -m hybrid_rl.demo --task $(TASK) --algo $(ALGO) --nproc $(NPROC) --mode $(MODE) --max-staleness $(STALENESS)
 
 bench: install-all
 	$(BIN)/python benchmarks/run_all.py --quick

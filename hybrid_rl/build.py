@@ -43,10 +43,12 @@ from hybrid_rl.model.optimizers import build_optimizer
 from hybrid_rl.model.param_count import Head
 from hybrid_rl.planner import detect_device, plan_for, training_records
 from hybrid_rl.rewards import RewardPool, Rubric, RubricItem, resolve_reward
+from hybrid_rl.rollout.agent_sidecar import AgentSidecar
 from hybrid_rl.rollout.agentic import AgentSetup, MultiTurnRollout
 from hybrid_rl.rollout.agentic_sidecar import MultiTurnSidecar
 from hybrid_rl.rollout.base import RolloutWorker
-from hybrid_rl.rollout.chat_template import TemplateError, ToolSuffix, family_of, with_tools
+from hybrid_rl.rollout.black_box import load_agent
+from hybrid_rl.rollout.chat_template import TemplateError, TemplateFamily, ToolSuffix, family_of, with_tools
 from hybrid_rl.rollout.multi_turn import ToolLoop, TurnLimits
 from hybrid_rl.rollout.sampler import Sampler, SamplingSettings
 from hybrid_rl.rollout.sidecar import SidecarOptions, SidecarRollout
@@ -91,6 +93,8 @@ def check_inputs(cfg: Config, world: int) -> None:
     ROLLOUT_CHECKS[cfg.rollout.mode](cfg, world, hf)
     if uses_tools(cfg):
         agent_setup(cfg, load_tokenizer(cfg.model.path))  # tools, environment, template: fail now (workers start later)
+    if cfg.rollout.agent:
+        black_box_family(cfg, load_tokenizer(cfg.model.path))
     for name in (cfg.reward.model_path, cfg.critic.path):
         if name and not Path(name).is_dir():
             raise ConfigError(f"{name!r} (reward.model_path / critic.path) is not a model folder")
@@ -163,6 +167,8 @@ def _rewards(cfg: Config) -> RewardPool:
         items.append(RubricItem(name.rsplit(":", 1)[-1], fn, weight))
     if cfg.rollout.environment and load_environment(cfg.rollout.environment).has_reward:
         items.append(RubricItem("environment", EnvironmentReward(), 1.0))  # the environment's reward(), weight 1
+    if cfg.rollout.agent:
+        items.append(RubricItem("agent", EnvironmentReward(), 1.0))  # what the agent returned (0 for None), weight 1
     return RewardPool(Rubric(items), r.num_workers, timeout_s=r.timeout_s)
 
 
@@ -260,6 +266,17 @@ def agent_setup(cfg: Config, tokenizer) -> AgentSetup:
                         timeout_s=m.tool_timeout_s, max_chars=m.max_tool_response_tokens * 16)
     limits = TurnLimits(m.max_turns, m.max_tool_calls, m.max_tool_response_tokens, r.max_new_tokens, m.max_turn_tokens)
     return AgentSetup(ToolLoop(tokenizer, suffix, parser, runner, limits), runner, suffix, env)
+
+
+def black_box_family(cfg: Config, tokenizer) -> TemplateFamily:
+    """A black-box agent run's chat-template family (its suffix rule), checked with the agent's import path."""
+    try:
+        load_agent(cfg.rollout.agent)
+        family = family_of(cfg.rollout.multi_turn.template, getattr(tokenizer, "chat_template", None))
+        ToolSuffix(tokenizer, family)
+    except (ValueError, TemplateError) as e:
+        raise ConfigError(str(e)) from None
+    return family
 
 
 def _check_colocated(cfg: Config, world: int, hf_config) -> None:
@@ -383,9 +400,12 @@ def _private_etcd(cfg: Config, dims: ParallelDims) -> tuple[str, EtcdProcess | N
 
 
 def _sidecar(cfg: Config, dims: ParallelDims, actor: Model, offload: OffloadManager, tokenizer,
-             plan: MemoryPlan) -> SidecarRollout | MultiTurnSidecar:
+             plan: MemoryPlan) -> SidecarRollout | MultiTurnSidecar:  # AgentSidecar is a MultiTurnSidecar
     """The sidecar rollout worker; with tools, one multi-turn loop per trajectory against the servers."""
     inner = _sidecar_plain(cfg, dims, actor, offload, tokenizer, plan)
+    if cfg.rollout.agent:
+        return AgentSidecar(inner, tokenizer, black_box_family(cfg, tokenizer), load_agent(cfg.rollout.agent),
+                            max_inflight=inner.stream.max_inflight)
     if not uses_tools(cfg):
         return inner
     # As many trajectories at once as the rank has requests in flight (`max_inflight`: 0 in config means "shared out").

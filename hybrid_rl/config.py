@@ -107,6 +107,9 @@ class RolloutConfig:
     # environment makes every rollout multi-turn. rollout.max_new_tokens is then the budget of the whole trajectory.
     tools: list[str] = field(default_factory=list)
     environment: str = ""  # `pkg.module:Class`: one instance per trajectory, its public methods are tools
+    # A black-box agent (`pkg.module:run`, sidecar mode): run(base_url, row) -> reward | None per sample, its model
+    # calls made through an OpenAI-compatible endpoint that records them as token ids (README "Black-box agents")
+    agent: str = ""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
@@ -485,6 +488,11 @@ def validate(cfg: Config) -> None:
                           "ranks of a vLLM group must send identical requests, and tool results are not yet shared "
                           "between them")
     _validate_truncation(cfg.rollout)
+    if cfg.rollout.agent and cfg.rollout.mode != "sidecar":
+        raise ConfigError("rollout.agent needs rollout.mode=sidecar: the agent's calls go through an endpoint in front "
+                          "of the sidecar's vLLM servers")
+    if cfg.rollout.agent and (cfg.rollout.tools or cfg.rollout.environment):
+        raise ConfigError("rollout.agent runs its own tools: leave rollout.tools and rollout.environment empty")
     if cfg.rollout.environment and cfg.rollout.mode == "sidecar":
         raise ConfigError("rollout.environment needs rollout.mode=colocated for now (sidecar mode runs rollout.tools "
                           "only: its trajectories do not yet carry their row to an environment's reset)")

@@ -42,7 +42,7 @@ from hybrid_rl.experience.buffer import Book, Group, Plan
 from hybrid_rl.experience.scoring import Ready, Scorer
 from hybrid_rl.experience.source import Experience, Session, SourceSettings, no_signal, sync_metrics
 from hybrid_rl.rollout.agentic import trajectory_metrics
-from hybrid_rl.rollout.base import RolloutError, StreamingRollout
+from hybrid_rl.rollout.base import RolloutError, StreamingRollout, agent_row, prompt_of
 from hybrid_rl.rollout.exchange import gather_index
 from hybrid_rl.rollout.sampler import request_seed, sample_of
 from hybrid_rl.sidecar.completions import Request
@@ -138,7 +138,7 @@ class BufferedSource:
     def _request(self, key: int) -> Request:
         g, j = self.book.live[key // self.s.n], key % self.s.n
         return Request(key, list(g.record.prompt_ids), request_seed(self.s.seed, g.seed_step, g.seed_group) + j,
-                       affinity=g.gid)  # a group on one server: its prompt in one prefix cache
+                       affinity=g.gid, row=agent_row(g.record))  # a group on one server: its prompt in one prefix cache
 
     # -- polling ---------------------------------------------------------------------------------
 
@@ -163,7 +163,7 @@ class BufferedSource:
             if g is None:  # cannot happen: a group leaves the book only once all its samples arrived
                 log.warning("rank %d: a response for sample %d of a group no longer in the buffer", self.dims.rank, key)
                 continue
-            self.held[key] = sample_of(key, g.record, a.generation, g.gid, token_versions=a.token_versions,
+            self.held[key] = sample_of(key, g.record, a.generation, g.gid, prompt_of(a), token_versions=a.token_versions,
                                        loss_mask=a.loss_mask, extra_fields=a.fields)
             if a.infra_failed:
                 self.infra.add(key)

@@ -27,7 +27,7 @@ import torch
 from hybrid_rl.data import PromptRecord
 from hybrid_rl.engine.vllm_engine import Generation, Sampling
 from hybrid_rl.rollout.agentic import AgentSetup, keep_survivors, stats_of
-from hybrid_rl.rollout.base import Arrival, RolloutError, SyncReport
+from hybrid_rl.rollout.base import Arrival, RolloutError, SyncReport, agent_row, prompt_of
 from hybrid_rl.rollout.multi_turn import TURN_SEED_STRIDE
 from hybrid_rl.rollout.sampler import request_seed, sample_of
 from hybrid_rl.rollout.sidecar import SidecarRollout, token_versions_of
@@ -156,8 +156,8 @@ class MultiTurnSidecar:
             raise RuntimeError("MultiTurnSidecar.generate() needs a session: use `with rollout.session():`")
         sink: queue.SimpleQueue = queue.SimpleQueue()  # its own: streamed trajectories may be in flight meanwhile
         self._start([Request(u, list(records[u // n].prompt_ids), request_seed(self.inner.seed, step,
-                                                                                group_base + u // n) + u % n)
-                     for u in mine], greedy, sink, counted=False)
+                                                                                group_base + u // n) + u % n,
+                             row=agent_row(records[u // n])) for u in mine], greedy, sink, counted=False)
         got: dict[int, Arrival] = {}
         while len(got) < len(mine):
             done, failed = drain_arrivals(sink)
@@ -166,8 +166,9 @@ class MultiTurnSidecar:
             got.update(done)
             time.sleep(_WAIT_S)
         return keep_survivors(
-            {u: sample_of(u, records[u // n], a.generation, group_base + u // n, token_versions=a.token_versions,
-                          loss_mask=a.loss_mask, extra_fields=a.fields) for u, a in got.items()},
+            {u: sample_of(u, records[u // n], a.generation, group_base + u // n, prompt_of(a),
+                          token_versions=a.token_versions, loss_mask=a.loss_mask, extra_fields=a.fields)
+             for u, a in got.items()},
             {u for u, a in got.items() if a.infra_failed}, total, [a.stats for a in got.values()])
 
 

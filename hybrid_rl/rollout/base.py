@@ -52,6 +52,7 @@ class Arrival:
     fields: Mapping[str, Any] = field(default_factory=dict)
     infra_failed: bool = False
     stats: Mapping[str, float] = field(default_factory=dict)
+    prompt_ids: tuple[int, ...] = ()  # black-box agents: the trajectory's own prompt (its first call's); () the row's
 
 
 class RolloutWorker(Protocol):
@@ -92,3 +93,13 @@ class StreamingRollout(RolloutWorker, Protocol):
 
     def recover(self) -> None:
         """After failed requests: bring the generators back (restart, update again). Collective, in a session."""
+
+
+def agent_row(record: PromptRecord) -> dict:
+    """What a black-box agent is given: the row's columns and its prompt as rendered (`data.prompt_key`)."""
+    return {**record.fields, "prompt_text": record.prompt_text}
+
+
+def prompt_of(a: Arrival) -> torch.Tensor | None:
+    """The sample's prompt: a black-box agent's own first call, else (None) the row's."""
+    return torch.tensor(a.prompt_ids, dtype=torch.int64) if a.prompt_ids else None

@@ -28,9 +28,10 @@ import json
 import queue
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import requests
 
@@ -51,6 +52,7 @@ class Request:
     prompt: list[int]
     seed: int
     affinity: int | None = None  # requests with the same value go to the same server (None: the key)
+    row: Mapping[str, Any] | None = None  # black-box agents: the dataset row the agent plays (not sent to a server)
 
 
 class Router:

@@ -73,3 +73,14 @@ def demo_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("demo")
     prepare(root, log=lambda *a: None)
     return root
+
+
+@pytest.fixture(scope="session")
+def tools_demo_root(tmp_path_factory) -> Path:
+    """The tools demo's folder with its task data and warmed-up model, built once: a shorter warm-up than the demo's
+    (200 steps of 16 conversations, not 250 of 32: it is most of the test's cost; 120 steps are too few)."""
+    from hybrid_rl.demo.__main__ import prepare_tools
+
+    root = tmp_path_factory.mktemp("tools_demo")
+    prepare_tools(root, log=lambda *a: None, warmup_batch=16, warmup_steps=200)
+    return root

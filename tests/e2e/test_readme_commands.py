@@ -35,7 +35,7 @@ COVERED_ELSEWHERE = {
     "make install-sandbox": "runs first in `make test` (install-all); decisions: tests/unit/rewards/test_install_sandbox.py",
     "make test": "this suite",
     "make test-fast": "a subset of this suite",
-    "make demo": "tests/e2e/test_demo.py (40 steps)",
+    "make demo": "tests/e2e/test_demo.py (40 steps); TASK=tools: tests/e2e/test_tools_demo.py (5 steps)",
     "make lint": "not run by `make test` (ruff + import-linter; the layer rules: tests/unit/*/test_import_rule.py)",
     "etcd": "tests/sidecar start their own etcd on free ports (the README's line is the stock etcd command)",
     "python hybrid_rl.model.smollm2": "the `smollm2` fixture of tests/conftest.py builds it (tests/e2e/test_smollm2.py)",

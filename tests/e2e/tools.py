@@ -15,3 +15,17 @@ def lookup(key: str) -> str:
         key: The key.
     """
     return f"value of {key}"
+
+
+def openai_agent(base_url: str, row: dict) -> float:
+    """A black-box agent as users write one (`rollout.agent`): the OpenAI client, a tool it answers itself, then a
+    conversation started over (not an extension: stitched as an extra sample). Its reward: the first reply's parity."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": f"What is {row.get('ground_truth', '?')}?"}]
+    reply = client.chat.completions.create(model="policy", messages=messages, max_tokens=6).choices[0].message.content
+    messages += [{"role": "assistant", "content": reply}, {"role": "tool", "name": "python", "content": "7"}]
+    client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
+    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Again."}], max_tokens=4)
+    return float(len(reply) % 2)

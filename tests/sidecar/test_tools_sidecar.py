@@ -1,7 +1,9 @@
 """Multi-turn GRPO with tools in sidecar mode, end to end: a real vLLM server, real etcd, 2 trainer ranks, the python
 tool in its sandbox; synchronous (`rollout.max_staleness=0`) and asynchronous (1). Each trajectory is one loop of
 token-in/token-out requests against the server; the trained ids are those the server sampled (the trainer's
-recomputed log-probs match the server's on the model's tokens), and each token keeps the version that sampled it."""
+recomputed log-probs match the server's on the model's tokens), and each token keeps the version that sampled it.
+In the same launch, a black-box agent (`rollout.agent`, the OpenAI client against the chat endpoint) trains the
+same way: its two chained calls are one sample, its call that starts over an extra sample, counted."""
 
 import json
 from pathlib import Path
@@ -18,8 +20,8 @@ pytestmark = pytest.mark.slow
 WORKER = Path(__file__).parents[1] / "e2e" / "workers" / "run_recipes.py"
 
 
-@pytest.mark.timeout(1500)  # two server starts: about 2 x 2 min on a loaded 2-core machine
-def test_grpo_with_the_tool_loop_in_sidecar_mode_at_staleness_0_and_1(tiny_models, task_files, tmp_path):
+@pytest.mark.timeout(2100)  # three server starts: about 3 x 2 min on a loaded 2-core machine
+def test_grpo_with_the_tool_loop_and_a_black_box_agent_in_sidecar_mode(tiny_models, task_files, tmp_path):
     etcd = EtcdProcess(tmp_path / "etcd")
     etcd.start()
     try:
@@ -34,7 +36,12 @@ def test_grpo_with_the_tool_loop_in_sidecar_mode_at_staleness_0_and_1(tiny_model
                     "rollout.multi_turn.max_turn_tokens": 6, "rollout.multi_turn.max_turns": 3,
                     "rollout.multi_turn.tool_workers": 1, "reward.fn": "tests.e2e.rewards:length_parity",
                     "algorithm.rollout_correction": "tis", "data.val_files": "[]"})})
-        result = run_torchrun(WORKER, json.dumps(runs), tmp_path=tmp_path, timeout=1400)
+        runs.append({"name": "agent", "recipe": "grpo", "overrides": tiny_overrides(
+            tiny_models["qwen2"], task_files, tmp_path / "agent", **{
+                "rollout.mode": "sidecar", "sidecar.etcd": etcd.endpoint, "sidecar.port": free_port(),
+                "rollout.kv_cache_gb": 0.125, "rollout.max_new_tokens": 48, "trainer.micro_batch_tokens": 512,
+                "rollout.agent": "tests.e2e.tools:openai_agent", "reward.fn": "tests.e2e.rewards:length_parity"})})
+        result = run_torchrun(WORKER, json.dumps(runs), tmp_path=tmp_path, timeout=2000)
     finally:
         etcd.stop()
     for k in (0, 1):
@@ -51,3 +58,18 @@ def test_grpo_with_the_tool_loop_in_sidecar_mode_at_staleness_0_and_1(tiny_model
         # K = 1: step 2 trains trajectories sent during step 1 (measured: every token of every turn one version old)
         assert (steps[2]["async/staleness_tokens_mean"] > 0) == (k == 1)
         assert steps[1]["async/staleness_tokens_mean"] == 0
+    assert result["agent"]["ok"], result["agent"].get("error")
+    lines = [json.loads(x) for x in (tmp_path / "agent" / "metrics.jsonl").read_text().splitlines()]
+    steps = {d["step"]: d for d in lines if "actor/pg_loss" in d}
+    assert set(steps) == {1, 2}, sorted(steps)
+    for m in steps.values():
+        # two model turns per sample (the chained calls), the tool message and template between them as context
+        assert m["rollout/turns_mean"] == 2 and m["rollout/context_tokens_mean"] > 0
+        assert m["rollout/infra_failed_rate"] == 0
+        assert m["rollout/agent_extra_samples"] == 16  # every episode's third call started over: one each
+        # the trained ids are those the server sampled: the trainer's log-probs match the server's on them
+        assert m["rollout/logprob_diff_max"] < 1e-3, m["rollout/logprob_diff_max"]
+        assert "reward/agent/mean" in m, sorted(m)  # the agent's returned reward, in the rubric
+    # held-out validation plays the agent too (greedy): its episodes, two model turns each
+    val = [d for d in lines if "val/reward_mean" in d]
+    assert val and all(d["val/rollout/turns_mean"] == 2 for d in val), val

@@ -113,3 +113,15 @@ def test_malloc_threshold_is_taken_from_the_environment(monkeypatch):
     assert env.tune_malloc()
     thresholds = [v for k, v in calls if k == env._M_MMAP_THRESHOLD]
     assert thresholds == [32 << 20, 1 << 20]
+
+
+def test_a_black_box_agent_needs_sidecar_mode_and_no_tools_of_the_runs():
+    cfg = Config()
+    cfg.model.path, cfg.data.train_files, cfg.rollout.agent = "/m", ["/t.jsonl"], "my_pkg.agent:run"
+    with pytest.raises(ConfigError, match="rollout.agent needs rollout.mode=sidecar"):
+        validate(cfg)
+    cfg.rollout.mode = "sidecar"
+    validate(cfg)
+    cfg.rollout.tools = ["python"]
+    with pytest.raises(ConfigError, match="rollout.agent runs its own tools"):
+        validate(cfg)
