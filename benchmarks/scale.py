@@ -148,20 +148,22 @@ def main() -> None:
     if "largest_full_8bit" in a.runs:
         if (size := _largest_8bit_plan(a, plans)) is not None:
             out = common.CACHE / "scale" / f"full8bit_{size}"
-            run = train(f"full8bit_{size}", _full8bit_overrides(size, a, plans[f"full8bit_{size}"]["recommended"]),
-                        a.nproc, out)
+            run = train(f"full8bit_{size}", _full8bit_overrides(size, a, plans[f"full8bit_{size}"]["recommended"],
+                                                                weights=True), a.nproc, out)
             runs.append(run)
             eight = size if run["ok"] else None
     report(runs, plans, largest, a, eight)
 
 
-def _model(size: str, a) -> Path:
-    return qwen_shapes.config_folder(size) if a.plan_only else qwen_shapes.folder(size)
+def _model(size: str, a, *, weights: bool) -> Path:
+    """Planning reads the config only; training needs the weights (written on first use: ~15 GB at 7B, so never
+    for a shape that is only planned)."""
+    return qwen_shapes.folder(size) if weights and not a.plan_only else qwen_shapes.config_folder(size)
 
 
-def _full8bit_overrides(size: str, a, extra: list[str]) -> list[str]:
+def _full8bit_overrides(size: str, a, extra: list[str], *, weights: bool = False) -> list[str]:
     out = common.CACHE / "scale" / f"full8bit_{size}"
-    return base_overrides(_model(size, a), out, a.steps) + ["optim.name=adamw8bit", *extra]
+    return base_overrides(_model(size, a, weights=weights), out, a.steps) + ["optim.name=adamw8bit", *extra]
 
 
 def _largest_8bit_plan(a, plans: dict) -> str | None:
@@ -193,9 +195,9 @@ def plan_only(a) -> None:
     common.write_result("scale_plan", {"plans": plans, "nproc": a.nproc, "device_gib": a.device_gib}, quick=False)
 
 
-def _lora_overrides(size: str, a, extra: list[str]) -> list[str]:
+def _lora_overrides(size: str, a, extra: list[str], *, weights: bool = False) -> list[str]:
     out = common.CACHE / "scale" / f"lora_{size}"
-    return base_overrides(_model(size, a), out, a.steps) + ["model.lora.rank=16", *extra]
+    return base_overrides(_model(size, a, weights=weights), out, a.steps) + ["model.lora.rank=16", *extra]
 
 
 def _plan_lora(size: str, a, plans: dict) -> tuple[bool, list[str], str]:
@@ -220,7 +222,7 @@ def _lora(size: str, a, plans: dict) -> dict:
         _plan_lora(size, a, plans)
     settings = plans[size]["recommended"]
     out = common.CACHE / "scale" / f"lora_{size}"
-    return train(f"lora_{size}", _lora_overrides(size, a, settings), a.nproc, out)
+    return train(f"lora_{size}", _lora_overrides(size, a, settings, weights=True), a.nproc, out)
 
 
 def report(runs: list[dict], plans: dict, largest: str | None, a, eight: str | None = None) -> None:
