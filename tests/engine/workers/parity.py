@@ -14,7 +14,7 @@ import torch.distributed as dist
 from common import build, full_state_dict, log, write_result
 from transformers import AutoModelForCausalLM
 
-from hybrid_rl.engine import vllm_transfer
+from hybrid_rl.engine import vllm_landing
 from hybrid_rl.engine.reshard import WeightSyncError
 from hybrid_rl.engine.vllm_engine import Sampling
 from hybrid_rl.model.logprobs import forward_logprobs
@@ -97,7 +97,7 @@ def run(model_path: str, steps: int) -> dict:
 
 def broken_head(model_path: str) -> dict:
     """One sync with the tied head's refresh switched off: verification must stop it, naming the head."""
-    vllm_transfer.refresh_tied = lambda model, ties: None
+    vllm_landing.refresh_tied = lambda model, ties: None  # where every landing (both deployments) calls it
     engine, _, _, _ = build(model_path, tp=a.tp, release=a.release)
     try:
         with engine.rollout_mode():
