@@ -60,7 +60,7 @@ def test_an_openai_client_agent_is_recorded_as_the_ids_the_server_saw_and_stitch
     sampling = Sampling(max_tokens=12, temperature=1.0, stop_token_ids=(eot,))
     router = Router()
     router.set_servers([server.url])
-    client = CompletionClient(max_inflight=2, timeout_s=120)
+    client = CompletionClient(max_inflight=2, progress_timeout_s=120)
     endpoint = ChatEndpoint(client, tok, family)
     try:
         ep = play(endpoint, load_agent("tests.sidecar.test_chat_endpoint:agent"), {"question": "What is 6 x 7?"},
@@ -81,6 +81,7 @@ def test_an_openai_client_agent_is_recorded_as_the_ids_the_server_saw_and_stitch
         for k, c in enumerate(ep.calls):
             body = request_body(list(c.prompt_ids), sampling, 11 + k * 7919)
             body["sampling_params"]["max_tokens"] = len(c.output_ids)
+            body["stream"] = False  # one JSON answer (the client streams, for its progress timeout)
             again = parse_choice(requests.post(f"{server.url}{GENERATE}", json=body, timeout=120).json()["choices"][0])
             assert list(again.token_ids) == list(c.output_ids)
             assert again.logprobs == pytest.approx(list(c.logprobs), abs=1e-4)
