@@ -34,7 +34,7 @@ class AgentSidecar(MultiTurnSidecar):
 
     def __init__(self, inner: SidecarRollout, tokenizer, family: TemplateFamily, agent: Agent, *, max_inflight: int):
         self.inner, self.tokenizer, self.agent = inner, tokenizer, agent
-        self.endpoint = ChatEndpoint(inner.stream, tokenizer, family)
+        self.endpoint = ChatEndpoint(inner.stream, tokenizer, family, model=inner.model_name)
         self._slots = threading.BoundedSemaphore(max_inflight)
         self._closed = False
         self._arrived: queue.SimpleQueue[tuple[int, Arrival | None, str]] = queue.SimpleQueue()

@@ -24,6 +24,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -32,6 +33,7 @@ from hybrid_rl.engine.vllm_engine import Generation, Sampling
 from hybrid_rl.rollout.chat_template import TemplateFamily, ToolSuffix
 from hybrid_rl.rollout.stitch import RecordedCall
 from hybrid_rl.sidecar.completions import CompletionClient, Request, Router
+from hybrid_rl.sidecar.vllm_server import SERVED_MODEL
 
 log = logging.getLogger(__name__)
 _CALL_SEED_STRIDE = 7919  # a call's seed: the episode's + its index times this (each call samples afresh)
@@ -53,8 +55,11 @@ class ChatEndpoint:
     """`/episodes/<id>/v1/chat/completions` on a local port, each episode's calls recorded as token ids."""
 
     def __init__(self, client: CompletionClient, tokenizer, family: TemplateFamily, *, host: str = "127.0.0.1",
-                 port: int = 0):
+                 port: int = 0, model: Callable[[], str] = lambda: SERVED_MODEL):
         self.client = client
+        # What each call names as its model, read per call: the served base, or with `model.lora.sync=adapter` the
+        # adapter version the servers were last brought to (`SidecarRollout.model_name`), as every other request.
+        self.model = model
         self.tokenizer, self.family = tokenizer, family
         self._suffixes: dict[str, ToolSuffix] = {}
         self._episodes: dict[str, _Episode] = {}
@@ -112,7 +117,7 @@ class ChatEndpoint:
             key = next(self._keys)
             seed = ep.seed + len(ep.calls) * _CALL_SEED_STRIDE
             done, failed = self.client.run([Request(key, prompt, seed, affinity=hash(episode))],
-                                           replace(ep.sampling, max_tokens=budget), ep.router)
+                                           replace(ep.sampling, max_tokens=budget), ep.router, self.model())
             if failed:
                 raise RuntimeError(failed[key])
             g: Generation = done[key]

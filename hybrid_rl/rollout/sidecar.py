@@ -251,8 +251,8 @@ class SidecarRollout:
             raise ServerError(f"adapter {version} did not load: {errors[0]}")
         if self.engine.link is not None:
             self.engine.link.adapter(version, read_files(path) if self.dims.rank == 0 else None, self.dims.rank)
-        rep.seconds += time.perf_counter() - t0
         rep.phases["adapter_s"] = time.perf_counter() - t0
+        rep.seconds += rep.phases["adapter_s"]
         rep.bytes_written += nbytes if self.sidecar is not None else 0
         return rep
 
