@@ -52,7 +52,7 @@ class Arrival:
     fields: Mapping[str, Any] = field(default_factory=dict)
     infra_failed: bool = False
     stats: Mapping[str, float] = field(default_factory=dict)
-    prompt_ids: tuple[int, ...] = ()  # black-box agents: the trajectory's own prompt (its first call's); () the row's
+    prompt_ids: tuple[int, ...] = ()  # the trajectory's own prompt (an agent's first call's, an environment's); () the row's
 
 
 class RolloutWorker(Protocol):
@@ -98,6 +98,11 @@ class StreamingRollout(RolloutWorker, Protocol):
 def agent_row(record: PromptRecord) -> dict:
     """What a black-box agent is given: the row's columns and its prompt as rendered (`data.prompt_key`)."""
     return {**record.fields, "prompt_text": record.prompt_text}
+
+
+def row_fields(row: Mapping[str, Any] | None) -> dict:
+    """The dataset row's own columns back from an `agent_row` (what an environment's `reset` gets, as colocated)."""
+    return {k: v for k, v in (row or {}).items() if k != "prompt_text"}
 
 
 def prompt_of(a: Arrival) -> torch.Tensor | None:
