@@ -32,7 +32,6 @@ __all__ = [
     "broadcast_object",
     "comm_device",
     "comm_device_for",
-    "consecutive_group",
     "world_size",
 ]
 
@@ -119,28 +118,13 @@ def all_to_all_rows(chunks: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def all_gather_object(obj: Any, *, group: Any = None) -> list[Any]:
     """Every rank's small picklable `obj`, in rank order (sent over gloo, the CPU backend); with `group` (from
-    `consecutive_group`), the ranks of that group only."""
+    `mesh.tp_group`), the ranks of that group only."""
     size = world_size() if group is None else dist.get_world_size(group)
     if size == 1:
         return [obj]
     out: list[Any] = [None] * size
     dist.all_gather_object(out, obj, group=group)
     return out
-
-
-_GROUPS: dict[int, Any] = {}
-
-
-def consecutive_group(size: int) -> Any:
-    """This rank's group of `size` consecutive ranks (those with the same `rank // size`: a vLLM TP group), a gloo
-    group for the object collectives' `group=`; None for size 1 or a world of one.
-
-    Collective the first time for a size (every rank creates every group, in the same order), cached after."""
-    if size == 1 or world_size() == 1:
-        return None
-    if size not in _GROUPS:
-        _GROUPS[size], _ = dist.new_subgroups(group_size=size, backend="gloo")
-    return _GROUPS[size]
 
 
 def broadcast_object(obj: Any, *, src: int = 0) -> Any:

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from hybrid_rl.data import PromptRecord
-from hybrid_rl.dist.collectives import all_gather_object, all_gather_rows, all_reduce, consecutive_group
+from hybrid_rl.dist.collectives import all_gather_object, all_gather_rows, all_reduce
+from hybrid_rl.dist.mesh import tp_group
 from hybrid_rl.engine.vllm_engine import Generation, Sampling
 from hybrid_rl.rollout.base import RolloutError, SyncReport
 from hybrid_rl.rollout.chat_template import ToolSuffix
@@ -53,7 +54,7 @@ class MultiTurnRollout:
     def __init__(self, sampler: Sampler, tokenizer, setup: AgentSetup):
         self.sampler, self.tokenizer, self.setup = sampler, tokenizer, setup
         # TP > 1: the gloo group of this rank's vLLM TP group, for the tool answers (made now: every rank builds)
-        self.group = consecutive_group(sampler.dims.tp)
+        self.group = tp_group(sampler.dims)
 
     def session(self, version: int | None = None):
         return self.sampler.session(version)

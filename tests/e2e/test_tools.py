@@ -24,6 +24,7 @@ TOOL_KEYS = {"rollout/turns_mean", "rollout/tool_calls_mean", "rollout/tool_call
              "rollout/context_tokens_mean", "timing/tool_s", "rollout/tool_time_share"}
 
 
+@pytest.mark.timeout(1200)  # two runs in one launch: tp=1 (2 steps), then tp=2 (1 step)
 def test_grpo_with_the_tool_loop_colocated_runs_two_steps(tiny_models, task_files, tmp_path):
     overrides = tiny_overrides(tiny_models["qwen2"], task_files, tmp_path / "tools", **{
         "rollout.max_new_tokens": 48, "data.apply_chat_template": "true", "trainer.micro_batch_tokens": 512,
@@ -33,7 +34,7 @@ def test_grpo_with_the_tool_loop_colocated_runs_two_steps(tiny_models, task_file
     result = run_torchrun(WORKER, json.dumps([{"name": "tools", "recipe": "grpo", "overrides": overrides},
                                               {"name": "tp2", "recipe": "grpo", "overrides": tp2_overrides(
                                                   tiny_models, task_files, tmp_path)}]),
-                          tmp_path=tmp_path, timeout=900)
+                          tmp_path=tmp_path, timeout=1100)
     assert result["tools"]["ok"], result["tools"].get("error")
     steps = {d["step"]: d for d in map(json.loads, (tmp_path / "tools" / "metrics.jsonl").read_text().splitlines())}
     for step in (1, 2):

@@ -118,8 +118,8 @@ def test_merging_the_groups_answers_takes_each_from_its_one_owner_and_checks_the
 
 
 # At TP 2 (one DP group of two ranks) both ranks play all 6 trajectories: 3 records x n=2, uid u held by rank u % 2.
-# Record 2's environments cannot start (its target is not a number); uid 1 crashes its tool worker.
-TP_CALLS = [_call("increment", {"by": 2}), _call("crash", {"code": 3}), _call("increment", {"by": 1}),
+# Record 2's environments cannot start (its target is not a number); uid 1's tool service is down.
+TP_CALLS = [_call("increment", {"by": 2}), _call("unavailable", {"service": "db"}), _call("increment", {"by": 1}),
             _call("increment", {"by": 2}) + _call("echo", {"text": "hello"})]
 
 
@@ -128,7 +128,8 @@ def _tp_rank(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         tok = tokenizer_for("qwen2.5")
-        worker, engine = _worker(tok, TP_CALLS, env=f"{M}:Counter", dims=ParallelDims(2, rank, rank, 2))
+        worker, engine = _worker(tok, TP_CALLS, env=f"{M}:Counter", tools=("echo", "unavailable"),
+                                 dims=ParallelDims(2, rank, rank, 2))
         try:
             rollout = worker.generate(_records(tok, 3, targets=[2, 2, "two"]), n=2, step=1, group_base=0)
         finally:
@@ -149,7 +150,7 @@ def test_at_tp_2_each_trajectorys_tools_run_on_one_rank_and_both_ranks_send_the_
     assert r0["requests"] == r1["requests"] and len(r0["requests"]) == 2 and len(r0["requests"][0]) == 4
     tok = tokenizer_for("qwen2.5")
     assert all("Increment the counter to 2." in tok.decode(p) for p in r0["requests"][0])  # the owners' resets
-    # uid 1 (a crash) and uids 4, 5 (no environment) are dropped on both ranks; survivors 0, 2, 3 -> 0, 1, 2,
+    # uid 1 (its tool's service down) and uids 4, 5 (no environment) are dropped on both ranks; survivors 0, 2, 3 -> 0, 1, 2,
     # each held by the rank that ran its tools (rank 0: old uids 0 and 2; rank 1: old uid 3)
     assert r0["size"] == r1["size"] == 3 and r0["metrics"] == r1["metrics"]
     assert r0["metrics"]["rollout/infra_failed_rate"] == pytest.approx(0.5)
