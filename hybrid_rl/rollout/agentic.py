@@ -46,6 +46,7 @@ class AgentSetup:
     runner: ToolRunner
     suffix: ToolSuffix
     environment: Environment | None
+    max_prompt_tokens: int = 0  # an environment's own prompt longer than this fails its trajectory (0: no limit)
 
 
 class MultiTurnRollout:
@@ -83,7 +84,8 @@ class MultiTurnRollout:
         for k in owned:
             i = mine[k][0]
             envs[k], openings[k] = open_environment(self.setup.environment, self.tokenizer, self.setup.suffix.tools,
-                                                    records[i].fields, records[i].prompt_ids)
+                                                    records[i].fields, records[i].prompt_ids,
+                                                    self.setup.max_prompt_tokens)
         if share is not None and self.setup.environment is not None:  # an environment's prompt: its owner's
             openings = share.exchange(openings, len(mine))
         trajs = [opened(openings.get(k) or Opening(records[i].prompt_ids)) for k, (i, _) in enumerate(mine)]

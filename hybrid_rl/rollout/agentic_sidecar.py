@@ -112,7 +112,8 @@ class MultiTurnSidecar:
 
     def _trajectory(self, r: Request, sampling: Sampling, router: Router) -> Arrival:
         spec = self.setup.environment
-        env, opening = open_environment(spec, self.tokenizer, self.setup.suffix.tools, row_fields(r.row), r.prompt)
+        env, opening = open_environment(spec, self.tokenizer, self.setup.suffix.tools, row_fields(r.row), r.prompt,
+                                        self.setup.max_prompt_tokens)
         t = opened(opening)
         versions: list[torch.Tensor] = []
         generate_s = tool_s = 0.0

@@ -106,5 +106,5 @@ def row_fields(row: Mapping[str, Any] | None) -> dict:
 
 
 def prompt_of(a: Arrival) -> torch.Tensor | None:
-    """The sample's prompt: a black-box agent's own first call, else (None) the row's."""
+    """The sample's prompt: its own (a black-box agent's first call, an environment's), else (None) the row's."""
     return torch.tensor(a.prompt_ids, dtype=torch.int64) if a.prompt_ids else None

@@ -33,8 +33,10 @@ class Opening:
 
 
 def open_environment(spec: Environment | None, tokenizer, tools: Sequence[dict] | None, fields: Mapping[str, Any],
-                     prompt_ids: Sequence[int]) -> tuple[Any, Opening]:
-    """(the trajectory's environment instance or None, its opening); `prompt_ids`: the row's."""
+                     prompt_ids: Sequence[int], max_prompt_tokens: int = 0) -> tuple[Any, Opening]:
+    """(the trajectory's environment instance or None, its opening); `prompt_ids`: the row's. A prompt of its own
+    longer than `max_prompt_tokens` (`data.max_prompt_tokens`, what the engine was sized for; 0: no limit) fails the
+    opening, as a dataset row that long is dropped."""
     if spec is None:
         return None, Opening(tuple(prompt_ids))
     try:
@@ -45,11 +47,19 @@ def open_environment(spec: Environment | None, tokenizer, tools: Sequence[dict] 
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         text = tokenizer.apply_chat_template(messages, tools=list(tools) if tools else None, tokenize=False,
                                              add_generation_prompt=True)
-        return env, Opening(tuple(tokenizer(text, add_special_tokens=False)["input_ids"]), own_prompt=True)
+        ids = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
     except Exception as e:  # noqa: BLE001 - user code: that trajectory fails, loudly, not the run
-        why = f"the environment could not start ({spec.cls.__name__}.reset or its prompt): {type(e).__name__}: {e}"
-        log.warning("%s", why)
-        return None, Opening(tuple(prompt_ids), error=why)
+        return None, _failed(prompt_ids, f"the environment could not start ({spec.cls.__name__}.reset or its prompt): "
+                                         f"{type(e).__name__}: {e}")
+    if max_prompt_tokens and len(ids) > max_prompt_tokens:
+        return None, _failed(prompt_ids, f"the prompt {spec.cls.__name__}.reset returned is {len(ids)} tokens, over "
+                                         f"data.max_prompt_tokens={max_prompt_tokens}")
+    return env, Opening(ids, own_prompt=True)
+
+
+def _failed(prompt_ids: Sequence[int], why: str) -> Opening:
+    log.warning("%s", why)
+    return Opening(tuple(prompt_ids), error=why)
 
 
 def trajectory_fields(spec: Environment | None, env: Any, t: Trajectory) -> dict[str, Any]:

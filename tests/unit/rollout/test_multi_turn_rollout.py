@@ -16,6 +16,7 @@ from hybrid_rl.dist.mesh import ParallelDims, free_port
 from hybrid_rl.engine.vllm_engine import Generation
 from hybrid_rl.rollout.agentic import AgentSetup, MultiTurnRollout
 from hybrid_rl.rollout.chat_template import FAMILIES, ToolSuffix
+from hybrid_rl.rollout.environment import open_environment
 from hybrid_rl.rollout.multi_turn import ToolLoop, TurnLimits, merge_parts
 from hybrid_rl.rollout.sampler import Sampler, SamplingSettings
 from hybrid_rl.rollout.tool_calls import hermes
@@ -107,6 +108,15 @@ def test_an_environment_gives_the_prompt_the_tools_and_the_reward():
     assert [s.fields["env_reward"] for s in rollout.held] == [1.0, 0.0]
     assert "2" in tok.decode(first.response_ids[~first.loss_mask])
     assert rollout.index.size == 2 and rollout.metrics["rollout/infra_failed_rate"] == 0.5
+
+
+def test_an_environments_prompt_longer_than_the_engine_allows_fails_its_trajectory_only():
+    tok, spec = tokenizer_for("qwen2.5"), load_environment(f"{M}:Counter")
+    env, o = open_environment(spec, tok, None, {"target": 2}, [5, 6], max_prompt_tokens=3)
+    assert env is None and "over data.max_prompt_tokens=3" in o.error and o.prompt_ids == (5, 6)
+    env, o = open_environment(spec, tok, None, {"target": 2}, [5, 6], max_prompt_tokens=500)
+    assert env.target == 2 and o.own_prompt and not o.error
+    assert "Increment the counter to 2." in tok.decode(o.prompt_ids)
 
 
 def test_merging_the_groups_answers_takes_each_from_its_one_owner_and_checks_the_ranks_agree():
