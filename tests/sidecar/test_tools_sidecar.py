@@ -1,8 +1,8 @@
 """Multi-turn GRPO with tools in sidecar mode, end to end: a real vLLM server, real etcd, 2 trainer ranks, the python
 tool in its sandbox; synchronous (`rollout.max_staleness=0`) and asynchronous (1, with an environment beside the
-python tool: `rollout.environment`). Each trajectory is one loop of
-token-in/token-out requests against the server; the trained ids are those the server sampled (the trainer's
-recomputed log-probs match the server's on the model's tokens), and each token keeps the version that sampled it.
+python tool: `rollout.environment`). Each trajectory is one loop of token-in/token-out requests against the server;
+the trained ids are those the server sampled (the trainer's recomputed log-probs match the server's on the model's
+tokens), and each token keeps the version that sampled it.
 In the same launch, a black-box agent (`rollout.agent`, the OpenAI client against the chat endpoint) trains the
 same way: its two chained calls are one sample, its call that starts over an extra sample, counted."""
 
