@@ -483,19 +483,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"rollout.max_staleness={cfg.rollout.max_staleness} needs rollout.mode=sidecar: in colocated "
                           "mode the same ranks generate and train in turn, so generation cannot run ahead of training; "
                           "set rollout.mode=sidecar or rollout.max_staleness=0")
-    if (cfg.rollout.tools or cfg.rollout.environment) and cfg.rollout.mode == "colocated" and cfg.rollout.tp > 1:
-        raise ConfigError(f"rollout.tools with rollout.mode=colocated needs rollout.tp=1 (got {cfg.rollout.tp}): the TP "
-                          "ranks of a vLLM group must send identical requests, and tool results are not yet shared "
-                          "between them")
     _validate_truncation(cfg.rollout)
     if cfg.rollout.agent and cfg.rollout.mode != "sidecar":
         raise ConfigError("rollout.agent needs rollout.mode=sidecar: the agent's calls go through an endpoint in front "
                           "of the sidecar's vLLM servers")
     if cfg.rollout.agent and (cfg.rollout.tools or cfg.rollout.environment):
         raise ConfigError("rollout.agent runs its own tools: leave rollout.tools and rollout.environment empty")
-    if cfg.rollout.environment and cfg.rollout.mode == "sidecar":
-        raise ConfigError("rollout.environment needs rollout.mode=colocated for now (sidecar mode runs rollout.tools "
-                          "only: its trajectories do not yet carry their row to an environment's reset)")
     util = cfg.rollout.gpu_memory_utilization
     if not (isinstance(util, int | float) and 0 <= util <= 1):
         raise ConfigError(f"rollout.gpu_memory_utilization={util!r} must be in (0, 1], or 0 for auto (the GPU memory "

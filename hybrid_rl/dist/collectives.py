@@ -116,13 +116,14 @@ def all_to_all_rows(chunks: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(recv.to(src_device).split(recv_sizes))
 
 
-def all_gather_object(obj: Any) -> list[Any]:
-    """Every rank's small picklable `obj`, in rank order (sent over gloo, the CPU backend)."""
-    world = world_size()
-    if world == 1:
+def all_gather_object(obj: Any, *, group: Any = None) -> list[Any]:
+    """Every rank's small picklable `obj`, in rank order (sent over gloo, the CPU backend); with `group` (from
+    `mesh.tp_group`), the ranks of that group only."""
+    size = world_size() if group is None else dist.get_world_size(group)
+    if size == 1:
         return [obj]
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, obj)
+    out: list[Any] = [None] * size
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 

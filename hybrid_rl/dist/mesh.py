@@ -94,6 +94,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_TP_GROUPS: dict[int, object] = {}
+
+
+def tp_group(dims: ParallelDims):
+    """The gloo group of this rank's vLLM TP group (its `tp` consecutive ranks), for the object collectives' `group=`
+    (`collectives.all_gather_object`); None at tp=1. Collective the first time for a TP size (every rank creates every
+    group, in the same order), cached after."""
+    if dims.tp == 1:
+        return None
+    if dims.tp not in _TP_GROUPS:
+        _TP_GROUPS[dims.tp], _ = dist.new_subgroups(group_size=dims.tp, backend="gloo")
+    return _TP_GROUPS[dims.tp]
+
+
 def fsdp_mesh(dims: ParallelDims):
     """A 1-D device mesh over every rank: FSDP shards each weight W ways."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -3,35 +3,39 @@
 `rollout.tools` or `rollout.environment` set: `build.py` wraps the colocated `Sampler` in `MultiTurnRollout`, which
 is a `RolloutWorker` like any other, so the trainer has no multi-turn branch. Each DP group plays its share of the
 prompts' `n` trajectories in lockstep (`multi_turn.ToolLoop`): every turn sends only the active trajectories to the
-in-process vLLM, as token ids, each with what is left of its response budget.
+in-process vLLM, as token ids, each with what is left of its response budget. At `rollout.tp > 1` the ranks of a
+vLLM group play the same trajectories (vLLM's external launcher needs identical requests from them): each
+trajectory's tools and environment live on one rank of the group (its sample's holder), and the group exchanges
+the answers every turn (`GroupShare`), so every rank appends the same ids.
 
-Infrastructure failures (a tool worker that died, a call stuck past its limit, a tool raising `ToolInfraError`) are
-not the model's fault: those samples are dropped from the step before anything sees them (group statistics, the
-loss, the reward mean), the rest renumbered, and their share logged as `rollout/infra_failed_rate`.
+Infrastructure failures (a tool worker that died, a call stuck past its limit, a tool raising `ToolInfraError`, an
+environment that could not start) are not the model's fault: those samples are dropped from the step before anything
+sees them (group statistics, the loss, the reward mean), the rest renumbered, and their share logged as
+`rollout/infra_failed_rate`.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from hybrid_rl.data import PromptRecord
-from hybrid_rl.dist.collectives import all_gather_rows, all_reduce
+from hybrid_rl.dist.collectives import all_gather_object, all_gather_rows, all_reduce
+from hybrid_rl.dist.mesh import tp_group
 from hybrid_rl.engine.vllm_engine import Generation, Sampling
 from hybrid_rl.rollout.base import RolloutError, SyncReport
 from hybrid_rl.rollout.chat_template import ToolSuffix
+from hybrid_rl.rollout.environment import Opening, open_environment, trajectory_fields
 from hybrid_rl.rollout.exchange import gather_index
-from hybrid_rl.rollout.multi_turn import ToolLoop
+from hybrid_rl.rollout.multi_turn import ToolLoop, merge_parts
 from hybrid_rl.rollout.sampler import Sampler, request_seed
 from hybrid_rl.rollout.tools import Environment, ToolRunner
 from hybrid_rl.rollout.trajectory import Trajectory
 from hybrid_rl.types import Rollout, Sample
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,7 @@ class AgentSetup:
     runner: ToolRunner
     suffix: ToolSuffix
     environment: Environment | None
+    max_prompt_tokens: int = 0  # an environment's own prompt longer than this fails its trajectory (0: no limit)
 
 
 class MultiTurnRollout:
@@ -49,6 +54,8 @@ class MultiTurnRollout:
 
     def __init__(self, sampler: Sampler, tokenizer, setup: AgentSetup):
         self.sampler, self.tokenizer, self.setup = sampler, tokenizer, setup
+        # TP > 1: the gloo group of this rank's vLLM TP group, for the tool answers (made now: every rank builds)
+        self.group = tp_group(sampler.dims)
 
     def session(self, version: int | None = None):
         return self.sampler.session(version)
@@ -63,52 +70,38 @@ class MultiTurnRollout:
     def generate(self, records: list[PromptRecord], *, n: int, step: int, group_base: int,
                  greedy: bool = False) -> Rollout:
         """`n` trajectories per record, uid `i * n + j` and group `group_base + i` as `Sampler.generate`, less the
-        infrastructure failures (the survivors renumbered 0..). Collective, in a session."""
+        infrastructure failures (the survivors renumbered 0..). Collective, in a session.
+
+        The ranks of a TP group play the same trajectories (identical requests); trajectory uid `u` is held, as in
+        `Sampler.generate`, by the group's rank `u % tp`, which also runs its tools and holds its environment."""
         s = self.sampler
         d = s.dims
         mine = [(i, j) for i in range(d.dp_rank, len(records), d.dp) for j in range(n)]
-        trajs, envs = [], []
-        for i, _ in mine:
-            env, prompt = self._start(records[i])
-            trajs.append(Trajectory(prompt))
-            envs.append(env)
+        share = GroupShare([(i * n + j) % d.tp for i, j in mine], d.tp_rank, self.group) if d.tp > 1 else None
+        owned = [k for k in range(len(mine)) if share is None or share.owns(k)]
+        envs: list[object | None] = [None] * len(mine)
+        openings: dict[int, Opening] = {}
+        for k in owned:
+            i = mine[k][0]
+            envs[k], openings[k] = open_environment(self.setup.environment, self.tokenizer, self.setup.suffix.tools,
+                                                    records[i].fields, records[i].prompt_ids,
+                                                    self.setup.max_prompt_tokens)
+        if share is not None and self.setup.environment is not None:  # an environment's prompt: its owner's
+            openings = share.exchange(openings, len(mine))
+        trajs = [opened(openings.get(k) or Opening(records[i].prompt_ids)) for k, (i, _) in enumerate(mine)]
         seeds = [request_seed(s.seed, step, group_base + i) + j for i, j in mine]
         start = time.monotonic()
-        stats = self.setup.loop.run(trajs, envs, self._generate_fn(greedy), seeds)
+        stats = self.setup.loop.run(trajs, envs, self._generate_fn(greedy), seeds, share)
         loop_s = time.monotonic() - start
-        fields = [self._fields(records[i], t, env) for (i, _), t, env in zip(mine, trajs, envs, strict=True)]
-        samples = {i * n + j: t.to_sample(i * n + j, group_base + i, records[i].index, f)
-                   for (i, j), t, f in zip(mine, trajs, fields, strict=True)}
-        failed = {i * n + j for (i, j), t in zip(mine, trajs, strict=True) if t.infra_failed}
-        return keep_survivors(samples, failed, len(records) * n, [stats_of(t) for t in trajs],
+        samples, failed = {}, set()
+        for k in owned:
+            (i, j), t = mine[k], trajs[k]
+            fields = {**records[i].fields, **trajectory_fields(self.setup.environment, envs[k], t)}
+            samples[i * n + j] = t.to_sample(i * n + j, group_base + i, records[i].index, fields)
+            if t.infra_failed:
+                failed.add(i * n + j)
+        return keep_survivors(samples, failed, len(records) * n, [stats_of(trajs[k]) for k in owned],
                               wall=(stats.tool_seconds, loop_s))
-
-    def _start(self, record: PromptRecord) -> tuple[object | None, list[int]]:
-        """A new environment for the trajectory (reset with the row), and the prompt ids: the row's, or those of the
-        prompt `reset` returned, rendered with the tools."""
-        env_spec = self.setup.environment
-        if env_spec is None:
-            return None, list(record.prompt_ids)
-        env = env_spec.new()
-        prompt = env.reset(**dict(record.fields))
-        if prompt is None:
-            return env, list(record.prompt_ids)
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        text = self.tokenizer.apply_chat_template(messages, tools=self.setup.suffix.tools, tokenize=False,
-                                                  add_generation_prompt=True)
-        return env, list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def _fields(self, record: PromptRecord, t: Trajectory, env) -> dict:
-        """The row's reward fields plus what the reward may judge: the calls made, the environment's reward."""
-        out = dict(record.fields)
-        out["tool_calls"] = list(t.log)
-        if env is not None and self.setup.environment.has_reward and not t.infra_failed:
-            try:
-                out["env_reward"] = float(env.reward())
-            except Exception as e:  # noqa: BLE001 - the environment is user code: its failure scores 0, loudly
-                log.warning("the environment's reward() failed: %s: %s", type(e).__name__, e)
-                out["env_reward"] = 0.0
-        return out
 
     def _generate_fn(self, greedy: bool) -> Callable[[list[list[int]], list[int], list[int]], list[Generation]]:
         s = self.sampler
@@ -121,6 +114,28 @@ class MultiTurnRollout:
             return [g[0] for g in s.engine.generate(contexts, sampling, seeds, budgets)]
 
         return generate
+
+
+class GroupShare:
+    """Colocated TP > 1 (`multi_turn.ToolShare`): trajectory `k` of the group's shared list belongs to the group's rank
+    `owners[k]`; the exchange is an object all-gather over the group's ranks (a gloo group of consecutive ranks)."""
+
+    def __init__(self, owners: list[int], tp_rank: int, group):
+        self.owners, self.tp_rank, self.group = owners, tp_rank, group
+
+    def owns(self, i: int) -> bool:
+        return self.owners[i] == self.tp_rank
+
+    def exchange(self, mine: dict[int, Any], check: int) -> dict[int, Any]:
+        return merge_parts(all_gather_object((check, mine), group=self.group))
+
+
+def opened(o: Opening) -> Trajectory:
+    """A trajectory from its opening; one whose environment could not start is over before it began (dropped)."""
+    t = Trajectory(list(o.prompt_ids))
+    if o.error:
+        t.infra_failed, t.done = True, True
+    return t
 
 
 def stats_of(t: Trajectory) -> dict[str, float]:

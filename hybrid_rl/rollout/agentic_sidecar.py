@@ -1,17 +1,22 @@
 """Multi-turn rollouts with tools on the sidecar servers: one loop per trajectory, many in flight.
 
-`rollout.mode=sidecar` with `rollout.tools`: `build.py` wraps the `SidecarRollout` in `MultiTurnSidecar`, a
-`StreamingRollout` like it, so the experience buffer (synchronous at `rollout.max_staleness=0`, asynchronous above)
-streams whole trajectories as it streams single responses. Each submitted request becomes a thread that plays the
-trajectory (`multi_turn.ToolLoop.model_turn` / `answer`): every turn is a token-in/token-out request to
-`/inference/v1/generate` on the same server (the request key picks it: its prefix cache holds the conversation),
-and tool calls go to a `ToolBatcher` that runs the waiting calls of all trajectories together, while the others
-keep generating. Every model token keeps the policy version that sampled it (the server's weight-version spans of
-its turn), across turns and weight updates; context tokens take their turn's last version (they are not trained).
+`rollout.mode=sidecar` with `rollout.tools` or `rollout.environment`: `build.py` wraps the `SidecarRollout` in
+`MultiTurnSidecar`, a `StreamingRollout` like it, so the experience buffer (synchronous at `rollout.max_staleness=0`,
+asynchronous above) streams whole trajectories as it streams single responses. Each submitted request becomes a
+thread that plays the trajectory (`multi_turn.ToolLoop.model_turn` / `answer`): every turn is a token-in/token-out
+request to `/inference/v1/generate` on the same server (the request key picks it: its prefix cache holds the
+conversation), and tool calls go to a `ToolBatcher` that runs the waiting calls of all trajectories together, while
+the others keep generating. Every model token keeps the policy version that sampled it (the server's weight-version
+spans of its turn), across turns and weight updates; context tokens take their turn's last version (they are not
+trained).
+
+An environment is handled as colocated (`environment.py`): made and reset with the request's row in the
+trajectory's thread; its methods run in the tool runner's threads; its `reward()` is read when the trajectory
+ends; a prompt its `reset` returned is the sample's (`Arrival.prompt_ids`).
 
 A request that fails (a server lost) fails the trajectory: the buffer recovers the servers and sends it again from
-its start. A tool's infrastructure failure ends the trajectory and marks its arrival; the buffer leaves it out of
-the batch (`rollout/infra_failed_rate`).
+its start (a new environment, reset again). A tool's infrastructure failure (or an environment that could not start)
+ends the trajectory and marks its arrival; the buffer leaves it out of the batch (`rollout/infra_failed_rate`).
 """
 
 from __future__ import annotations
@@ -26,13 +31,13 @@ import torch
 
 from hybrid_rl.data import PromptRecord
 from hybrid_rl.engine.vllm_engine import Generation, Sampling
-from hybrid_rl.rollout.agentic import AgentSetup, keep_survivors, stats_of
-from hybrid_rl.rollout.base import Arrival, RolloutError, SyncReport, agent_row, prompt_of
+from hybrid_rl.rollout.agentic import AgentSetup, keep_survivors, opened, stats_of
+from hybrid_rl.rollout.base import Arrival, RolloutError, SyncReport, agent_row, prompt_of, row_fields
+from hybrid_rl.rollout.environment import open_environment, trajectory_fields
 from hybrid_rl.rollout.multi_turn import TURN_SEED_STRIDE
 from hybrid_rl.rollout.sampler import request_seed, sample_of
 from hybrid_rl.rollout.sidecar import SidecarRollout, token_versions_of
 from hybrid_rl.rollout.tools.batcher import ToolBatcher
-from hybrid_rl.rollout.trajectory import Trajectory
 from hybrid_rl.sidecar.completions import Request, Router, drain_arrivals
 from hybrid_rl.types import Rollout
 
@@ -41,7 +46,7 @@ _WAIT_S = 0.02
 
 
 class MultiTurnSidecar:
-    """The sidecar rollout worker with tools (`rollout.mode=sidecar` + `rollout.tools`)."""
+    """The sidecar rollout worker with tools (`rollout.mode=sidecar` + `rollout.tools` / `rollout.environment`)."""
 
     def __init__(self, inner: SidecarRollout, tokenizer, setup: AgentSetup, *, max_inflight: int):
         self.inner, self.tokenizer, self.setup = inner, tokenizer, setup
@@ -106,11 +111,16 @@ class MultiTurnSidecar:
         sink.put((r.key, arrival, error))
 
     def _trajectory(self, r: Request, sampling: Sampling, router: Router) -> Arrival:
-        t = Trajectory(list(r.prompt))
+        spec = self.setup.environment
+        env, opening = open_environment(spec, self.tokenizer, self.setup.suffix.tools, row_fields(r.row), r.prompt,
+                                        self.setup.max_prompt_tokens)
+        t = opened(opening)
         versions: list[torch.Tensor] = []
         generate_s = tool_s = 0.0
         client = self.inner.stream
         for turn in range(self.loop.limits.max_turns):
+            if t.done:
+                break
             start = time.monotonic()
             done, failed = client.run([Request(r.key, t.context, r.seed + turn * TURN_SEED_STRIDE)],
                                       replace(sampling, max_tokens=self.loop.turn_budget(t)), router,
@@ -126,20 +136,19 @@ class MultiTurnSidecar:
             if pending is None:
                 break
             start = time.monotonic()
-            self.loop.answer([t], [None], [(0, *pending)], _Discard())
+            self.loop.answer([t], [env], [(0, *pending)], _Discard())
             tool_s += time.monotonic() - start
             last = versions[-1][-1:] if versions[-1].numel() else torch.tensor([-1])
             versions.append(last.expand(len(t.response_ids) - before - len(g.token_ids)).clone())
-            if t.done:
-                break
         t.done = True
         gen = Generation(0, t.response_ids, t.logprobs, "length" if t.truncated else "stop")
         token_versions = torch.cat(versions) if versions else torch.zeros(0, dtype=torch.int64)
         if (token_versions < 0).any():  # the server stamped no versions: none recorded
             token_versions = torch.zeros(0, dtype=torch.int64)
         stats = dict(stats_of(t), tool_s=tool_s, generate_s=generate_s)
-        return Arrival(gen, token_versions, torch.tensor(t.loss_mask, dtype=torch.bool), {"tool_calls": list(t.log)},
-                       t.infra_failed, stats)
+        return Arrival(gen, token_versions, torch.tensor(t.loss_mask, dtype=torch.bool),
+                       trajectory_fields(spec, env, t), t.infra_failed, stats,
+                       prompt_ids=tuple(t.prompt_ids) if opening.own_prompt else ())
 
     def arrivals(self) -> tuple[dict[int, Arrival], dict[int, str]]:
         return drain_arrivals(self._arrived)

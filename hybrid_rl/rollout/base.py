@@ -52,7 +52,7 @@ class Arrival:
     fields: Mapping[str, Any] = field(default_factory=dict)
     infra_failed: bool = False
     stats: Mapping[str, float] = field(default_factory=dict)
-    prompt_ids: tuple[int, ...] = ()  # black-box agents: the trajectory's own prompt (its first call's); () the row's
+    prompt_ids: tuple[int, ...] = ()  # the trajectory's own prompt (an agent's first call's, an environment's); () the row's
 
 
 class RolloutWorker(Protocol):
@@ -100,6 +100,11 @@ def agent_row(record: PromptRecord) -> dict:
     return {**record.fields, "prompt_text": record.prompt_text}
 
 
+def row_fields(row: Mapping[str, Any] | None) -> dict:
+    """The dataset row's own columns back from an `agent_row` (what an environment's `reset` gets, as colocated)."""
+    return {k: v for k, v in (row or {}).items() if k != "prompt_text"}
+
+
 def prompt_of(a: Arrival) -> torch.Tensor | None:
-    """The sample's prompt: a black-box agent's own first call, else (None) the row's."""
+    """The sample's prompt: its own (a black-box agent's first call, an environment's), else (None) the row's."""
     return torch.tensor(a.prompt_ids, dtype=torch.int64) if a.prompt_ids else None

@@ -8,6 +8,10 @@ tool calls reach `max_tool_calls`, when its response budget is spent (a tool res
 before being appended: never cut mid-token), or when a tool's infrastructure fails (then it is marked, and the
 rollout drops it).
 
+Colocated at TP > 1 the ranks of a vLLM group hold the same trajectories and must send identical requests: each
+trajectory's calls run on one of them (a `ToolShare` says which), and the group exchanges the answers, the tool
+messages' ids with them, so that every rank appends the same ids.
+
 The engine is a function (`Generate`), so this loop is the same for any engine that takes token ids.
 """
 
@@ -16,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from hybrid_rl.engine.vllm_engine import Generation
 from hybrid_rl.rollout.chat_template import ToolSuffix
@@ -49,14 +54,60 @@ class LoopStats:
     per_call_seconds: list[float] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class ToolAnswer:
+    """One trajectory's calls of one turn, answered: the results, and the tool messages' ids (the template's suffix;
+    none after an infrastructure failure). What the ranks of a TP group exchange: each applies them alike."""
+
+    results: tuple[ToolResult, ...]
+    ids: tuple[int, ...]
+
+
+class ToolShare(Protocol):
+    """Whose tools a rank runs when several ranks hold the same trajectories (the ranks of a colocated vLLM TP
+    group, which must send the engine identical requests): each runs its own, then they exchange."""
+
+    def owns(self, i: int) -> bool:
+        """Whether this rank runs trajectory `i`'s tools (and holds its environment)."""
+
+    def exchange(self, mine: dict[int, Any], check: int) -> dict[int, Any]:
+        """Every rank's `mine` merged (keys: trajectory positions); `check` must be the same on every rank. Collective
+        over the group."""
+
+
+def digest(trajectories: Sequence[Trajectory]) -> int:
+    """A fingerprint of the trajectories' ids and states: equal on the ranks of a TP group, or they went apart."""
+    return hash(tuple((tuple(t.context), t.done) for t in trajectories))
+
+
+def merge_parts(parts: Sequence[tuple[int, dict[int, Any]]]) -> dict[int, Any]:
+    """The exchange's result from every rank's (check, mine): one dict, each key from the one rank that owns it.
+
+    A check that differs means the ranks no longer hold the same trajectories (the engine sampled differently on
+    them): the group's next requests would differ, so stop here with a clear error rather than hang in the engine."""
+    checks = {c for c, _ in parts}
+    if len(checks) != 1:
+        raise RuntimeError(f"the ranks of a vLLM TP group hold different multi-turn trajectories (fingerprints "
+                           f"{[c for c, _ in parts]}): their engines sampled differently, so their next requests "
+                           "would differ")
+    out: dict[int, Any] = {}
+    for rank, (_, mine) in enumerate(parts):
+        if twice := out.keys() & mine.keys():
+            raise RuntimeError(f"trajectories {sorted(twice)} were answered by two ranks of a TP group (rank {rank} "
+                               "among them): each trajectory's tools must run once")
+        out.update(mine)
+    return out
+
+
 class ToolLoop:
     def __init__(self, tokenizer, suffix: ToolSuffix, parser: Callable[[str], list[ToolCall]], runner: ToolRunner,
                  limits: TurnLimits):
         self.tokenizer, self.suffix, self.parser, self.runner, self.limits = tokenizer, suffix, parser, runner, limits
 
     def run(self, trajectories: Sequence[Trajectory], envs: Sequence[object | None], generate: Generate,
-            seeds: Sequence[int]) -> LoopStats:
-        """Play every trajectory to its end (in place)."""
+            seeds: Sequence[int], share: ToolShare | None = None) -> LoopStats:
+        """Play every trajectory to its end (in place). `share`: see `answer` (with one, the group exchanges at
+        every turn, calls or not, so its ranks check they still hold the same trajectories before generating)."""
         stats = LoopStats()
         lim = self.limits
         for turn in range(lim.max_turns):
@@ -72,9 +123,9 @@ class ToolLoop:
             for i, g in zip(active, gens, strict=True):
                 if (calls := self.model_turn(trajectories[i], g)) is not None:
                     pending.append((i, *calls))
-            if pending:
+            if pending or share is not None:
                 start = time.monotonic()
-                self.answer(trajectories, envs, pending, stats)
+                self.answer(trajectories, envs, pending, stats, share)
                 stats.tool_seconds += time.monotonic() - start
         for t in trajectories:
             t.done = True
@@ -103,8 +154,21 @@ class ToolLoop:
         return min(left, self.limits.max_turn_tokens) if self.limits.max_turn_tokens else left
 
     def answer(self, trajectories: Sequence[Trajectory], envs: Sequence[object | None],
-                pending: list[tuple[int, list[ToolCall], bool]], stats: LoopStats) -> None:
-        """Run every pending call of the turn at once; append each trajectory's results as one suffix."""
+               pending: list[tuple[int, list[ToolCall], bool]], stats: LoopStats, share: ToolShare | None = None) -> None:
+        """Run every pending call of the turn at once; append each trajectory's results as one suffix.
+
+        With a `share` (colocated TP > 1) this rank runs the calls of the trajectories it owns, then the group
+        exchanges the answers (and checks it holds the same trajectories), so every rank appends the same ids."""
+        owned = pending if share is None else [p for p in pending if share.owns(p[0])]
+        answers = self.run_calls(trajectories, envs, owned)
+        if share is not None:
+            answers = share.exchange(answers, digest(trajectories))
+        for i, calls, _ in pending:
+            self.apply(trajectories[i], calls, answers[i], stats)
+
+    def run_calls(self, trajectories: Sequence[Trajectory], envs: Sequence[object | None],
+                  pending: list[tuple[int, list[ToolCall], bool]]) -> dict[int, ToolAnswer]:
+        """Every pending call run at once in the runner; each trajectory's answer (its results and their ids)."""
         requests, owners = [], []
         for i, calls, _ in pending:
             room = self.limits.max_tool_calls - trajectories[i].tool_calls
@@ -114,30 +178,39 @@ class ToolLoop:
                                                             "per conversation is reached")
                 requests.append(ToolRequest(c, envs[i]))
                 owners.append(i)
-        results = self.runner.run(requests)
-        by_owner: dict[int, list[tuple[ToolCall, ToolResult]]] = {}
-        for r, i, res in zip(requests, owners, results, strict=True):
-            by_owner.setdefault(i, []).append((r.call, res))
-            stats.per_call_seconds.append(res.seconds)
+        results = self.runner.run(requests) if requests else []
+        by_owner: dict[int, list[ToolResult]] = {}
+        for i, res in zip(owners, results, strict=True):
+            by_owner.setdefault(i, []).append(res)
+        out = {}
         for i, calls, ended in pending:
-            t = trajectories[i]
             answered = by_owner[i]
-            t.tool_calls += len(calls)
-            t.malformed_calls += sum(1 for c, _ in answered if c.error and not c.name)
-            t.tool_errors += sum(1 for _, r in answered if r.status == ERROR)
-            t.tool_timeouts += sum(1 for _, r in answered if r.status == TIMEOUT)
-            t.log += [{"name": c.name, "arguments": c.arguments, "status": r.status, "result": r.text[:2000]}
-                      for c, r in answered]
-            if any(r.status == INFRA for _, r in answered):
-                t.infra_failed, t.done = True, True
+            if any(r.status == INFRA for r in answered):
+                out[i] = ToolAnswer(tuple(answered), ())
                 continue
             messages = [{"role": "tool", "name": c.name or "invalid", "content": self._cut(r.text)}
-                        for c, r in answered]
-            ids = self.suffix.ids(messages, ended=ended)
-            if len(t.response_ids) + len(ids) >= self.limits.max_response_tokens:
-                t.truncated, t.done = True, True  # no room for the result and a reply: end here, nothing cut
-                continue
-            t.add_context(ids)
+                        for c, r in zip(calls, answered, strict=True)]
+            out[i] = ToolAnswer(tuple(answered), tuple(self.suffix.ids(messages, ended=ended)))
+        return out
+
+    def apply(self, t: Trajectory, calls: list[ToolCall], answer: ToolAnswer, stats: LoopStats) -> None:
+        """Append a trajectory's answered calls: counts, the log the reward reads, the tool messages' ids (unless a
+        tool's infrastructure failed, or they would overflow the budget: then the trajectory ends)."""
+        answered = list(zip(calls, answer.results, strict=True))
+        stats.per_call_seconds += [r.seconds for r in answer.results]
+        t.tool_calls += len(calls)
+        t.malformed_calls += sum(1 for c, _ in answered if c.error and not c.name)
+        t.tool_errors += sum(1 for _, r in answered if r.status == ERROR)
+        t.tool_timeouts += sum(1 for _, r in answered if r.status == TIMEOUT)
+        t.log += [{"name": c.name, "arguments": c.arguments, "status": r.status, "result": r.text[:2000]}
+                  for c, r in answered]
+        if any(r.status == INFRA for _, r in answered):
+            t.infra_failed, t.done = True, True
+            return
+        if len(t.response_ids) + len(answer.ids) >= self.limits.max_response_tokens:
+            t.truncated, t.done = True, True  # no room for the result and a reply: end here, nothing cut
+            return
+        t.add_context(list(answer.ids))
 
     def _cut(self, text: str) -> str:
         """A tool result of at most `max_tool_response_tokens` tokens: the middle replaced by a marker."""

@@ -3,7 +3,9 @@
 A random model never writes a tool call, so the run plugs in a parser that reads one from every turn
 (`tests.e2e.tools:always_python`) and bounds each turn (`rollout.multi_turn.max_turn_tokens`): every trajectory then
 alternates model turns and tool results until its budget ends. The trainer's recomputed log-probs equal the
-engine's on the model's tokens (fp32): the ids trained are the ids sampled, and the mask is where they are.
+engine's on the model's tokens (fp32): the ids trained are the ids sampled, and the mask is where they are. In the
+same launch, one step at `rollout.tp=2` (the 2 ranks one vLLM TP group) with an environment: each trajectory's
+calls run on one rank of the group and the answers are shared, so both ranks send identical requests.
 """
 
 import json
@@ -22,14 +24,17 @@ TOOL_KEYS = {"rollout/turns_mean", "rollout/tool_calls_mean", "rollout/tool_call
              "rollout/context_tokens_mean", "timing/tool_s", "rollout/tool_time_share"}
 
 
+@pytest.mark.timeout(1200)  # two runs in one launch: tp=1 (2 steps), then tp=2 (1 step)
 def test_grpo_with_the_tool_loop_colocated_runs_two_steps(tiny_models, task_files, tmp_path):
     overrides = tiny_overrides(tiny_models["qwen2"], task_files, tmp_path / "tools", **{
         "rollout.max_new_tokens": 48, "data.apply_chat_template": "true", "trainer.micro_batch_tokens": 512,
         "rollout.tools": "[python,tests.e2e.tools:lookup]", "rollout.multi_turn.parser": "tests.e2e.tools:always_python",
         "rollout.multi_turn.max_turn_tokens": 6, "rollout.multi_turn.max_turns": 3,
         "rollout.multi_turn.tool_workers": 1, "reward.fn": "tests.e2e.rewards:length_parity"})
-    result = run_torchrun(WORKER, json.dumps([{"name": "tools", "recipe": "grpo", "overrides": overrides}]),
-                          tmp_path=tmp_path, timeout=600)
+    result = run_torchrun(WORKER, json.dumps([{"name": "tools", "recipe": "grpo", "overrides": overrides},
+                                              {"name": "tp2", "recipe": "grpo", "overrides": tp2_overrides(
+                                                  tiny_models, task_files, tmp_path)}]),
+                          tmp_path=tmp_path, timeout=1100)
     assert result["tools"]["ok"], result["tools"].get("error")
     steps = {d["step"]: d for d in map(json.loads, (tmp_path / "tools" / "metrics.jsonl").read_text().splitlines())}
     for step in (1, 2):
@@ -42,3 +47,36 @@ def test_grpo_with_the_tool_loop_colocated_runs_two_steps(tiny_models, task_file
         assert "actor/pg_loss" in m
     assert "val/rollout/tool_call_rate" in steps[2]
     assert (tmp_path / "tools" / "checkpoints" / "step_2" / "COMPLETE").exists()
+    check_tp2(result, tmp_path)
+
+
+# -- rollout.tp=2 with an environment: one vLLM TP group of the launch's 2 ranks --------------------------------------
+
+def tp2_overrides(tiny_models, task_files, tmp_path) -> list[str]:
+    """One step at rollout.tp=2: the python tool and the `Tally` environment (its prompt, its method, its reward)."""
+    return tiny_overrides(tiny_models["qwen2"], task_files, tmp_path / "tp2", **{
+        "rollout.tp": 2, "trainer.total_steps": 1, "data.val_files": "[]", "rollout.max_new_tokens": 48,
+        "data.apply_chat_template": "true", "trainer.micro_batch_tokens": 512, "rollout.tools": "[python]",
+        "rollout.environment": "tests.e2e.tools:Tally", "rollout.multi_turn.parser": "tests.e2e.tools:python_and_tally",
+        "rollout.multi_turn.max_turn_tokens": 6, "rollout.multi_turn.max_turns": 3,
+        "rollout.multi_turn.tool_workers": 1, "reward.fn": "tests.e2e.rewards:length_parity"})
+
+
+def check_tp2(result: dict, tmp_path) -> None:
+    """Both TP ranks sent vLLM the same trajectories (else the run hangs or stops), each call ran once on the rank
+    holding its trajectory's environment, and the ids trained are those vLLM sampled."""
+    assert result.get("tp2", {}).get("ok"), result.get("tp2")
+    steps = [d for d in map(json.loads, (tmp_path / "tp2" / "metrics.jsonl").read_text().splitlines())
+             if "actor/pg_loss" in d]
+    assert len(steps) == 1, steps
+    m = steps[0]
+    assert TOOL_KEYS <= set(m), sorted(TOOL_KEYS - set(m))
+    assert m["rollout/tool_call_rate"] == 1.0 and m["rollout/turns_mean"] >= 2
+    assert m["rollout/tool_errors"] == 0 and m["rollout/infra_failed_rate"] == 0
+    # the trainer's log-probs of the trained ids equal vLLM's: the ids (the environment's prompt among them) are
+    # those the engine saw and sampled
+    assert m["rollout/logprob_diff_max"] < 1e-3, m["rollout/logprob_diff_max"]
+    # every turn called python and the environment's tally once: the reward (the calls each trajectory's own
+    # instance counted) is half the calls, so each tally ran exactly once, where its environment lives
+    assert m["reward/environment/mean"] >= 1
+    assert m["reward/environment/mean"] * 2 == pytest.approx(m["rollout/tool_calls_mean"], abs=1e-4)

@@ -8,6 +8,36 @@ def always_python(text: str) -> list[ToolCall]:
     return [ToolCall("python", {"code": f"print({len(text)} * 7)"})]
 
 
+def python_and_tally(text: str) -> list[ToolCall]:
+    """Every turn calls the python tool and the `Tally` environment's method."""
+    return [*always_python(text), ToolCall("tally", {"text": text[-20:]})]
+
+
+class Tally:
+    """An environment for the tool runs (`rollout.environment`): its prompt names the row's answer (so `reset` got the
+    row), `tally` counts its own calls, and the reward is that count: it reaches the scores only if the calls ran on
+    this trajectory's instance and `reward()` was read from it."""
+
+    def __init__(self):
+        self.calls, self.row_seen = 0, False
+
+    def reset(self, ground_truth: str = "", **row) -> str:
+        self.calls, self.row_seen = 0, bool(ground_truth)
+        return f"Say {ground_truth} after counting."
+
+    def tally(self, text: str) -> int:
+        """Count one more call.
+
+        Args:
+            text: Anything.
+        """
+        self.calls += 1
+        return self.calls
+
+    def reward(self) -> float:
+        return float(self.calls) if self.row_seen else -100.0
+
+
 def lookup(key: str) -> str:
     """Look a key up.
 

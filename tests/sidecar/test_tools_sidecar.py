@@ -1,7 +1,8 @@
 """Multi-turn GRPO with tools in sidecar mode, end to end: a real vLLM server, real etcd, 2 trainer ranks, the python
-tool in its sandbox; synchronous (`rollout.max_staleness=0`) and asynchronous (1). Each trajectory is one loop of
-token-in/token-out requests against the server; the trained ids are those the server sampled (the trainer's
-recomputed log-probs match the server's on the model's tokens), and each token keeps the version that sampled it.
+tool in its sandbox; synchronous (`rollout.max_staleness=0`) and asynchronous (1, with an environment beside the
+python tool: `rollout.environment`). Each trajectory is one loop of token-in/token-out requests against the server;
+the trained ids are those the server sampled (the trainer's recomputed log-probs match the server's on the model's
+tokens), and each token keeps the version that sampled it.
 In the same launch, a black-box agent (`rollout.agent`, the OpenAI client against the chat endpoint) trains the
 same way: its two chained calls are one sample, its call that starts over an extra sample, counted."""
 
@@ -36,6 +37,7 @@ def test_grpo_with_the_tool_loop_and_a_black_box_agent_in_sidecar_mode(tiny_mode
                     "rollout.multi_turn.max_turn_tokens": 6, "rollout.multi_turn.max_turns": 3,
                     "rollout.multi_turn.tool_workers": 1, "reward.fn": "tests.e2e.rewards:length_parity",
                     "algorithm.rollout_correction": "tis", "data.val_files": "[]"})})
+        runs[1]["overrides"] = with_environment(runs[1]["overrides"])  # K = 1 plays an environment too
         runs.append({"name": "agent", "recipe": "grpo", "overrides": tiny_overrides(
             tiny_models["qwen2"], task_files, tmp_path / "agent", **{
                 "rollout.mode": "sidecar", "sidecar.etcd": etcd.endpoint, "sidecar.port": free_port(),
@@ -58,6 +60,7 @@ def test_grpo_with_the_tool_loop_and_a_black_box_agent_in_sidecar_mode(tiny_mode
         # K = 1: step 2 trains trajectories sent during step 1 (measured: every token of every turn one version old)
         assert (steps[2]["async/staleness_tokens_mean"] > 0) == (k == 1)
         assert steps[1]["async/staleness_tokens_mean"] == 0
+    check_environment(tmp_path / "k1")
     assert result["agent"]["ok"], result["agent"].get("error")
     lines = [json.loads(x) for x in (tmp_path / "agent" / "metrics.jsonl").read_text().splitlines()]
     steps = {d["step"]: d for d in lines if "actor/pg_loss" in d}
@@ -73,3 +76,23 @@ def test_grpo_with_the_tool_loop_and_a_black_box_agent_in_sidecar_mode(tiny_mode
     # held-out validation plays the agent too (greedy): its episodes, two model turns each
     val = [d for d in lines if "val/reward_mean" in d]
     assert val and all(d["val/rollout/turns_mean"] == 2 for d in val), val
+
+
+# -- rollout.environment in sidecar mode (the K = 1 run) --------------------------------------------------------------
+
+def with_environment(overrides: list[str]) -> list[str]:
+    """A run's overrides with the `Tally` environment: its prompt, its method called every turn beside python."""
+    kept = [o for o in overrides if not o.startswith("rollout.multi_turn.parser=")]
+    return [*kept, "rollout.environment=tests.e2e.tools:Tally", "rollout.multi_turn.parser=tests.e2e.tools:python_and_tally"]
+
+
+def check_environment(out: Path) -> None:
+    """Each trajectory's environment got its row (else its reward is -100), its `tally` ran once per tool turn on
+    that instance, and its `reward()` reached the scores: the environment's mean reward is half the calls (python and
+    tally each turn). The run's own checks (above) cover the ids and log-probs, its prompt among them."""
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [d for d in lines if "actor/pg_loss" in d]
+    assert len(steps) == 2, steps
+    for m in steps:
+        assert m["reward/environment/mean"] >= 1, m["reward/environment/mean"]
+        assert m["reward/environment/mean"] * 2 == pytest.approx(m["rollout/tool_calls_mean"], abs=1e-4)

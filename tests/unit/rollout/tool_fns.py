@@ -65,6 +65,17 @@ def fail(message: str) -> str:
     raise ValueError(message)
 
 
+def unavailable(service: str) -> str:
+    """Fail as a tool whose service is down (an infrastructure failure, not the model's).
+
+    Args:
+        service: The service's name.
+    """
+    from hybrid_rl.rollout.tools import ToolInfraError
+
+    raise ToolInfraError(f"{service} is down")
+
+
 class Counter:
     """An environment: a counter the model increments; the reward is 1 when it reaches the row's target."""
 
