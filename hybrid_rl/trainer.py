@@ -179,7 +179,7 @@ class Trainer:
         with self.timer.phase("reward_wait"):
             scored = scoring.result()
         if self.c.rewards is not None:
-            metrics.update(exp_batch.reward_metrics(scored))
+            metrics.update(exp_batch.reward_metrics(scored, mine.index))
         if isinstance(scoring, Pending) and self.c.rewards is not None:
             # Scoring time the step did not wait for: it ran while the model passes did.
             metrics["timing/reward_overlap_saved_s"] = max(0.0, scored.seconds - (time.perf_counter() - t_wait))

@@ -36,6 +36,10 @@ class Sample:
     # [response tokens] bool: the tokens the loss covers (the model's own); empty: every response token. A multi-turn
     # trajectory's tool results and template tokens sit inside the response as context, mask 0 (`rollout/trajectory`)
     loss_mask: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
+    # its place in its episode: 0 for a sample of its own; k for the (k+1)-th trajectory a black-box agent's episode
+    # was stitched into (`rollout/stitch.py`). An episode's trajectories have consecutive uids in call order, and the
+    # last one carries the episode's reward (`BatchIndex.episodes`)
+    part: int = 0
 
     @property
     def prompt_len(self) -> int:
@@ -62,17 +66,36 @@ class BatchIndex:
     response_lens: torch.Tensor  # [N] int64
     groups: torch.Tensor  # [N] int64
     truncated: torch.Tensor  # [N] bool
+    parts: torch.Tensor | None = None  # [N] int64: each sample's `Sample.part` (None: every sample is its own episode)
 
     @property
     def size(self) -> int:
         return int(self.groups.shape[0])
 
     @property
+    def episodes(self) -> torch.Tensor | None:
+        """[N] int64: each sample's episode, numbered 0.. in uid order; None when every sample is an episode of its
+        own (the usual case: one response, or one tool-loop trajectory, per request)."""
+        if self.parts is None or not bool(self.parts.any()):
+            return None
+        return torch.cumsum((self.parts == 0).long(), 0) - 1
+
+    @property
+    def episode_ends(self) -> torch.Tensor:
+        """[N] bool: the last sample of each episode (the one its reward was judged on; every sample when each is an
+        episode of its own)."""
+        if self.parts is None:
+            return torch.ones(self.size, dtype=torch.bool)
+        return torch.cat([self.parts[1:] == 0, torch.ones(min(self.size, 1), dtype=torch.bool)])
+
+    @property
     def lengths(self) -> torch.Tensor:
         return self.prompt_lens + self.response_lens
 
     def select(self, uids: torch.Tensor) -> BatchIndex:
-        return BatchIndex(self.prompt_lens[uids], self.response_lens[uids], self.groups[uids], self.truncated[uids])
+        """The rows `uids` (whole episodes: an episode cut in two would no longer start at part 0)."""
+        return BatchIndex(self.prompt_lens[uids], self.response_lens[uids], self.groups[uids], self.truncated[uids],
+                          None if self.parts is None else self.parts[uids])
 
 
 @dataclass(frozen=True)

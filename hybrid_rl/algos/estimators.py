@@ -8,6 +8,12 @@ REINFORCE++) run row by row on the share and whiten with moments of the whole ba
 the whole batch and `reduce` the identity, each adapter returns exactly what its contract function
 returns.
 
+Episodes (`episodes`, a black-box agent's episode stitched into several samples): group estimators run on one row
+per episode (its last sample's score and group) and give each of its samples the episode's advantage, so group means
+and standard deviations count episodes, not pieces (SkyRL's step-wise training does the same: the advantage of the
+last step, broadcast to the trajectory's steps). Token estimators are per row already: each sample gets its outcome
+score (the episode's) at its last token.
+
 Adding an estimator: its function in `advantages.py`, one adapter here, one line in `ESTIMATORS`.
 """
 
@@ -20,6 +26,7 @@ import torch
 from torch import Tensor
 
 from .advantages import discounted_returns, gae_unwhitened, grpo, rloo
+from .groups import episode_rows
 from .masked import masked_whiten
 from .registry import lookup
 from .shaping import token_rewards
@@ -37,6 +44,7 @@ class AdvantageInputs:
     kl: Tensor | None = None  # [B, T] per-token KL to the reference, when it is part of the reward
     kl_coef: float = 0.0
     reduce: Callable[[Tensor], Tensor] | None = None  # sum over ranks (None: the share is the whole batch)
+    episodes: Tensor | None = None  # [N] episode id of every sample (None: each sample is an episode of its own)
 
 
 @dataclass(frozen=True)
@@ -53,13 +61,20 @@ def _per_sample(advantage_of_all: Tensor, x: AdvantageInputs) -> Tensor:
     return advantage_of_all[x.rows] * x.mask
 
 
+def _by_episode(estimate: Callable[[Tensor, Tensor, Tensor], Tensor], x: AdvantageInputs) -> Tensor:
+    """`[N, 1]`: a group estimator (scores, groups, mask) run on one row per episode, each sample given its episode's."""
+    if x.episodes is None:
+        return estimate(x.scores, x.groups, torch.ones(x.scores.shape[0], 1))
+    last, inverse = episode_rows(x.episodes)
+    return estimate(x.scores[last], x.groups[last], torch.ones(last.shape[0], 1))[inverse]
+
+
 def _grpo(x: AdvantageInputs, s: AdvantageSettings) -> Result:
-    ones = torch.ones(x.scores.shape[0], 1)
-    return _per_sample(grpo(x.scores, x.groups, ones, norm_by_std=s.norm_by_std), x), None
+    return _per_sample(_by_episode(lambda sc, g, m: grpo(sc, g, m, norm_by_std=s.norm_by_std), x), x), None
 
 
 def _rloo(x: AdvantageInputs, s: AdvantageSettings) -> Result:
-    return _per_sample(rloo(x.scores, x.groups, torch.ones(x.scores.shape[0], 1)), x), None
+    return _per_sample(_by_episode(rloo, x), x), None
 
 
 def _token_rewards(x: AdvantageInputs) -> Tensor:

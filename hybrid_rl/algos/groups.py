@@ -1,8 +1,12 @@
-"""Per-group statistics over samples that share a prompt (GRPO, RLOO, DAPO filtering, online DPO).
+"""Per-group statistics over samples that share a prompt (GRPO, RLOO, DAPO filtering, online DPO), and episodes.
 
 `group_ids` are any hashable ids, as a list (or other sequence) or as a 1-D tensor; samples with
 equal ids form a group. They are mapped once to contiguous ints (`group_index`) so that group
 sums are one `index_add` instead of a Python loop over samples.
+
+An *episode* is one request's samples: usually one, but a black-box agent's episode can be stitched into several
+trajectories, each a sample. Group statistics count episodes, not samples (`episode_rows`): an episode that split
+into more pieces must not weigh more in its group.
 """
 
 from __future__ import annotations
@@ -78,3 +82,12 @@ def groups_with_signal(scores: Tensor, group_ids: GroupIds) -> Tensor:
     """
     inverse, group_max, group_min = group_max_min(scores, group_ids)
     return (group_max != group_min)[inverse]
+
+
+def episode_rows(episode_ids: GroupIds) -> tuple[Tensor, Tensor]:
+    """Episodes' representative rows: `(last [E] long, inverse [B] long)`, the last sample of each episode (the one
+    its outcome was judged on) and each sample's episode number `0..E-1` (by first appearance)."""
+    inverse, num_episodes = group_index(episode_ids)
+    positions = torch.arange(inverse.numel(), device=inverse.device)
+    last = torch.full((num_episodes,), -1, dtype=torch.long, device=inverse.device)
+    return last.scatter_reduce(0, inverse, positions, "amax"), inverse

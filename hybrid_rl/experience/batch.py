@@ -3,6 +3,10 @@
 Outcome scores are per sample and known on every rank (`[N]`), so group estimators see the whole
 batch; token-level inputs (KL in the reward, critic values) exist only for the share, and token
 estimators whiten with moments summed over ranks (`algos.estimators`). No `[N, T]` tensor is built.
+
+A black-box agent's episode may be several samples (`BatchIndex.episodes`): each gets the score of the episode's
+last sample (what the reward functions judged), group estimators count the episode once, and the reward metrics are
+means over episodes.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 from hybrid_rl.algos import kl, masked_sum, overlong_penalty
 from hybrid_rl.algos.correction import CorrectionInputs, CorrectionSettings, rollout_correction, token_log_ratio
 from hybrid_rl.algos.estimators import AdvantageInputs, AdvantageSettings, get_estimator
+from hybrid_rl.algos.groups import episode_rows
 from hybrid_rl.dist.collectives import all_reduce, all_reduce_sum
 from hybrid_rl.experience.passes import PassOutputs, width_of
 from hybrid_rl.experience.share import Share
@@ -41,13 +46,17 @@ def global_rows(local: torch.Tensor, rows: torch.Tensor, size: int) -> torch.Ten
 
 
 def outcome_scores(scores: Scores, passes: PassOutputs, share: Share, s: BatchSettings) -> torch.Tensor:
-    """`[N]` outcome rewards: rule rewards + weighted reward model + DAPO's overlong shaping."""
+    """`[N]` outcome rewards: rule rewards + weighted reward model + DAPO's overlong shaping; every sample of an
+    episode gets its last sample's (the episode's outcome)."""
     total = scores.total
     if passes.rm_scores is not None:
         total = total + s.rm_weight * global_rows(passes.rm_scores, share.rows, share.index.size)
     if s.overlong_buffer:
         total = total + overlong_penalty(share.index.response_lens, s.max_new_tokens, s.overlong_buffer,
                                          s.overlong_penalty)
+    if (episodes := share.index.episodes) is not None:
+        last, inverse = episode_rows(episodes)
+        total = total[last][inverse]
     return total
 
 
@@ -64,7 +73,7 @@ def train_batch(share: Share, scores: torch.Tensor, passes: PassOutputs, s: Batc
         if s.kl_in_reward and passes.ref_logp is not None:
             kl_tok = kl(passes.old_logp, passes.ref_logp, s.kl_estimator, mask=mask)
         x = AdvantageInputs(scores, share.index.groups, share.rows, mask, passes.values, kl_tok,
-                            kl_coef if kl_tok is not None else 0.0, reduce=all_reduce)
+                            kl_coef if kl_tok is not None else 0.0, reduce=all_reduce, episodes=share.index.episodes)
         adv, returns = get_estimator(s.estimator)(x, s.advantage)
     return TrainBatch(samples, mask, scores[share.rows], passes.old_logp, adv, passes.ref_logp, passes.values,
                       returns, share.paired, sampler_logprobs(samples, width), token_staleness(samples, width, version))
@@ -102,20 +111,23 @@ def token_staleness(samples: list[Sample], width: int, version: int) -> torch.Te
     return out
 
 
-def reward_metrics(scored: Scores) -> dict[str, float]:
-    s = scored.total
+def reward_metrics(scored: Scores, index: BatchIndex) -> dict[str, float]:
+    """The reward functions' statistics over the step's episodes (each judged on its last sample)."""
+    ends = index.episode_ends
+    s = scored.total[ends]
     out = {"reward/mean": float(s.mean()), "reward/std": float(s.std()) if len(s) > 1 else 0.0,
            "reward/min": float(s.min()), "reward/max": float(s.max()), "reward/errors": float(scored.errors),
            "reward/timeouts": float(scored.timeouts), "timing/reward_score_s": scored.seconds}
     for name, v in scored.parts.items():
-        out[f"reward/{name}/mean"] = float(v.mean())
+        out[f"reward/{name}/mean"] = float(v[ends].mean())
     return out
 
 
 def rollout_metrics(index: BatchIndex, scores: torch.Tensor) -> dict[str, float]:
     lengths = index.response_lens.float()
     out = {"response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
-           "response/clip_ratio": float(index.truncated.float().mean()), "reward/mean": float(scores.mean())}
+           "response/clip_ratio": float(index.truncated.float().mean()),
+           "reward/mean": float(scores[index.episode_ends].mean()), "train/samples": float(index.size)}
     return {k: v for k, v in out.items() if math.isfinite(v)}
 
 

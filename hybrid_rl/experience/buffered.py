@@ -15,6 +15,11 @@
    every rank from the last poll; dropped and taken groups leave the buffer, the rest stays for later
    steps, still generating while the trainer trains this one.
 
+A request gives one sample, or (a black-box agent's episode stitched into several trajectories,
+`Arrival.earlier`) several: the last is scored, and every one is trained with the episode's score, as
+consecutive uids (`Sample.part`); the poll's table says how many each request gives, so every rank
+numbers them alike. Group statistics stay per request (`BatchIndex.episodes`).
+
 Seeds, the record order and which rank generates which sample are those of the synchronous loop, so
 with `max_staleness = 0` the batches are the synchronous ones sample for sample (tested). With k > 0
 they depend on timing (which groups finished first, where a pause cut a response): runs are not
@@ -52,8 +57,9 @@ from hybrid_rl.utils.timer import PhaseTimer
 log = logging.getLogger(__name__)
 
 POLL_S = 0.02  # while waiting for groups: how often the ranks compare what they hold (one small all-reduce)
-# Channels of the per-poll status tensor [C, groups, n]; the reward functions' parts follow.
-_FINISHED, _SCORED, _INFRA, _TOTAL, _ERRORS, _TIMEOUTS, _PARTS = range(7)
+# Channels of the per-poll status tensor [C, groups, n]; the reward functions' parts follow. _SAMPLES: the samples a
+# finished request gives (1, or a black-box agent episode's trajectories).
+_FINISHED, _SCORED, _INFRA, _SAMPLES, _TOTAL, _ERRORS, _TIMEOUTS, _PARTS = range(8)
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,7 @@ class BufferedSource:
         refills = settings.max_sampling_rounds - 1 if settings.dynamic_sampling else 0
         self.book = Book(settings.prompts_per_step, settings.max_staleness, refills)
         self.held: dict[int, Sample] = {}  # key -> this rank's finished sample (uid = key, group = gid)
+        self.earlier: dict[int, list[Sample]] = {}  # key -> an agent episode's trajectories before the held one
         # multi-turn: keys whose tools failed for infrastructure reasons (left out of the batch), trajectory counts
         self.infra: set[int] = set()
         self.traj_stats: dict[int, dict[str, float]] = {}
@@ -164,7 +171,11 @@ class BufferedSource:
                 log.warning("rank %d: a response for sample %d of a group no longer in the buffer", self.dims.rank, key)
                 continue
             self.held[key] = sample_of(key, g.record, a.generation, g.gid, prompt_of(a), token_versions=a.token_versions,
-                                       loss_mask=a.loss_mask, extra_fields=a.fields)
+                                       loss_mask=a.loss_mask, extra_fields=a.fields, part=len(a.earlier))
+            if a.earlier:
+                self.earlier[key] = [sample_of(key, g.record, e.generation, g.gid, prompt_of(e), part=k,
+                                               token_versions=e.token_versions, loss_mask=e.loss_mask,
+                                               extra_fields=a.fields) for k, e in enumerate(a.earlier)]
             if a.infra_failed:
                 self.infra.add(key)
             if a.stats:
@@ -205,6 +216,7 @@ class BufferedSource:
             row, j = where[key // n], key % n
             table[_FINISHED, row, j] = 1.0
             table[_INFRA, row, j] = float(key in self.infra)
+            table[_SAMPLES, row, j] = float(1 + len(self.earlier.get(key, ())))
             if (score := self.scores.get(key)) is not None:
                 table[_SCORED, row, j] = 1.0
                 table[_TOTAL:, row, j] = torch.tensor(score, dtype=torch.float64)
@@ -241,32 +253,35 @@ class BufferedSource:
 
     def _forget(self, gid: int) -> None:
         for key in range(gid * self.s.n, (gid + 1) * self.s.n):
-            for d in (self.held, self.scores, self.traj_stats):
+            for d in (self.held, self.earlier, self.scores, self.traj_stats):
                 d.pop(key, None)
             self.infra.discard(key)
 
     # -- the batch out ---------------------------------------------------------------------------
 
     def _assemble(self, plan: Plan, status: Status, v: int) -> Experience:
-        """Collective: the taken groups as the step's batch, renumbered in gid order."""
+        """Collective: the taken groups as the step's batch, renumbered in gid order: each request's samples (its
+        episode's trajectories, the scored one last) at consecutive uids with the request's score, less the requests
+        whose infrastructure failed (out of statistics and loss)."""
         n, take = self.s.n, plan.take
         position = {gid: p for p, gid in enumerate(take)}
-        held = sorted((s.renumbered(position[s.uid // n] * n + s.uid % n, position[s.uid // n])
-                       for s in self.held.values() if s.uid // n in position), key=lambda s: s.uid)
-        size = len(take) * n
         rows = status.rows(take)
-        t = status.table[:, rows].reshape(status.table.shape[0], size).float()
-        scores = Scores(t[_TOTAL], {name: t[_PARTS + k] for k, name in enumerate(self.scorer.part_names)},
+        t = status.table[:, rows].reshape(status.table.shape[0], len(take) * n).float()
+        count = torch.where(t[_INFRA] == 0, t[_SAMPLES], 0).long()  # samples of each request, in batch order
+        first = torch.cumsum(count, 0) - count  # its first sample's uid
+        held = []
+        for key, last in self.held.items():
+            p = position.get(key // n)
+            if p is not None and count[p * n + key % n]:
+                start = int(first[p * n + key % n])
+                held += [x.renumbered(start + x.part, p) for x in (*self.earlier.get(key, ()), last)]
+        held.sort(key=lambda x: x.uid)
+        size = int(count.sum())
+        scores = Scores(t[_TOTAL].repeat_interleave(count),
+                        {name: t[_PARTS + k].repeat_interleave(count) for k, name in enumerate(self.scorer.part_names)},
                         int(t[_ERRORS].sum()), int(t[_TIMEOUTS].sum()), status.score_s / self.dims.world)
         fields = {self.book.live[gid].record.index: self.book.live[gid].record.fields for gid in take}
         stats = [self.traj_stats[k] for gid in take for k in range(gid * n, (gid + 1) * n) if k in self.traj_stats]
-        keep = t[_INFRA] == 0  # multi-turn samples whose tools' infrastructure failed: out of statistics and loss
-        if not keep.all():
-            new_uid = torch.cumsum(keep.long(), 0) - 1
-            held = [s.renumbered(int(new_uid[s.uid])) for s in held if keep[s.uid]]
-            scores = Scores(scores.total[keep], {k: v[keep] for k, v in scores.parts.items()}, scores.errors,
-                            scores.timeouts, scores.seconds)
-            size = int(keep.sum())
         rollout = Rollout(held, gather_index(held, size), trajectory_metrics(stats))
         for gid in (*take, *plan.drop):
             self._forget(gid)
@@ -297,13 +312,17 @@ class BufferedSource:
     def rank_state(self) -> dict:
         """The finished samples this rank holds, with the responses that reached it since the last poll."""
         self._collect()
-        return {"held": list(self.held.values())}
+        return {"held": list(self.held.values()), "earlier": [x for xs in self.earlier.values() for x in xs],
+                "infra": sorted(self.infra)}
 
     def load_state_dict(self, state: dict, rank_state: dict) -> None:
         if state.get("kind") != "buffered":
             return  # a synchronous run's checkpoint: the buffer starts empty
         self.book.load_state_dict(state["book"])
         self.held = {s.uid: s for s in rank_state["held"]}
+        self.earlier, self.infra = {}, set(rank_state.get("infra", ()))  # (absent from older checkpoints)
+        for x in sorted(rank_state.get("earlier", ()), key=lambda x: x.part):
+            self.earlier.setdefault(x.uid, []).append(x)
         n, d = self.s.n, self.dims
         mine = [g.gid * n + j for g in self.book.live.values() for j in range(n) if (g.slot * n + j) % d.world == d.rank]
         self.resend = [key for key in mine if key not in self.held]

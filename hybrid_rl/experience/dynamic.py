@@ -31,12 +31,19 @@ def merge_rounds(rounds: list[tuple[Rollout, Scores, torch.Tensor]], limit: int)
         scores.append(_select(scored, keep))
         offset += int(keep.sum())
     index = BatchIndex(*(torch.cat([getattr(i, f) for i in indices]) for f in
-                         ("prompt_lens", "response_lens", "groups", "truncated")))
+                         ("prompt_lens", "response_lens", "groups", "truncated")),
+                       _parts([i.parts if i.parts is not None else torch.zeros(i.size, dtype=torch.int64)
+                               for i in indices]))
     total = _concat(scores)
     size = _whole_groups(index.groups, limit)
     keep_first = torch.arange(index.size) < size
     return Rollout([s for s in held if s.uid < size], index.select(keep_first.nonzero().flatten())), \
         _select(total, keep_first)
+
+
+def _parts(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    joined = torch.cat(parts)
+    return joined if bool(joined.any()) else None
 
 
 def _whole_groups(groups: torch.Tensor, limit: int) -> int:

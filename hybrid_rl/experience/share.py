@@ -48,8 +48,10 @@ def adjacent_pairs(index: BatchIndex) -> list[list[int]]:
 
 
 def ranked_pairs(index: BatchIndex, scores: torch.Tensor) -> list[list[int]]:
-    """Online DPO: each group's best and worst sample by reward (groups whose rewards all tie give none)."""
-    return best_worst_pairs(scores, index.groups).tolist()
+    """Online DPO: each group's best and worst sample by reward (groups whose rewards all tie give none); of a black-box
+    agent's episode stitched into several samples, only its last (the one judged) is a candidate."""
+    ends = index.episode_ends.nonzero().flatten()
+    return ends[best_worst_pairs(scores[ends], index.groups[ends])].tolist()
 
 
 def assign(units: list[list[int]], index: BatchIndex, world: int) -> tuple[list[list[int]], torch.Tensor]:

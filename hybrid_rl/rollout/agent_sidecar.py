@@ -3,11 +3,13 @@ sample, against the chat endpoint, through the multi-turn sidecar's streaming ma
 
 Each submitted request becomes a thread (`MultiTurnSidecar`'s) that plays the user's agent on the request's row
 (`black_box.play`): every model call the agent makes goes through `ChatEndpoint` to the server the request's key
-sticks to, and is recorded as the ids that server saw. The episode's first stitched trajectory is the sample
-(prompt = its first call's ids; the loss mask covers exactly the sampled ids); further trajectories (calls that did
-not extend it) are counted in `rollout/agent_extra_samples`, not yet trained: the buffer holds one sample per
-request. The agent's return value is the sample's `env_reward` field (the `agent` reward, weight 1); an agent that
-raises or makes no call is an infrastructure failure (left out of the group statistics and the loss).
+sticks to, and is recorded as the ids that server saw, each sampled id with the policy version that sampled it. The
+episode's stitched trajectories are its samples, all trained (`Arrival.earlier`, then the last one; prompt = each
+trajectory's first call's ids; the loss mask covers exactly the sampled ids). The last trajectory is what the reward
+functions judge, and the episode's reward is given to each of its trajectories: the advantage is computed once per
+episode (`BatchIndex.episodes`), so an episode that split into more pieces does not weigh more in its group. The
+agent's return value is the `env_reward` field (the `agent` reward, weight 1); an agent that raises or makes no call
+is an infrastructure failure (left out of the group statistics and the loss).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import queue
 import threading
 import uuid
+from dataclasses import replace
 
 import torch
 
@@ -24,7 +27,8 @@ from hybrid_rl.rollout.base import Arrival
 from hybrid_rl.rollout.black_box import Agent, play
 from hybrid_rl.rollout.chat_endpoint import ChatEndpoint
 from hybrid_rl.rollout.chat_template import TemplateFamily
-from hybrid_rl.rollout.sidecar import SidecarRollout
+from hybrid_rl.rollout.sidecar import SidecarRollout, token_versions_of
+from hybrid_rl.rollout.trajectory import Trajectory
 from hybrid_rl.sidecar.completions import Request, Router
 
 
@@ -34,7 +38,7 @@ class AgentSidecar(MultiTurnSidecar):
 
     def __init__(self, inner: SidecarRollout, tokenizer, family: TemplateFamily, agent: Agent, *, max_inflight: int):
         self.inner, self.tokenizer, self.agent = inner, tokenizer, agent
-        self.endpoint = ChatEndpoint(inner.stream, tokenizer, family, model=inner.model_name)
+        self.endpoint = ChatEndpoint(inner.stream, tokenizer, family, model=inner.model_name, versions=self._versions)
         self._slots = threading.BoundedSemaphore(max_inflight)
         self._closed = False
         self._arrived: queue.SimpleQueue[tuple[int, Arrival | None, str]] = queue.SimpleQueue()
@@ -50,18 +54,34 @@ class AgentSidecar(MultiTurnSidecar):
         row = dict(r.row or {})
         ep = play(self.endpoint, self.agent, row, episode=f"{r.key}-{uuid.uuid4().hex[:8]}", seed=r.seed,
                   sampling=sampling, router=_Pinned(router, r))
-        empty = Generation(0, (), (), "stop")
         if ep.error or not ep.trajectories:
             why = ep.error or "the agent made no model call"
-            return Arrival(empty, torch.zeros(0, dtype=torch.int64), infra_failed=True,
+            return Arrival(Generation(0, (), (), "stop"), torch.zeros(0, dtype=torch.int64), infra_failed=True,
                            fields={"agent_error": why}, stats={"n": 1.0, "infra": 1.0})
-        t = ep.trajectories[0]
-        gen = Generation(0, tuple(t.response_ids), tuple(t.logprobs), "stop")
         fields = {"env_reward": ep.reward} if ep.reward is not None else {}
-        stats = {"n": 1.0, "turns": float(t.turns), "extra_samples": float(len(ep.trajectories) - 1),
-                 "model_tokens": float(t.model_tokens), "context_tokens": float(len(t.response_ids) - t.model_tokens)}
-        return Arrival(gen, torch.zeros(0, dtype=torch.int64), torch.tensor(t.loss_mask, dtype=torch.bool), fields,
-                       stats=stats, prompt_ids=tuple(t.prompt_ids))
+        *earlier, last = (self._arrival(t) for t in ep.trajectories)
+        model = sum(t.model_tokens for t in ep.trajectories)
+        stats = {"n": 1.0, "turns": float(sum(t.turns for t in ep.trajectories)),
+                 "trajectories": float(len(ep.trajectories)), "model_tokens": float(model),
+                 "context_tokens": float(sum(len(t.response_ids) for t in ep.trajectories) - model)}
+        return replace(last, fields=fields, stats=stats, earlier=tuple(earlier))
+
+    @staticmethod
+    def _arrival(t: Trajectory) -> Arrival:
+        """One stitched trajectory as a sample's arrival: its own prompt, ids, log-probs, mask and token versions (none
+        when a call carried none, or a token came from weights of no known policy version)."""
+        versions = torch.tensor(t.versions, dtype=torch.int64)
+        if (versions < 0).any():
+            versions = torch.zeros(0, dtype=torch.int64)
+        return Arrival(Generation(0, tuple(t.response_ids), tuple(t.logprobs), "stop"), versions,
+                       torch.tensor(t.loss_mask, dtype=torch.bool), prompt_ids=tuple(t.prompt_ids))
+
+    def _versions(self, g: Generation) -> list[int]:
+        """The policy version of each of a call's sampled ids (the server's spans); a version this run never pushed
+        fails the call, as it fails any other request."""
+        if unknown := [v for v, _, _ in g.weight_spans if v not in self.inner.policy_of]:
+            raise RuntimeError(f"tokens sampled under weight version {unknown[0]!r}, which this run did not push")
+        return token_versions_of(g, self.inner.policy_of).tolist()
 
 
 class _Pinned:

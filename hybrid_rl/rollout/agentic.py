@@ -148,7 +148,7 @@ def stats_of(t: Trajectory) -> dict[str, float]:
 
 
 _KEYS = ("n", "turns", "tool_calls", "calling", "malformed", "errors", "timeouts", "infra", "truncated", "model_tokens",
-         "context_tokens", "tool_s", "generate_s", "extra_samples")
+         "context_tokens", "tool_s", "generate_s", "trajectories")
 
 
 def trajectory_metrics(stats: list[dict[str, float]], wall: tuple[float, float] | None = None) -> dict[str, float]:
@@ -172,8 +172,8 @@ def trajectory_metrics(stats: list[dict[str, float]], wall: tuple[float, float] 
             "rollout/model_tokens_mean": sums["model_tokens"] / n,
             "rollout/context_tokens_mean": sums["context_tokens"] / n, "timing/tool_s": tool_s,
             "rollout/tool_time_share": tool_s / loop_s if loop_s > 0 else 0.0,
-            # black-box agents: stitched trajectories past an episode's first (not trained yet)
-            **({"rollout/agent_extra_samples": sums["extra_samples"]} if sums["extra_samples"] else {})}
+            # black-box agents: the trajectories each episode was stitched into (each one a trained sample)
+            **({"rollout/trajectories_per_episode": sums["trajectories"] / n} if sums["trajectories"] else {})}
 
 
 def keep_survivors(samples: dict[int, Sample], failed: set[int], size: int, stats: list[dict[str, float]], *,

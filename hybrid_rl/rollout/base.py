@@ -53,6 +53,10 @@ class Arrival:
     infra_failed: bool = False
     stats: Mapping[str, float] = field(default_factory=dict)
     prompt_ids: tuple[int, ...] = ()  # the trajectory's own prompt (an agent's first call's, an environment's); () the row's
+    # black-box agents: the episode's stitched trajectories before this one, in call order (their own generation,
+    # versions, mask and prompt; `fields`, `stats` and `infra_failed` are this arrival's). Every one is trained; this
+    # last one is what the reward functions judge, and its reward is the whole episode's
+    earlier: tuple[Arrival, ...] = ()
 
 
 class RolloutWorker(Protocol):

@@ -3,7 +3,8 @@
 The agent is `run(base_url: str, row: dict) -> float | None`: it talks to the model only through an OpenAI client
 (or plain HTTP) at `base_url`, and may return the episode's reward. Its calls, recorded as token ids by
 `ChatEndpoint`, are stitched into trajectories (`stitch.stitch`: most episodes give one; a call that does not extend
-the previous one starts another). An agent that raises fails its episode (counted, not scored).
+the previous one starts another, and every one is trained). An agent that raises fails its episode (counted, not
+scored).
 """
 
 from __future__ import annotations

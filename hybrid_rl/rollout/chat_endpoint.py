@@ -5,7 +5,9 @@ An agent written against the OpenAI client is given `base_url = ChatEndpoint.ope
 `POST {base_url}/chat/completions` (non-streaming) as it would any server. The endpoint turns the messages into token
 ids, sends them to a vLLM server's token-in/token-out `/inference/v1/generate` (the sidecar's own path, so the ids
 recorded are the ids the server saw and sampled, with the sampler's log-probs), answers in the OpenAI format and
-records a `stitch.RecordedCall`; `close(episode)` hands the calls to `stitch.stitch`.
+records a `stitch.RecordedCall` (with the policy version of each sampled id, from the server's weight-version spans:
+asynchronous training sees the agent's tokens' ages as it sees the tool loop's); `close(episode)` hands the calls to
+`stitch.stitch`.
 
 No re-tokenisation drift across calls: when a call's messages extend the previous call's (the same messages, then
 the previous reply as the assistant's message, then new ones), its prompt is the previous call's recorded ids, the
@@ -24,7 +26,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -55,8 +57,12 @@ class ChatEndpoint:
     """`/episodes/<id>/v1/chat/completions` on a local port, each episode's calls recorded as token ids."""
 
     def __init__(self, client: CompletionClient, tokenizer, family: TemplateFamily, *, host: str = "127.0.0.1",
-                 port: int = 0, model: Callable[[], str] = lambda: SERVED_MODEL):
+                 port: int = 0, model: Callable[[], str] = lambda: SERVED_MODEL,
+                 versions: Callable[[Generation], Sequence[int]] = lambda g: ()):
         self.client = client
+        # The policy version of each sampled id, from the server's spans (`SidecarRollout.versions_of`); () records
+        # none. Raising (a version the run never pushed) fails the call.
+        self.versions = versions
         # What each call names as its model, read per call: the served base, or with `model.lora.sync=adapter` the
         # adapter version the servers were last brought to (`SidecarRollout.model_name`), as every other request.
         self.model = model
@@ -124,7 +130,7 @@ class ChatEndpoint:
             ids = list(g.token_ids)
             eot = self._suffix(tools).end_of_turn_id
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            ep.calls.append(RecordedCall(prompt, ids, list(g.logprobs)))
+            ep.calls.append(RecordedCall(prompt, ids, list(g.logprobs), list(self.versions(g))))
             ep.messages = [*messages]
             ep.reply, ep.ended = text, bool(ids) and ids[-1] == eot
         return {"id": f"chatcmpl-{episode}-{len(ep.calls)}", "object": "chat.completion", "created": int(time.time()),

@@ -2,7 +2,7 @@
 
 After generation every sample is held by one rank. Two things then travel:
 
-* `gather_index`: one small int64 row per sample (uid, lengths, group, truncated) to every rank, so
+* `gather_index`: one small int64 row per sample (uid, lengths, group, truncated, part) to every rank, so
   that balancing, group statistics and metrics need no tokens (one all-gather).
 * `send_to_owners`: each sample's tokens, rollout log-probs, token versions and loss mask to the rank that trains
   on it (three all-to-alls: headers, token ids with the versions and mask behind them, log-probs), never to the
@@ -23,14 +23,15 @@ from hybrid_rl.dist.collectives import all_gather_rows, all_to_all_rows
 from hybrid_rl.types import BatchIndex, Sample
 
 # Header columns of one sample on the wire.
-_UID, _PROMPT, _RESPONSE, _TRUNCATED, _GROUP, _RECORD, _LOGPROBS, _VERSIONS, _MASK = range(9)
+_UID, _PROMPT, _RESPONSE, _TRUNCATED, _GROUP, _RECORD, _LOGPROBS, _VERSIONS, _MASK, _PART = range(10)
+_COLUMNS = 10
 
 
 def _headers(samples: Sequence[Sample]) -> torch.Tensor:
     rows = [(s.uid, s.prompt_len, s.response_len, int(s.truncated), s.group, s.record_index,
-             int(s.rollout_logprobs.shape[0]), int(s.token_versions.shape[0]), int(s.loss_mask.shape[0]))
+             int(s.rollout_logprobs.shape[0]), int(s.token_versions.shape[0]), int(s.loss_mask.shape[0]), s.part)
             for s in samples]
-    return torch.tensor(rows, dtype=torch.int64).view(-1, 9)
+    return torch.tensor(rows, dtype=torch.int64).view(-1, _COLUMNS)
 
 
 def gather_index(held: Sequence[Sample], size: int) -> BatchIndex:
@@ -42,7 +43,9 @@ def gather_index(held: Sequence[Sample], size: int) -> BatchIndex:
                            f"expected each of 0..{size - 1} exactly once")
     order = torch.argsort(uid)
     rows = rows[order]
-    return BatchIndex(rows[:, _PROMPT], rows[:, _RESPONSE], rows[:, _GROUP], rows[:, _TRUNCATED].bool())
+    parts = rows[:, _PART]
+    return BatchIndex(rows[:, _PROMPT], rows[:, _RESPONSE], rows[:, _GROUP], rows[:, _TRUNCATED].bool(),
+                      parts if bool(parts.any()) else None)
 
 
 def send_to_owners(held: Sequence[Sample], owner: torch.Tensor, world: int,
@@ -76,5 +79,6 @@ def _unflatten(head: torch.Tensor, flat_ids: torch.Tensor, flat_lp: torch.Tensor
     id_parts = flat_ids.split([n for row in h for n in (row[_PROMPT], row[_RESPONSE], row[_VERSIONS], row[_MASK])])
     lp_parts = flat_lp.split([row[_LOGPROBS] for row in h])
     return [Sample(row[_UID], id_parts[4 * k], id_parts[4 * k + 1], lp_parts[k], bool(row[_TRUNCATED]),
-                   row[_GROUP], row[_RECORD], fields_of(row[_RECORD]), id_parts[4 * k + 2], id_parts[4 * k + 3].bool())
+                   row[_GROUP], row[_RECORD], fields_of(row[_RECORD]), id_parts[4 * k + 2], id_parts[4 * k + 3].bool(),
+                   row[_PART])
             for k, row in enumerate(h)]

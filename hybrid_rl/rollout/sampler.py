@@ -84,14 +84,14 @@ def request_seed(seed: int, step: int, group: int) -> int:
 
 def sample_of(uid: int, record: PromptRecord, g: Generation, group: int, prompt: torch.Tensor | None = None, *,
               token_versions: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
-              extra_fields: Mapping[str, Any] | None = None) -> Sample:
+              extra_fields: Mapping[str, Any] | None = None, part: int = 0) -> Sample:
     prompt = torch.tensor(record.prompt_ids, dtype=torch.int64) if prompt is None else prompt
     versions = torch.zeros(0, dtype=torch.int64) if token_versions is None else token_versions
     mask = torch.zeros(0, dtype=torch.bool) if loss_mask is None else loss_mask
     fields = {**record.fields, **extra_fields} if extra_fields else record.fields
     return Sample(uid, prompt, torch.as_tensor(g.token_ids, dtype=torch.int64),
                   torch.as_tensor(g.logprobs, dtype=torch.float32), g.finish_reason == "length", group, record.index,
-                  fields, versions, mask)
+                  fields, versions, mask, part)
 
 
 def generation_eos(tokenizer) -> list[int]:

@@ -33,6 +33,9 @@ class Trajectory:
     infra_failed: bool = False  # a tool's infrastructure failed: the sample is excluded from statistics and loss
     done: bool = False
     log: list[dict[str, Any]] = field(default_factory=list)  # the calls and results, for the reward and dumps
+    # black-box agents (`stitch.stitch`): the policy version that sampled each response token, a context token taking
+    # the version of the model token before it; empty when the calls carried none
+    versions: list[int] = field(default_factory=list)
 
     @property
     def context(self) -> list[int]:

@@ -49,7 +49,8 @@ def lookup(key: str) -> str:
 
 def openai_agent(base_url: str, row: dict) -> float:
     """A black-box agent as users write one (`rollout.agent`): the OpenAI client, a tool it answers itself, then a
-    conversation started over (not an extension: stitched as an extra sample). Its reward: the first reply's parity."""
+    conversation started over (not an extension: stitched as a second trajectory, trained too). Its reward: the first
+    reply's parity."""
     from openai import OpenAI
 
     client = OpenAI(base_url=base_url, api_key="unused", max_retries=0)

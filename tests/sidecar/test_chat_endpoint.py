@@ -1,5 +1,6 @@
 """Black-box agents: an agent written against the OpenAI client plays against the chat endpoint in front of a real
-vLLM server (token-in/token-out); its calls are recorded as the ids the server saw and stitched into trajectories.
+vLLM server (token-in/token-out); its calls are recorded as the ids the server saw, with the weight version that
+sampled each, and stitched into trajectories.
 
 One server start (random weights: what the model says does not matter here, which ids are recorded does).
 """
@@ -14,6 +15,7 @@ from hybrid_rl.engine.vllm_engine import Sampling
 from hybrid_rl.rollout.black_box import load_agent, play
 from hybrid_rl.rollout.chat_endpoint import ChatEndpoint
 from hybrid_rl.rollout.chat_template import ToolSuffix, detect_family
+from hybrid_rl.rollout.sidecar import token_versions_of
 from hybrid_rl.rollout.stitch import stitch
 from hybrid_rl.sidecar.completions import GENERATE, CompletionClient, Router, parse_choice, request_body
 from hybrid_rl.sidecar.vllm_server import ServerSpec, VLLMServer
@@ -61,7 +63,8 @@ def test_an_openai_client_agent_is_recorded_as_the_ids_the_server_saw_and_stitch
     router = Router()
     router.set_servers([server.url])
     client = CompletionClient(max_inflight=2, progress_timeout_s=120)
-    endpoint = ChatEndpoint(client, tok, family)
+    # the server's weight-version spans mapped to policy versions, as the agent rollout maps them ("0": version 7)
+    endpoint = ChatEndpoint(client, tok, family, versions=lambda g: token_versions_of(g, {"0": 7}).tolist())
     try:
         ep = play(endpoint, load_agent("tests.sidecar.test_chat_endpoint:agent"), {"question": "What is 6 x 7?"},
                   episode="e0", seed=11, sampling=sampling, router=router)
@@ -93,6 +96,9 @@ def test_an_openai_client_agent_is_recorded_as_the_ids_the_server_saw_and_stitch
         own = [i for i, m in zip(one.response_ids, one.loss_mask, strict=True) if m]
         assert own == [*first.output_ids, *second.output_ids] and one.turns == 2
         assert two.prompt_ids == list(third.prompt_ids) and two.response_ids == list(third.output_ids)
+        # every sampled id keeps the version that sampled it; the agent's context ids take the one before them
+        assert all(list(c.versions) == [7] * len(c.output_ids) for c in ep.calls)
+        assert one.versions == [7] * len(one.response_ids) and two.versions == [7] * len(two.response_ids)
 
         # An agent that edits the reply it got (here: strips it) is rendered whole, not given the recorded ids; the
         # stitch rule keeps it in the trajectory only where the re-rendered ids still extend it

@@ -2,7 +2,9 @@
 
 Argument: a JSON list of {"name": str, "recipe": str, "overrides": [...]} runs. Starting torch, vLLM
 and the process group once for all of them keeps the suite fast; each run still builds its own
-models, engine, reward pool, checkpoints and metrics, exactly as `hybrid_rl.train` does.
+models, engine, reward pool, checkpoints and metrics, exactly as `hybrid_rl.train` does. A run may
+name a "probe" (`pkg.module:function`), called with its trainer before it fits: it may record what
+the trainer sees (e.g. the rows it trains) for the test to check.
 """
 
 import json
@@ -17,6 +19,7 @@ import torch.distributed as dist  # noqa: E402
 
 from hybrid_rl.build import build  # noqa: E402
 from hybrid_rl.config import load_config  # noqa: E402
+from hybrid_rl.rollout.tools.spec import load_object  # noqa: E402
 from hybrid_rl.train import setup_logging  # noqa: E402
 from hybrid_rl.trainer import Trainer  # noqa: E402
 
@@ -30,6 +33,8 @@ for run in runs:
     try:
         cfg = load_config(run["recipe"], run["overrides"])
         trainer = Trainer(build(cfg))
+        if run.get("probe"):
+            load_object(run["probe"], "probe")(trainer)
         try:
             trainer.fit()
         finally:

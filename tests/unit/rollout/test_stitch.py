@@ -37,3 +37,17 @@ def test_a_call_shorter_than_the_trajectory_or_mismatched_logprobs():
     assert (b.prompt_ids, b.response_ids) == ([1, 2], [4])
     with pytest.raises(ValueError, match="2 output ids but 1 log-probs"):
         stitch([RecordedCall([1], [2, 3], [-1.0])])
+
+
+def test_each_sampled_id_keeps_its_version_and_added_context_takes_the_one_before():
+    calls = [RecordedCall([1, 2], [10, 11], [-0.1, -0.1], [3, 4]),  # paused for an update mid-call: 3, then 4
+             RecordedCall([1, 2, 10, 11, 50], [12, 13], [-0.2, -0.2], [5, 5]),
+             RecordedCall([6], [14], [-0.3], [5])]
+    a, b = stitch(calls)
+    assert a.response_ids == [10, 11, 50, 12, 13] and a.versions == [3, 4, 4, 5, 5]
+    assert b.versions == [5]
+    # a call the server stamped no versions for: the trajectory records none (not a guess)
+    (c,) = stitch([RecordedCall([1], [2], [-1.0], [0]), RecordedCall([1, 2, 3], [4], [-1.0])])
+    assert c.response_ids == [2, 3, 4] and c.versions == []
+    with pytest.raises(ValueError, match="2 output ids but 1 versions"):
+        stitch([RecordedCall([1], [2, 3], [-1.0, -1.0], [0])])
