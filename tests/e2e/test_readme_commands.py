@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from hybrid_rl.dist.mesh import free_port
-from tests.conftest import REPO
+from tests.conftest import REPO, VLLM_TP2
 
 pytestmark = pytest.mark.slow
 
@@ -317,6 +317,7 @@ def test_every_readme_command_is_known():
     assert not any("huggingface-cli" in c for c in commands), "the lock ships `hf`, not huggingface-cli"
 
 
+@VLLM_TP2  # the GPU recipe at rollout.tp=2
 def test_readme_commands_run(tiny_models, tmp_path):
     """Every README command, in the README's order, in one folder (the GPU recipe's commands feed each other)."""
     user = User(tmp_path, tiny_models["qwen2"])

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run_torchrun
+from tests.conftest import TIMING, run_torchrun
 from tests.e2e.conftest import tiny_overrides
 
 WORKER = Path(__file__).parent / "workers" / "run_recipes.py"
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, TIMING]  # the reward overlap is checked in seconds measured
 
 COMMON_KEYS = {
     "actor/grad_norm", "actor/lr", "timing/step_s", "timing/update_s", "throughput/tokens_per_s",
