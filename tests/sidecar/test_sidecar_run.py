@@ -69,9 +69,9 @@ def test_grpo_in_sidecar_mode_with_a_second_pod_a_killed_server_and_an_etcd_rest
     run_id = (out / "run_id").read_text().strip()
     # The rollout-only pod: every version the trainer pushed reached it as the adapter's files (their bytes: the
     # adapter's tensors in the rollout dtype, a safetensors header and adapter_config.json), and its server loaded it
-    adapters = {int(v): int(n) for v, n in re.findall(rf"pod 1: adapter {run_id}-v(\d+) loaded \((\d+) bytes received\)",
-                                                      pod_out)}
-    full = {int(v) for v in re.findall(rf"pod 1: weights {run_id}-v(\d+) loaded and verified", pod_out)}
+    label = re.escape(run_id) + r"-v(\d+)"
+    adapters = {int(v): int(n) for v, n in re.findall(rf"pod 1: adapter {label} loaded \((\d+) bytes received\)", pod_out)}
+    full = {int(v) for v in re.findall(rf"pod 1: weights {label} loaded and verified", pod_out)}
     assert sorted(adapters) == list(range(1, r["versions"] + 1)), (sorted(adapters), r["versions"])
     assert 1 in full and len(full) < r["versions"], f"full updates at pod 1: {sorted(full)} of {r['versions']}"
     for step, check in enumerate(r["steps"], start=1):
