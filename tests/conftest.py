@@ -34,8 +34,9 @@ def pytest_collection_modifyitems(items) -> None:
     """A slow test in no xdist group joins its module's: the tests of a module often check one launch between them
     (a module-scoped fixture), which two workers would each start."""
     for item in items:
-        if item.get_closest_marker("slow") and not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+        module = getattr(item, "module", None)
+        if module is not None and item.get_closest_marker("slow") and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(module.__name__))
 
 
 @pytest.fixture(scope="session")
