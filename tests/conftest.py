@@ -29,14 +29,25 @@ VLLM_TP2 = pytest.mark.xdist_group("vllm_tp2")
 TIMING = pytest.mark.xdist_group("timing")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(items) -> None:
+@pytest.hookimpl(tryfirst=True)  # before xdist's own
+def pytest_collection_modifyitems(config, items) -> None:
     """A slow test in no xdist group joins its module's: the tests of a module often check one launch between them
-    (a module-scoped fixture), which two workers would each start."""
+    (a module-scoped fixture), which two workers would each start.
+
+    Under `--dist loadgroup` each grouped test's node id then gets its group as a suffix (`...@vllm_tp2`), which is
+    how xdist's scheduler sees groups. xdist 3.8 writes that suffix to `item._nodeid`, which pytest 9 no longer
+    reads (its node id is `item._id`, a NodeId): there every group would be silently ignored (measured: a group's
+    tests ran on both workers). Renamed here as xdist means to; where xdist's own renaming works (a pytest whose
+    items have no `_id`), it is left to xdist."""
+    loadgroup = getattr(config.option, "loadgroup", False)  # set on xdist's workers
     for item in items:
         module = getattr(item, "module", None)
         if module is not None and item.get_closest_marker("slow") and not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(module.__name__))
+        groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                         for m in item.iter_markers("xdist_group")})
+        if loadgroup and groups and hasattr(item, "_id") and "@" not in item.nodeid:
+            item._id = type(item._id).parse(f"{item.nodeid}@{'_'.join(groups)}")
 
 
 @pytest.fixture(scope="session")
