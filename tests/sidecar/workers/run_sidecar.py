@@ -121,6 +121,8 @@ def greedy_check(c, trainer) -> dict:
 def logprob_diff(hf, prompt: list[int], g, temperature: float) -> float:
     """The largest |server - HF| log-prob over one response's tokens (HF over the whole vocabulary at the temperature,
     as the trainer computes them)."""
+    if not g.token_ids:
+        return 0.0
     ids = torch.tensor([prompt + list(g.token_ids)])
     with torch.no_grad():
         logits = hf(ids).logits[0, len(prompt) - 1:-1].float() / temperature
