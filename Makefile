@@ -78,12 +78,14 @@ install-all: install-sidecar install-sandbox
 	@bash scripts/install_check.sh
 
 # Two phases: the single-process tests on both cores at once (pytest-xdist), then the multi-process ones
-# (torchrun, vLLM, servers: `-m slow`, each already using both cores) one at a time. Both always run; the exit
-# status is the first failure's (5, "nothing collected", is no failure: PYTEST_ARGS may select one phase's tests).
+# (torchrun, vLLM, servers: `-m slow`) two at a time too (their start-ups and rank-0 checks use one core; the gain
+# measured so far is under other jobs' load: README, Development). `--dist loadgroup` keeps each xdist group on one
+# worker, one test after another (which tests share a group, and why: tests/conftest.py). Both phases always run; the exit status is the first failure's (5,
+# "nothing collected", is no failure: PYTEST_ARGS may select one phase's tests).
 test: install-all
 	@status=0; \
 	$(BIN)/python -m pytest tests -m "not slow" -n 2 $(PYTEST_ARGS) || { rc=$$?; [ $$rc -eq 5 ] || status=$$rc; }; \
-	$(BIN)/python -m pytest tests -m slow $(PYTEST_ARGS) || { rc=$$?; [ $$rc -eq 5 ] || [ $$status -ne 0 ] || status=$$rc; }; \
+	$(BIN)/python -m pytest tests -m slow -n 2 --dist loadgroup $(PYTEST_ARGS) || { rc=$$?; [ $$rc -eq 5 ] || [ $$status -ne 0 ] || status=$$rc; }; \
 	exit $$status
 
 test-fast: install-all

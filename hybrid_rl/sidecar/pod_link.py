@@ -204,7 +204,7 @@ class PodReceiver:
             why = str(e)
         if not why:
             self.sidecar.loaded(version)
-            log.info("pod %d: adapter %s loaded", self.sidecar.pod, version)
+            log.info("pod %d: adapter %s loaded (%d bytes received)", self.sidecar.pod, version, sum(sizes.values()))
         else:
             self.sidecar.withdraw()
             log.error("pod %d: adapter %s did not load (%s); withdrawn from dispatch", self.sidecar.pod, version, why)

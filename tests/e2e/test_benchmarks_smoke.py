@@ -21,7 +21,8 @@ BENCH = REPO / "benchmarks"
 sys.path.insert(0, str(BENCH))
 import run_all  # noqa: E402
 
-pytestmark = pytest.mark.slow
+# One worker runs them all: the scripts build their models and outputs under benchmarks/.cache on first use.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("benchmarks")]
 
 
 def test_every_script_is_a_listed_benchmark():

@@ -8,7 +8,7 @@ import pytest
 
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("demo_root")]  # its warmed-up model: built once
 
 
 def test_short_demo_raises_held_out_reward_clearly(demo_root):

@@ -14,10 +14,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, TIMING
 from tests.e2e.conftest import tiny_overrides
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, TIMING]  # signals at moments read off the clock
 STEPS = 6
 KEYS = ("reward/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "response/length_mean")
 
@@ -101,15 +101,27 @@ def test_sigkill_during_a_checkpoint_write_leaves_the_previous_checkpoint_in_use
         assert resumed[STEPS][key] == straight_run[STEPS][key], key
 
 
-def test_sigterm_saves_a_checkpoint_at_the_step_boundary_and_exits_0(tiny_models, task_files, tmp_path):
-    out = tmp_path / "run"
-    proc = launch(overrides_for(tiny_models, task_files, out, **{"trainer.total_steps": 200,
-                                                                 "trainer.save_every": 0}))
-    wait_for_step(out, 2, proc)
-    # A scheduler signals every process of the job; the workers save, say how to resume and exit 0.
-    for child in psutil.Process(proc.pid).children():
-        child.send_signal(signal.SIGTERM)
-    rc, log = finish(proc)
+@pytest.fixture(scope="module")
+def sigterm_run(tiny_models, task_files, tmp_path_factory) -> tuple[int, str, Path]:
+    """One launch for two tests: a long run whose every reward is NaN, stopped with SIGTERM after step 2."""
+    out = tmp_path_factory.mktemp("sigterm") / "run"
+    proc = launch(overrides_for(tiny_models, task_files, out, **{
+        "trainer.total_steps": 200, "trainer.save_every": 0, "reward.fn": "tests.e2e.rewards:not_a_number"}))
+    try:
+        wait_for_step(out, 2, proc)
+        # A scheduler signals every process of the job; the workers save, say how to resume and exit 0.
+        for child in psutil.Process(proc.pid).children():
+            child.send_signal(signal.SIGTERM)
+        rc, log = finish(proc)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return rc, log, out
+
+
+def test_sigterm_saves_a_checkpoint_at_the_step_boundary_and_exits_0(sigterm_run):
+    rc, log, out = sigterm_run
     assert rc == 0, log[-3000:]
     assert "checkpoint saved. Resume with the same command" in log
     last = max(metrics(out))
@@ -128,10 +140,8 @@ def test_non_finite_steps_are_skipped_then_stop_the_run_with_the_checkpoint_inta
     assert (out / "checkpoints" / "step_2" / "COMPLETE").exists()
 
 
-def test_nan_rewards_count_as_errors_of_that_reward_and_never_reach_the_advantages(tiny_models, task_files, tmp_path):
-    out = tmp_path / "run"
-    rc, log = finish(launch(overrides_for(tiny_models, task_files, out, **{
-        "reward.fn": "tests.e2e.rewards:not_a_number", "trainer.total_steps": 1})))
+def test_nan_rewards_count_as_errors_of_that_reward_and_never_reach_the_advantages(sigterm_run):
+    rc, log, out = sigterm_run  # the run went on through its NaN rewards until it was stopped
     assert rc == 0, log[-3000:]
     m = metrics(out)[1]
     assert m["reward/errors"] == 16 and m["reward/mean"] == 0.0  # 4 prompts x 4 samples, each an error

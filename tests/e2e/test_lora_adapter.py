@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_torchrun
+from tests.conftest import VLLM_TP2, run_torchrun
 from tests.e2e.conftest import tiny_overrides
 
 WORKER = Path(__file__).parent / "workers" / "run_recipes.py"
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, VLLM_TP2]
 STEPS = 3
 
 

@@ -11,6 +11,8 @@ keys (rollout.tp=2, train and validation files) on 4 ranks with the tiny model.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -22,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from hybrid_rl.dist.mesh import free_port
-from tests.conftest import REPO
+from tests.conftest import REPO, VLLM_TP2
 
 pytestmark = pytest.mark.slow
 
@@ -228,13 +230,18 @@ class User:
 
     def check_config(self, argv: list[str], world: int | None = None) -> str:
         """Commands of other deployments (tests/sidecar runs them with their own settings): their recipe and
-        keys must be accepted as written, checked by the planner, which loads and validates the config."""
+        keys must be accepted as written, checked by the planner, which loads and validates the config. The
+        planner's `main` runs in this process, in the user's folder: a process of its own would spend its time on
+        imports."""
+        from hybrid_rl.plan import main as plan
+
         args = argv[argv.index("-m") + 2:]
         tiny = {"model.path": self.tiny_model}
         world = world or 8
-        r = run([sys.executable, "-m", "hybrid_rl.plan", *with_overrides(args, tiny), "--world", str(world),
-                 "--device", "cuda", "--device-gib", "80"], self.cwd, 300)
-        assert r.returncode in (0, 1), f"the README's command has a bad key or value:\n{r.stdout}{r.stderr}"
+        out = io.StringIO()
+        with contextlib.chdir(self.cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            code = plan([*with_overrides(args, tiny), "--world", str(world), "--device", "cuda", "--device-gib", "80"])
+        assert code in (0, 1), f"the README's command has a bad key or value:\n{out.getvalue()}"
         return "config accepted"
 
     def nodes(self, env: dict[str, str], argv: list[str]) -> str:
@@ -317,6 +324,7 @@ def test_every_readme_command_is_known():
     assert not any("huggingface-cli" in c for c in commands), "the lock ships `hf`, not huggingface-cli"
 
 
+@VLLM_TP2  # the GPU recipe at rollout.tp=2
 def test_readme_commands_run(tiny_models, tmp_path):
     """Every README command, in the README's order, in one folder (the GPU recipe's commands feed each other)."""
     user = User(tmp_path, tiny_models["qwen2"])

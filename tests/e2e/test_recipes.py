@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run_torchrun
+from tests.conftest import TIMING, run_torchrun
 from tests.e2e.conftest import tiny_overrides
 
 WORKER = Path(__file__).parent / "workers" / "run_recipes.py"
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, TIMING]  # the reward overlap is checked in seconds measured
 
 COMMON_KEYS = {
     "actor/grad_norm", "actor/lr", "timing/step_s", "timing/update_s", "throughput/tokens_per_s",
@@ -217,27 +217,31 @@ def _check_overlap(out: Path) -> None:
     assert waited < t + passes - 0.7 * min(t, passes), (t, passes, waited)  # ~max(T, M), not T + M
 
 
-def _greedy(kind: str, *paths: Path) -> list[list[int]]:
+def _greedy(jobs: dict[str, tuple]) -> dict[str, list[list[int]]]:
+    """Each job's greedy continuations ((kind, model folder[, adapter folder]), as `workers/greedy.py` takes them),
+    all in one process."""
     import subprocess
     import sys
 
     from tests.conftest import REPO
 
-    r = subprocess.run([sys.executable, str(Path(__file__).parent / "workers" / "greedy.py"), kind, *map(str, paths)],
-                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, str(Path(__file__).parent / "workers" / "greedy.py"),
+                        json.dumps([[kind, *map(str, paths)] for kind, *paths in jobs.values()])],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return dict(zip(jobs, json.loads(r.stdout.strip().splitlines()[-1]), strict=True))
 
 
 def _check_exports(root: Path) -> None:
     """Exports load in transformers and in vLLM and give the same greedy text; LoRA: merged == adapter on base."""
     full = root / "grpo" / "export"
-    assert _greedy("hf", full) == _greedy("vllm", full)
     lora = root / "grpo_lora" / "export"
     base = json.loads((lora / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
-    merged = _greedy("hf", lora)
-    assert merged == _greedy("peft", Path(base), lora / "adapter")
-    assert merged == _greedy("vllm", lora)
+    g = _greedy({"full_hf": ("hf", full), "full_vllm": ("vllm", full), "lora_hf": ("hf", lora),
+                 "lora_peft": ("peft", Path(base), lora / "adapter"), "lora_vllm": ("vllm", lora)})
+    assert g["full_hf"] == g["full_vllm"]
+    assert g["lora_hf"] == g["lora_peft"]
+    assert g["lora_hf"] == g["lora_vllm"]
     lines = [json.loads(x) for x in (root / "grpo_lora" / "metrics.jsonl").read_text().splitlines()]
     sent = [d["sync/bytes_per_rank"] for d in lines if "sync/bytes_per_rank" in d]
     full_sent = [d["sync/bytes_per_rank"] for d in map(json.loads, (root / "grpo" / "metrics.jsonl").read_text()

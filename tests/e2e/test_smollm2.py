@@ -18,7 +18,7 @@ from hybrid_rl.demo.arithmetic import write_arithmetic
 from hybrid_rl.rewards.math import score
 from tests.conftest import REPO, run_torchrun
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("smollm2")]  # the model's cache folder: built once
 PARITY = REPO / "tests" / "engine" / "workers" / "parity.py"
 NEW_TOKENS = 24
 

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_torchrun
+from tests.conftest import VLLM_TP2, run_torchrun
 
 WORKER = Path(__file__).parent / "workers" / "shm_crash.py"
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, VLLM_TP2]
 
 
 def test_next_start_removes_what_a_crashed_run_of_this_job_left_and_nothing_else(tiny_models, tmp_path):

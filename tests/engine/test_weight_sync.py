@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run_torchrun
+from tests.conftest import VLLM_TP2, run_torchrun
 
 WORKERS = Path(__file__).parent / "workers"
 pytestmark = pytest.mark.slow
@@ -14,15 +14,37 @@ pytestmark = pytest.mark.slow
 # One launch per TP size covers several architectures, tied and untied, one vLLM engine each (the first model
 # over three optimizer steps, the others one): between them every supported architecture, tied and untied.
 MODELS = {1: ["qwen2", "llama_tied_kv1", "qwen3_tied", "mistral"], 2: ["qwen2", "qwen2_tied", "mistral_tied", "llama"]}
+LAYOUT_MODELS = ("qwen2", "llama_tied_kv1", "qwen3")  # TP slices against vLLM's own sharding (the TP-2 launch)
+RELEASE = {1: "keep", 2: "restart"}
+PACKED = torch.cpu._is_avx512_bf16_supported()  # the packed path needs AVX512-BF16 (CI has it)
 
 
-@pytest.mark.parametrize("tp,release", [(1, "keep"), (2, "restart")])
-def test_vllm_reproduces_fsdp_model_after_each_sync(tiny_models, tmp_path, tp, release):
-    models = [tiny_models[k] for k in MODELS[tp]]
-    args = ["--models", *models, "--steps", "3", "1", "--tp", str(tp), "--release", release]
+def _parity(tiny_models, tmp_path: Path, tp: int) -> dict:
+    args = ["--models", *[tiny_models[k] for k in MODELS[tp]], "--steps", "3", "1", "--tp", str(tp),
+            "--release", RELEASE[tp]]
+    if tp == 1 and PACKED:  # tied embeddings (as the small Qwen2.5 models): the head's packed copy must follow too
+        args += ["--packed", tiny_models["qwen2_tied"]]
     if tp == 2:  # the verification must catch a tied head left stale (its refresh switched off)
-        args += ["--broken-head", tiny_models["qwen3_tied"]]
-    r = run_torchrun(WORKERS / "parity.py", *args, tmp_path=tmp_path, timeout=1200)
+        args += ["--broken-head", tiny_models["qwen3_tied"], "--layout", *[tiny_models[k] for k in LAYOUT_MODELS]]
+    return run_torchrun(WORKERS / "parity.py", *args, tmp_path=tmp_path, timeout=1200)
+
+
+# One launch per TP size, each read by two tests (the parity of every model, and the packed sync at TP 1 or the
+# layout check at TP 2): a module's tests run on one worker (tests/conftest.py).
+@pytest.fixture(scope="module")
+def tp1_launch(tiny_models, tmp_path_factory) -> dict:
+    return _parity(tiny_models, tmp_path_factory.mktemp("parity_tp1"), 1)
+
+
+@pytest.fixture(scope="module")
+def tp2_launch(tiny_models, tmp_path_factory) -> dict:
+    return _parity(tiny_models, tmp_path_factory.mktemp("parity_tp2"), 2)
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=VLLM_TP2)])
+def test_vllm_reproduces_fsdp_model_after_each_sync(tiny_models, request, tp):
+    models = [tiny_models[k] for k in MODELS[tp]]
+    r = request.getfixturevalue(f"tp{tp}_launch")
     for name, path in zip(MODELS[tp], models, strict=True):
         steps = r[path]["steps"]
         assert len(steps) == (3 if path == models[0] else 1)  # three optimizer steps: the weights change between syncs
@@ -40,10 +62,9 @@ def test_vllm_reproduces_fsdp_model_after_each_sync(tiny_models, tmp_path, tp, r
         assert broken["mode_after_error"] == "train"
 
 
-@pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="the packed path needs AVX512-BF16 (CI has it)")
-def test_packed_sync_lands_every_slice_in_the_weight_vllms_kernel_reads(tiny_models, tmp_path):
-    # Tied embeddings (as the small Qwen2.5 models): the head's own packed copy must follow the embedding too.
-    r = run_torchrun(WORKERS / "packed_sync.py", "--model", tiny_models["qwen2_tied"], "--tp", "1", tmp_path=tmp_path)
+@pytest.mark.skipif(not PACKED, reason="the packed path needs AVX512-BF16 (CI has it)")
+def test_packed_sync_lands_every_slice_in_the_weight_vllms_kernel_reads(tp1_launch):
+    r = tp1_launch["packed"]
     for step in r["steps"]:
         assert step["sync_path"] == "packed"  # bf16 on AMX: no reload of vLLM's weight processing
         assert step["packed_slices_min"] >= step["slices"] // 2, step  # every projection, on every rank
@@ -51,14 +72,15 @@ def test_packed_sync_lands_every_slice_in_the_weight_vllms_kernel_reads(tiny_mod
         assert step["max_logprob_diff"] < 0.1, step  # bf16 on both sides, different kernels
 
 
-def test_tp_slices_match_vllms_own_sharding_for_every_architecture(tiny_models, tmp_path):
-    models = [tiny_models[k] for k in ("qwen2", "llama_tied_kv1", "qwen3")]
-    r = run_torchrun(WORKERS / "layout_vs_vllm.py", "--models", *models, "--tp", "2", tmp_path=tmp_path)
-    for path in models:
+@VLLM_TP2
+def test_tp_slices_match_vllms_own_sharding_for_every_architecture(tiny_models, tp2_launch):
+    r = tp2_launch["layout"]
+    for path in (tiny_models[k] for k in LAYOUT_MODELS):
         assert r[path]["checked"] > 10
         assert r[path]["mismatched_total"] == 0, r[path]
 
 
+@VLLM_TP2
 def test_mode_switching_offload_verification_and_memory(tiny_models, tmp_path):
     r = run_torchrun(WORKERS / "switching.py", "--model", tiny_models["mid"], "--tp", "2", "--switches", "20",
                      tmp_path=tmp_path)

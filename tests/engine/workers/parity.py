@@ -2,8 +2,10 @@
 
 Run under torchrun; writes a JSON verdict to $HR_TEST_OUT, per model. Repeats over `--steps` optimizer
 steps so the weights change between syncs. Several models run one after another in one launch (each with
-its own vLLM engine): the architectures users train, tied and untied. `--broken-head MODEL` then syncs
-MODEL once more with the tied head's refresh switched off, and records the verification's error.
+its own vLLM engine): the architectures users train, tied and untied. In the same launch (one torchrun
+start for all), `--packed MODEL` then checks the packed bf16 sync of MODEL (`packed_sync.py`), `--layout MODEL
+...` our TP slices against vLLM's own sharding of each model (`layout_vs_vllm.py`), and `--broken-head MODEL`
+syncs MODEL once more with the tied head's refresh switched off, and records the verification's error.
 """
 
 import argparse
@@ -12,8 +14,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from common import build, full_state_dict, log, write_result
+from layout_vs_vllm import check_layout
+from packed_sync import packed_check
 from transformers import AutoModelForCausalLM
 
+from hybrid_rl.dist.mesh import init_distributed
 from hybrid_rl.engine import vllm_landing
 from hybrid_rl.engine.reshard import WeightSyncError
 from hybrid_rl.engine.vllm_engine import Sampling
@@ -25,6 +30,8 @@ p.add_argument("--tp", type=int, default=1)
 p.add_argument("--steps", type=int, nargs="+", default=[3], help="optimizer steps per model (the last repeats)")
 p.add_argument("--release", default="keep", choices=["keep", "restart"])
 p.add_argument("--broken-head", default=None)
+p.add_argument("--layout", nargs="*", default=[], help="models whose TP slices to check against vLLM's own sharding")
+p.add_argument("--packed", default=None, help="a model whose packed bf16 sync to check (AVX512-BF16 machines)")
 p.add_argument("--chat", type=int, default=0, help="N chat-formatted arithmetic prompts (a real chat model)")
 p.add_argument("--new-tokens", type=int, default=12)
 a = p.parse_args()
@@ -110,6 +117,11 @@ def broken_head(model_path: str) -> dict:
 
 
 results = {m: run(m, a.steps[min(i, len(a.steps) - 1)]) for i, m in enumerate(a.models)}
+if a.packed:
+    results["packed"] = packed_check(a.packed, a.tp)
+if a.layout:  # before the broken head, which switches the tied head's refresh off for the rest of the process
+    tp_rank = init_distributed(a.tp).tp_rank  # the process group is up: this reads the rank's place
+    results["layout"] = {m: check_layout(m, a.tp, tp_rank) for m in a.layout}
 if a.broken_head:
     results["broken_head"] = broken_head(a.broken_head)
 write_result(results)

@@ -5,16 +5,18 @@ Argument: JSON {"overrides": [...], "etcd": {"dir", "port", "peer_port"}, "fault
 owns the etcd server's life from the start of step 2 on (it stops and restarts it). Per step:
 
 1. a trainer step (its session pushes the new weights to every pod's server through the checkpoint engine);
-2. after step 1, in the update of its greedy check, the pod's own server is killed with SIGKILL between two buckets
-   (the update is abandoned on every rank and on the second pod, then retried on a restarted server); before
-   step 2: the pod's own server is killed with SIGKILL, and etcd is stopped (restarted 6 s later, longer than the
-   leases' TTL, without its data: every registration is granted a new lease)
-   so the session must restart the server from dummy weights, wait for etcd, and bring every pod to the
-   current version before generating;
+2. after step 1, in the next update that sends weights through the rings (the greedy check's; with a LoRA adapter
+   synced as an adapter, which moves alone, step 2's, which sends the base again to the restarted server), the
+   pod's own server is killed with SIGKILL between two buckets (the update is abandoned on every rank and on the
+   second pod, then retried on a restarted server); before step 2: the pod's own server is killed with SIGKILL,
+   and etcd is stopped (restarted 6 s later, longer than the leases' TTL, without its data: every registration
+   is granted a new lease) so the session must restart the server from dummy weights, wait for etcd, and bring
+   every pod to the current version before generating;
 3. greedy responses to fixed prompts from the servers (spread over every pod at the current version)
-   against Hugging Face `generate` on the trainer's full weights (gathered from the FSDP shards), and the
-   same prompts sent to each listed server on its own (every server holds the new weights), with the
-   requests each server has served so far (its `/metrics`).
+   against Hugging Face `generate` on the trainer's full weights (gathered from the FSDP shards; a LoRA actor's
+   merged), and the same prompts sent to each listed server on its own (every server holds the new weights),
+   greedily and sampled (the sampled tokens' log-probs against HF's), with the requests each server has served
+   so far (its `/metrics`) and the models it lists (its base and adapter versions).
 
 With "kill_second_server" (a pod of two servers), after step 1 the second server is SIGKILLed in the middle of a
 generation (just after the ranks listed it): the requests sent to it fail, it is restarted, the weights go to it
@@ -93,18 +95,39 @@ def greedy_check(c, trainer) -> dict:
         out["served"] = {url: served(url) for url in servers}  # by the trainer's rollouts and the check above
         out["kv_tokens"] = {url: kv_capacity_from_metrics(requests.get(f"{url}/metrics", timeout=30).text)
                             for url in servers}
-        out["per_server"] = {}
+        out["own_server"] = c.rollout.sidecar.server.url
+        out["models"] = {url: sorted(m["id"] for m in requests.get(f"{url}/v1/models", timeout=30).json()["data"])
+                         for url in servers}  # the base and the adapter versions each server lists
+        out["per_server"], out["per_server_logprob_diff"] = {}, {}
         client = CompletionClient(max_inflight=4, progress_timeout_s=300)
-        sampling = c.rollout._sampling(greedy=True)
+        greedy, sampled = c.rollout._sampling(greedy=True), c.rollout._sampling(greedy=False)
         for url in servers:
             router = Router()
             router.set_servers([url])
-            done, failed = client.run([Request(i, list(r.prompt_ids), 0) for i, r in enumerate(records)], sampling,
+            done, failed = client.run([Request(i, list(r.prompt_ids), 0) for i, r in enumerate(records)], greedy,
                                       router, c.rollout.model_name())
             assert not failed, failed
             out["per_server"][url] = [list(done[i].token_ids) for i in range(len(records))]
+            # Sampled tokens' log-probs from this server alone against HF's on the same tokens (the trainer's weights)
+            done, failed = client.run([Request(i, list(r.prompt_ids), 1000 + i) for i, r in enumerate(records)],
+                                      sampled, router, c.rollout.model_name())
+            assert not failed, failed
+            out["per_server_logprob_diff"][url] = max(
+                logprob_diff(hf, list(r.prompt_ids), done[i], c.cfg.rollout.temperature) for i, r in enumerate(records))
         client.close()
     return out
+
+
+def logprob_diff(hf, prompt: list[int], g, temperature: float) -> float:
+    """The largest |server - HF| log-prob over one response's tokens (HF over the whole vocabulary at the temperature,
+    as the trainer computes them)."""
+    if not g.token_ids:
+        return 0.0
+    ids = torch.tensor([prompt + list(g.token_ids)])
+    with torch.no_grad():
+        logits = hf(ids).logits[0, len(prompt) - 1:-1].float() / temperature
+    ref = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt):, None])[:, 0]
+    return float((ref - torch.tensor(list(g.logprobs), dtype=ref.dtype)).abs().max())
 
 
 def served(url: str) -> float:
@@ -197,6 +220,7 @@ def main() -> None:
         pushes = all_gather_object((engine.server_index, engine.pushes) if engine.leader else None)
         result["pushes"] = {index: n for index, n in filter(None, pushes)}  # updates sent, per server of the pod
         result["max_inflight"] = c.rollout.client.max_inflight
+        result["versions"] = c.rollout.versions  # weight versions pushed ("<run id>-v1" .. "-v<versions>")
         if c.dims.rank == 0:
             result["private_etcd"] = c.rollout.private_etcd.endpoint if c.rollout.private_etcd else ""
             result["server_starts"] = c.rollout.sidecar.server.starts
