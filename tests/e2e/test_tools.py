@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_torchrun
+from tests.conftest import VLLM_TP2, run_torchrun
 from tests.e2e.conftest import tiny_overrides
 
 WORKER = Path(__file__).parent / "workers" / "run_recipes.py"
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, VLLM_TP2]  # its launch's second run is at rollout.tp=2
 
 TOOL_KEYS = {"rollout/turns_mean", "rollout/tool_calls_mean", "rollout/tool_call_rate", "rollout/malformed_calls",
              "rollout/tool_errors", "rollout/tool_timeouts", "rollout/infra_failed_rate", "rollout/model_tokens_mean",
