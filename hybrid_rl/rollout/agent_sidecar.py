@@ -14,6 +14,7 @@ is an infrastructure failure (left out of the group statistics and the loss).
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import uuid
@@ -30,6 +31,8 @@ from hybrid_rl.rollout.chat_template import TemplateFamily
 from hybrid_rl.rollout.sidecar import SidecarRollout, token_versions_of
 from hybrid_rl.rollout.trajectory import Trajectory
 from hybrid_rl.sidecar.completions import Request, Router
+
+log = logging.getLogger(__name__)
 
 
 class AgentSidecar(MultiTurnSidecar):
@@ -56,6 +59,7 @@ class AgentSidecar(MultiTurnSidecar):
                   sampling=sampling, router=_Pinned(router, r))
         if ep.error or not ep.trajectories:
             why = ep.error or "the agent made no model call"
+            log.warning("agent episode %s is an infrastructure failure (dropped from the step): %s", r.key, why)
             return Arrival(Generation(0, (), (), "stop"), torch.zeros(0, dtype=torch.int64), infra_failed=True,
                            fields={"agent_error": why}, stats={"n": 1.0, "infra": 1.0})
         fields = {"env_reward": ep.reward} if ep.reward is not None else {}

@@ -162,7 +162,11 @@ def _check_agent_k1(result: dict, out: Path) -> None:
     assert set(steps) == {1, 2}, sorted(steps)
     for step, m in steps.items():
         rows = trained_rows.load(out, step)
-        assert len(rows) == 32 and all(len(e) == 2 for e in _episodes(rows))
+        # an episode dropped as an infrastructure failure trains nothing (seen once in three runs on a loaded machine, at
+        # step 1; its cause is logged since): at most one, and every other episode trains both its trajectories
+        failed = round(m["rollout/infra_failed_rate"] * 16)
+        assert failed <= 1 and len(rows) == 2 * (16 - failed), (failed, len(rows))
+        assert all(len(e) == 2 for e in _episodes(rows))
         assert all(len(r["versions"]) == len(r["response_ids"]) for r in rows)  # every token has its version
         ages = torch.tensor([step - 1 - v for r in rows for v, own in zip(r["versions"], r["loss_mask"], strict=True)
                              if own], dtype=torch.float64)  # the trained (sampled) tokens' staleness
