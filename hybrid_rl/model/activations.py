@@ -31,6 +31,9 @@ from typing import Literal
 from hybrid_rl.model.param_count import ArchDims
 
 Attention = Literal["sdpa", "flash"]
+# On CPU, `model/attention.py` runs sequences up to this long through SDPA's math kernel (faster there than the
+# fused kernel: see its `_backends`), whose saved tensors `layer_saved_per_token` counts.
+MATH_MAX_LEN = 128
 LOGITS_CHUNK = 1024  # `logits_to_logprobs`' default chunk
 
 
@@ -57,11 +60,17 @@ def _norm(n: int, rows: int, b: int) -> int:
     return 4 * n + 4 * rows + b * n
 
 
-def layer_saved_per_token(d: ArchDims, tokens: int, b: int, attention: Attention) -> int:
-    """Bytes one decoder block saves for backward, per token."""
+def layer_saved_per_token(d: ArchDims, tokens: int, b: int, attention: Attention, math_len: int = 0) -> int:
+    """Bytes one decoder block saves for backward, per token.
+
+    `math_len`: sequences up to this long run SDPA's math kernel (`model/attention.py`, CPU), which keeps float32
+    copies of q, k and v at every query head and two float32 score rows per head; counted for every token.
+    """
     h, q = d.hidden_size, d.num_heads * d.head_dim
     kv = _kv_width(d, attention)
     attn = b * (2 * q + 2 * kv) + 4 * d.num_heads  # q, k, v, output (the o_proj input) and log-sum-exp
+    if math_len:
+        attn += 4 * d.num_heads * (3 * d.head_dim + 2 * math_len)
     if d.qk_norm:
         attn += _norm(q, d.num_heads, b) + _norm(d.num_kv_heads * d.head_dim, d.num_kv_heads, b)
     norms_and_inputs = 2 * (_norm(h, 1, b) + b * h)  # two norms + their outputs kept by the next linear
@@ -91,19 +100,22 @@ def _logits_grad(d: ArchDims, tokens: int, responses: int, b: int, entropy: bool
 
 
 def _logits_no_grad(d: ArchDims, tokens: int, responses: int, b: int, entropy: bool) -> int:
-    """The response logits (`b`) + one chunk's float32 working set (scaled log-probs, their exponent)."""
+    """The response logits (`b`) + one chunk's float32 working set (scaled log-probs; with entropies, their
+    exponent too)."""
     v, chunk = d.vocab_size, min(responses, LOGITS_CHUNK)
-    return responses * v * b + 2 * chunk * v * 4
+    return responses * v * b + (2 if entropy else 1) * chunk * v * 4
 
 
 def train_activations(d: ArchDims, tokens: int, *, b: int, attention: Attention, checkpointing: bool,
-                      head: str = "lm", entropy: bool = True, responses: int | None = None) -> ActivationBytes:
+                      head: str = "lm", entropy: bool = True, responses: int | None = None,
+                      math_len: int = 0) -> ActivationBytes:
     """Peak activation memory of one forward + backward of a `tokens`-token packed micro-batch.
 
-    `responses`: response tokens in it (default: all of them, an upper bound).
+    `responses`: response tokens in it (default: all of them, an upper bound). `math_len`: as
+    `layer_saved_per_token`'s.
     """
     responses = tokens if responses is None else responses
-    per_layer = layer_saved_per_token(d, tokens, b, attention) * tokens
+    per_layer = layer_saved_per_token(d, tokens, b, attention, math_len) * tokens
     transient = _block_backward(d, tokens, b)
     if checkpointing:  # blocks keep their input; backward recomputes one block, then runs through it
         layers, transient = d.num_layers * tokens * d.hidden_size * b, transient + per_layer

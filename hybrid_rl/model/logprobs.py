@@ -30,23 +30,27 @@ def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 class ChunkedLogProbs(torch.autograd.Function):
     """(logp [R], entropy [R]) of `targets` under softmax(logits / T), chunked; differentiable in `logits`.
 
-    Each chunk works in two float32 buffers of `chunk x V`, updated in place.
+    Each chunk works in two float32 buffers of `chunk x V`, updated in place. Without `entropy` the entropies
+    are not computed (zeros): they cost an exp, a product and a sum over the whole `[R, V]` (0.4 s of a 0.5B
+    update of 512 response tokens with a 152k vocabulary, measured).
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, chunk: int):
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, chunk: int,
+                entropy: bool = True):
         n = logits.shape[0]
         lps = torch.empty(n, dtype=torch.float32, device=logits.device)
-        ents, lses = torch.empty_like(lps), torch.empty_like(lps)
+        ents, lses = (torch.empty_like if entropy else torch.zeros_like)(lps), torch.empty_like(lps)
         for i in range(0, n, chunk):
             logp = _scaled(logits[i : i + chunk], temperature)
             lse = torch.logsumexp(logp, dim=-1)
             logp.sub_(lse[:, None])
             lps[i : i + chunk] = logp.gather(-1, targets[i : i + chunk, None]).squeeze(-1)
-            ents[i : i + chunk] = -logp.exp().mul_(logp).sum(-1)
+            if entropy:
+                ents[i : i + chunk] = -logp.exp().mul_(logp).sum(-1)
             lses[i : i + chunk] = lse
         ctx.save_for_backward(logits, targets, lses, ents)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.temperature, ctx.chunk, ctx.entropy = temperature, chunk, entropy
         ctx.set_materialize_grads(False)
         return lps, ents
 
@@ -58,18 +62,18 @@ class ChunkedLogProbs(torch.autograd.Function):
         for i in range(0, logits.shape[0] if grad_lp is not None or grad_ent is not None else 0, chunk):
             logp = _scaled(logits[i : i + chunk], t).sub_(lses[i : i + chunk, None])
             g = logp.exp()  # p
-            if grad_ent is not None:  # dH/dx = -p (log p + H): built in the log-p buffer
+            with_ent = grad_ent is not None and ctx.entropy
+            if with_ent:  # dH/dx = -p (log p + H): built in the log-p buffer
                 logp.add_(ents[i : i + chunk, None]).mul_(g).mul_(-grad_ent[i : i + chunk, None].float())
-            else:
-                logp.zero_()
             if grad_lp is not None:  # dlogp/dx = onehot - p
                 g_lp = grad_lp[i : i + chunk, None].float()
                 g.mul_(-g_lp).scatter_add_(-1, targets[i : i + chunk, None], g_lp)
+                if with_ent:
+                    g.add_(logp)
             else:
-                g.zero_()
-            g.add_(logp)
+                g = logp if with_ent else g.zero_()
             grad[i : i + chunk] = g.div_(t) if t != 1.0 else g
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def logits_to_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
@@ -77,7 +81,7 @@ def logits_to_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperatu
     """log softmax(logits / T)[target] per position, in float32 (`targets` already shifted: `targets[i]` is
     the token that follows position i); also the entropies when `with_entropy`. Shapes like `targets`."""
     flat = logits.reshape(-1, logits.shape[-1])
-    lp, ent = ChunkedLogProbs.apply(flat, targets.reshape(-1), temperature, chunk)
+    lp, ent = ChunkedLogProbs.apply(flat, targets.reshape(-1), temperature, chunk, with_entropy)
     lp = lp.view(targets.shape)
     return (lp, ent.view(targets.shape)) if with_entropy else lp
 

@@ -34,7 +34,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from hybrid_rl.model.activations import Attention, forward_activations, train_activations
+from hybrid_rl.model.activations import MATH_MAX_LEN, Attention, forward_activations, train_activations
 from hybrid_rl.model.optimizers import OPTIMIZERS
 from hybrid_rl.model.param_count import ArchDims, Head, ParamShape
 
@@ -187,6 +187,11 @@ class PlanInputs:
     old_logp_pass: bool = True  # False: the update's own forward gives the old log-probs
     load_chunk_bytes: int = 8 * 2**20  # model/materialize.READ_CHUNK_BYTES: the largest single checkpoint read
     optimizer: str = "adamw"  # optim.name: the actor's and the critic's
+
+    @property
+    def math_len(self) -> int:
+        """Sequences up to this long run SDPA's math kernel in the update (CPU; 0: none do)."""
+        return min(self.max_sequence_tokens, MATH_MAX_LEN) if self.device.kind == "cpu" and self.attention == "sdpa" else 0
 
 
 @dataclass(frozen=True)
@@ -365,7 +370,7 @@ def _activations(name: str, spec: ModelSpec, x: PlanInputs, *, train: bool) -> I
     if train:
         ckpt = x.activation_checkpointing and name == "actor"  # build.py checkpoints the actor only
         a = train_activations(d, x.update_tokens, b=b, attention=x.attention, checkpointing=ckpt, head=spec.head,
-                              entropy=x.entropy, responses=x.update_responses)
+                              entropy=x.entropy, responses=x.update_responses, math_len=x.math_len)
         # LoRA: each adapted linear also keeps its [T, rank] down-projection for lora_B's backward.
         extra = 0 if ckpt else d.num_layers * spec.lora_targets * x.update_tokens * spec.lora_rank * b
         what = f"activations, {x.update_tokens} tok{' (ckpt)' if ckpt else ''}"

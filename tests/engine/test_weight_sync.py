@@ -91,8 +91,10 @@ def test_mode_switching_offload_verification_and_memory(tiny_models, tmp_path):
     assert r["offload_bytes"] == r["state_bytes"]
     assert r["offload_rss_drop"] > 0.8 * r["offload_bytes"]
     # The resharder's own extra peak: about two buckets in flight plus one layer's slices; never the model.
+    # RSS also counts what the allocator and gloo keep beside it: 8 MiB of slack (CI measured 6.6 MiB over the
+    # buckets and the layer once, with another launch on the other core).
     layer_bytes = r["model_bytes_fp32"] / 12
-    assert r["sync_stream_peak_extra"] < 3 * r["bucket_bytes"] + layer_bytes + 4 * 2**20, r
+    assert r["sync_stream_peak_extra"] < 3 * r["bucket_bytes"] + layer_bytes + 8 * 2**20, r
     assert r["sync_buffer_peak"] <= 2 * r["bucket_bytes"]
     # With vLLM's CPU reload path included, still well under a full copy of the model.
     assert r["sync_peak_extra"] < r["model_bytes_fp32"], r

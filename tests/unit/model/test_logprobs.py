@@ -31,6 +31,20 @@ def test_values_and_gradients_match_a_plain_log_softmax(temperature, chunk, use)
     torch.testing.assert_close(got.double(), want.double(), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [3, 1024])
+def test_without_entropy_the_log_probs_and_their_gradient_are_those_computed_with_it(chunk):
+    g = torch.Generator().manual_seed(1)
+    logits = (3 * torch.randn(10, 37, generator=g)).requires_grad_()
+    targets = torch.randint(0, 37, (10,), generator=g)
+    w = torch.randn(10, generator=g)
+    lp_only = logits_to_logprobs(logits, targets, temperature=0.7, chunk=chunk)
+    lp, _ = logits_to_logprobs(logits, targets, temperature=0.7, chunk=chunk, with_entropy=True)
+    assert torch.equal(lp_only, lp)
+    (got,) = torch.autograd.grad((lp_only * w).sum(), logits)
+    (want,) = torch.autograd.grad((lp * w).sum(), logits)
+    assert torch.equal(got, want)
+
+
 def test_bf16_logits_get_a_bf16_gradient_and_no_float32_copy_is_kept():
     logits = torch.randn(6, 50, dtype=torch.bfloat16, requires_grad=True)
     targets = torch.randint(0, 50, (6,))

@@ -12,21 +12,23 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from hybrid_rl.model.activations import forward_activations, train_activations
+from hybrid_rl.model.activations import MATH_MAX_LEN, forward_activations, train_activations
 from hybrid_rl.model.forward import micro_batches, policy_logprobs
 from hybrid_rl.model.loading import enable_activation_checkpointing, load_causal_lm, load_config
 from hybrid_rl.model.param_count import ArchDims
 from hybrid_rl.types import Sample
 
 LOW, HIGH = 0.90, 1.40  # predicted / measured
-RESPONSE_LENGTHS = (100, 200, 300, 400, 500, 300)  # one packed micro-batch of ~1.9k tokens
+# One packed micro-batch: ~2k tokens of sequences longer than MATH_MAX_LEN, or ~1.9k of sequences up to it (on CPU
+# those run SDPA's math kernel, which saves more for backward: `math_len`).
+RESPONSE_LENGTHS = {"long": (120, 200, 300, 400, 500, 300), "short": (112, 40, 80, 112, 96, 60) * 3}
 PROMPT = 16
 
 
-def _micro_batch(vocab: int):
+def _micro_batch(vocab: int, lengths: tuple[int, ...]):
     g = torch.Generator().manual_seed(0)
     samples = [Sample(i, torch.randint(0, vocab, (PROMPT,), generator=g), torch.randint(0, vocab, (n,), generator=g),
-                      torch.zeros(n), False, i, i, {}) for i, n in enumerate(RESPONSE_LENGTHS)]
+                      torch.zeros(n), False, i, i, {}) for i, n in enumerate(lengths)]
     return micro_batches(samples, token_budget=10**6)[0]
 
 
@@ -45,24 +47,32 @@ def _measured_activation_bytes(model, mb, *, train: bool) -> int:
     return sum(v for dev in peak.values() for k, v in dev.items() if str(k).endswith(("ACT", "TEMP")))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("name", ["qwen2", "llama_tied_kv1", "qwen3", "mid"])
-def test_activation_estimate_bounds_the_measured_peak(tiny_models, name, dtype):
+@pytest.mark.parametrize(("name", "dtype", "lengths"), [
+    *((n, d, "long") for n in ["qwen2", "llama_tied_kv1", "qwen3", "mid"] for d in [torch.bfloat16, torch.float32]),
+    ("qwen2", torch.bfloat16, "short"), ("mid", torch.bfloat16, "short"), ("qwen3", torch.float32, "short")])
+def test_activation_estimate_bounds_the_measured_peak(tiny_models, name, dtype, lengths):
     path = tiny_models[name]
     dims = ArchDims.from_hf_config(load_config(path))
-    mb = _micro_batch(dims.vocab_size)
-    tokens, responses = mb.packed.input_ids.numel(), sum(RESPONSE_LENGTHS)
+    mb = _micro_batch(dims.vocab_size, RESPONSE_LENGTHS[lengths])
+    tokens, responses = mb.packed.input_ids.numel(), sum(RESPONSE_LENGTHS[lengths])
     b = torch.finfo(dtype).bits // 8
     model = load_causal_lm(path).to(dtype)
     cases = {"no grad": (forward_activations(dims, tokens, b=b, attention="sdpa", responses=responses), False)}
+    # Math-kernel sequences' score rows, per token: their token-weighted mean length (the plan passes the longest
+    # sequence's, an upper bound).
+    seqs = [n + PROMPT for n in RESPONSE_LENGTHS[lengths]]
+    math_len = round(sum(n * n for n in seqs) / sum(seqs)) if max(seqs) <= MATH_MAX_LEN else 0
     cases["train"] = (train_activations(dims, tokens, b=b, attention="sdpa", checkpointing=False,
-                                        responses=responses), True)
+                                        responses=responses, math_len=math_len), True)
     measured = {k: _measured_activation_bytes(model, mb, train=t) for k, (_, t) in cases.items()}
     enable_activation_checkpointing(model)
     cases["train, checkpointed"] = (train_activations(dims, tokens, b=b, attention="sdpa", checkpointing=True,
-                                                      responses=responses), True)
+                                                      responses=responses, math_len=math_len), True)
     measured["train, checkpointed"] = _measured_activation_bytes(model, mb, train=True)
     ratios = {case: round(predicted.total / measured[case], 3) for case, (predicted, _) in cases.items()}
-    assert all(LOW <= r <= HIGH for r in ratios.values()), ratios
+    # Short sequences, checkpointed: the estimate keeps a whole block's saved tensors as backward's transient, more
+    # than the measured peak of a block recomputed with the math kernel (measured 1.48 on "mid": an over-estimate).
+    high = {"train, checkpointed": 1.5} if lengths == "short" else {}
+    assert all(LOW <= r <= high.get(case, HIGH) for case, r in ratios.items()), ratios
     # Checkpointing is real (on 2-layer models the vocabulary tensors, which it cannot drop, dominate).
     assert measured["train, checkpointed"] < 0.75 * measured["train"]
