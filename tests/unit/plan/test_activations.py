@@ -76,3 +76,25 @@ def test_activation_estimate_bounds_the_measured_peak(tiny_models, name, dtype, 
     assert all(LOW <= r <= high.get(case, HIGH) for case, r in ratios.items()), ratios
     # Checkpointing is real (on 2-layer models the vocabulary tensors, which it cannot drop, dominate).
     assert measured["train, checkpointed"] < 0.75 * measured["train"]
+
+
+def test_the_cpu_plan_counts_the_math_kernel_for_short_sequences_and_the_gpu_plan_does_not(tiny_models):
+    from hybrid_rl.config import load_config as load_recipe
+    from hybrid_rl.model.memory_plan import DeviceSpec
+    from hybrid_rl.planner import plan_for
+
+    def update_activations(max_new_tokens: int, device: str) -> tuple[int, int, int]:
+        cfg = load_recipe("grpo", [f"model.path={tiny_models['qwen2']}", "data.train_files=[/x.jsonl]",
+                                   "data.max_prompt_tokens=32", f"rollout.max_new_tokens={max_new_tokens}"])
+        plan = plan_for(cfg, 2, device=DeviceSpec(device, 64 * 2**30), attention="sdpa")
+        item = next(i for i in plan.phase("update").items if i.component == "actor" and "activations" in i.what)
+        x = plan.inputs
+        return item.bytes, x.math_len, x.update_tokens
+
+    dims = ArchDims.from_hf_config(load_config(tiny_models["qwen2"]))
+    cpu, math_len, tokens = update_activations(64, "cpu")
+    gpu, gpu_math_len, _ = update_activations(64, "cuda")
+    assert math_len == 32 + 64 and gpu_math_len == 0
+    per_token = 4 * dims.num_heads * (3 * dims.head_dim + 2 * math_len)  # layer_saved_per_token's math term
+    assert cpu - gpu == dims.num_layers * tokens * per_token
+    assert update_activations(4 * MATH_MAX_LEN, "cpu")[1] == MATH_MAX_LEN  # longer sequences: capped at the bound
