@@ -21,6 +21,7 @@ from hybrid_rl.engine.hybrid import HybridEngine, SwitchOptions  # noqa: E402
 from hybrid_rl.engine.layout import Layout, ModelDims  # noqa: E402
 from hybrid_rl.engine.vllm_engine import EngineSpec, VLLMEngine  # noqa: E402
 from hybrid_rl.model.loading import DTYPES, load_causal_lm  # noqa: E402
+from hybrid_rl.model.logprobs import forward_logprobs  # noqa: E402
 
 
 def build(model_path: str, *, tp: int, dtype: str = "float32", release: str = "keep", offload: str = "none",
@@ -43,6 +44,24 @@ def build(model_path: str, *, tp: int, dtype: str = "float32", release: str = "k
         device=device(), sync_dtype=DTYPES[dtype],
     )
     return engine, model, opt, dims
+
+
+def train_on_samples(model, opt, prompts: list[list[int]], sampled) -> float:
+    """One optimizer step on -log p of vLLM's sampled responses (`sampled[i]`: prompt i's generations); returns the
+    largest |log p - vLLM's log-prob| of those tokens. Every rank in lockstep: FSDP forwards are collective."""
+    max_diff, loss = 0.0, 0.0
+    for i, group in enumerate(sampled):
+        prompt = prompts[i]
+        for gen in group:
+            ids = torch.tensor([prompt + list(gen.token_ids)])
+            pos = torch.arange(ids.shape[1])[None]
+            lp = forward_logprobs(model, ids, pos, torch.roll(ids, -1, dims=1))[0, len(prompt) - 1 : -1]
+            max_diff = max(max_diff, (lp.detach() - torch.tensor(gen.logprobs)).abs().max().item())
+            loss = loss - lp.sum()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return max_diff
 
 
 def full_state_dict(model) -> dict[str, torch.Tensor]:

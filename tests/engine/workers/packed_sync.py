@@ -9,11 +9,10 @@ and the log-probs vLLM reports for its samples are compared with the FSDP model'
 
 import torch
 import torch.distributed as dist
-from common import build, full_state_dict, log
+from common import build, full_state_dict, log, train_on_samples
 
 from hybrid_rl.engine.vllm_compat import PACKED_ATTR, packed_linear_dense
 from hybrid_rl.engine.vllm_engine import Sampling
-from hybrid_rl.model.logprobs import forward_logprobs
 
 PROMPTS = [[58, 382, 266, 224, 20, 21], [30, 31, 32], [100, 200, 300, 40, 41]]
 
@@ -56,17 +55,7 @@ def packed_check(model_path: str, tp: int, steps: int = 3) -> dict:
                 want = want.narrow(ts.dim, ts.start, ts.stop - ts.start)
             if not torch.equal(got[ts.hf_name + f"@{ts.dest_offset}"].to(torch.bfloat16), want):
                 mismatched.append(ts.hf_name)
-        max_diff, loss = 0.0, 0.0
-        for i, group in enumerate(sampled):
-            for gen in group:
-                ids = torch.tensor([PROMPTS[i] + list(gen.token_ids)])
-                pos = torch.arange(ids.shape[1])[None]
-                lp = forward_logprobs(model, ids, pos, torch.roll(ids, -1, dims=1))[0, len(PROMPTS[i]) - 1: -1]
-                max_diff = max(max_diff, (lp.detach() - torch.tensor(gen.logprobs)).abs().max().item())
-                loss = loss - lp.sum()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        max_diff = train_on_samples(model, opt, PROMPTS, sampled)
         log(f"step {step}: path={engine.report.sync_path} packed={packed}/{len(slices)} mismatched={mismatched[:3]} "
             f"max |dlogp|={max_diff:.3f}")
         stats = torch.tensor([max_diff, len(mismatched), -packed])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import build, full_state_dict, log, write_result
+from common import build, full_state_dict, log, train_on_samples, write_result
 from layout_vs_vllm import check_layout
 from packed_sync import packed_check
 from transformers import AutoModelForCausalLM
@@ -22,7 +22,6 @@ from hybrid_rl.dist.mesh import init_distributed
 from hybrid_rl.engine import vllm_landing
 from hybrid_rl.engine.reshard import WeightSyncError
 from hybrid_rl.engine.vllm_engine import Sampling
-from hybrid_rl.model.logprobs import forward_logprobs
 
 p = argparse.ArgumentParser()
 p.add_argument("--models", nargs="+", required=True)
@@ -74,20 +73,8 @@ def run(model_path: str, steps: int) -> dict:
             g = hf.generate(torch.tensor([pr]), max_new_tokens=a.new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0)
             hf_greedy.append(g[0, len(pr):].tolist())
         vllm_greedy = [list(g[0].token_ids) for g in greedy]
-        # FSDP log-probs of vLLM's sampled tokens (every rank in lockstep: FSDP forwards are collective).
-        max_diff = 0.0
-        loss = 0.0
-        for i, group in enumerate(sampled):
-            for gen in group:
-                ids = torch.tensor([prompts_[i] + list(gen.token_ids)])
-                pos = torch.arange(ids.shape[1])[None]
-                tgt = torch.roll(ids, -1, dims=1)
-                lp = forward_logprobs(model, ids, pos, tgt)[0, len(prompts_[i]) - 1 : -1]
-                max_diff = max(max_diff, (lp.detach() - torch.tensor(gen.logprobs)).abs().max().item())
-                loss = loss - lp.sum()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        # FSDP log-probs of vLLM's sampled tokens, then a step on them.
+        max_diff = train_on_samples(model, opt, prompts_, sampled)
         log(f"{Path(model_path).name} step {step}: greedy equal={vllm_greedy == hf_greedy} "
             f"max |dlogp|={max_diff:.2e} path={engine.report.sync_path}")
         d = torch.tensor([max_diff])
