@@ -297,18 +297,28 @@ def stream_buckets(
         send_splits = [sum(pc.numel for pc in bucket.sends[d]) for d in range(world)]
         recv_splits = [sum(pc.numel for pc in bucket.recvs[s]) for s in range(world)]
         send = torch.empty(sum(send_splits), dtype=plan.dtype, device=device)
+        # A block sent to several ranks (every TP rank needs a replicated weight; at tp=1 every rank needs all of
+        # them) is cast and checksummed once; its other copies are plain copies in the rollout dtype.
+        done: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         off = 0
         for d in range(world):
             for pc in bucket.sends[d]:
-                block = _source_block(local[pc.index], pc)
                 view = send[off : off + pc.numel].view(pc.shape)
-                view.copy_(block)  # casts to the rollout dtype before the bytes move
-                if pc.slice_ncols is None:
-                    partial[d, pc.index] += block_checksum(view, row0=pc.slice_row0, col_ids=None)
+                key = (pc.index, pc.rows, pc.cols, pc.slice_row0)
+                if key in done:
+                    first, checksum = done[key]
+                    view.copy_(first)
                 else:
-                    cols = probe_columns(pc.slice_ncols, probe_cols, sync_index)
-                    partial[d, pc.index] += block_checksum(view[:, cols], row0=pc.slice_row0, col_ids=cols)
+                    view.copy_(_source_block(local[pc.index], pc))  # casts to the rollout dtype before bytes move
+                    if pc.slice_ncols is None:
+                        checksum = block_checksum(view, row0=pc.slice_row0, col_ids=None)
+                    else:
+                        cols = probe_columns(pc.slice_ncols, probe_cols, sync_index)
+                        checksum = block_checksum(view[:, cols], row0=pc.slice_row0, col_ids=cols)
+                    done[key] = view, checksum
+                partial[d, pc.index] += checksum
                 off += pc.numel
+        del done
         if world > 1:
             recv = torch.empty(sum(recv_splits), dtype=plan.dtype, device=device)
             dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
@@ -342,6 +352,16 @@ def _assemble(plan: ReshardPlan, k: int, bucket: Bucket, recv: torch.Tensor, dev
     if not any(bucket.recvs):
         return []
     slices = [plan.slices[i] for i in bucket.indices]
+    whole = {pc.index: pc for per_src in bucket.recvs for pc in per_src if pc.shape == plan.slices[pc.index].shape}
+    if alloc is None and len(whole) == len(slices):
+        # Every slice arrived as one piece (one rank, or weights every rank holds whole): the received bytes are
+        # already the slices, so they are handed on as views instead of copied (recv lives while they do).
+        off, out = 0, {}
+        for per_src in bucket.recvs:
+            for pc in per_src:
+                out[pc.index] = recv[off : off + pc.numel].view(pc.shape)
+                off += pc.numel
+        return [(plan.slices[i], out[i]) for i in bucket.indices]
     dest = alloc(k, slices) if alloc is not None else \
         [torch.empty(ts.shape, dtype=plan.dtype, device=device) for ts in slices]
     out = dict(zip(bucket.indices, dest, strict=True))

@@ -113,19 +113,27 @@ def _blocks(packed: torch.Tensor, k: int) -> torch.Tensor:
 
 def pack_rows_into(packed: torch.Tensor, rows: torch.Tensor, row0: int) -> None:
     """Write dense weight rows [row0, row0 + len(rows)) into `packed` (the layer's packed [N, K] tensor) in place:
-    whole blocks with one strided copy, a partial block at either end into its rows of the block."""
+    whole blocks with one strided copy, a partial block at either end into its rows of the block.
+
+    Each (k, k + 1) pair of a row is moved as one int32: the copy is then a transpose of 4-byte elements, 3-8x
+    faster on CPU than the same transpose of bf16 pairs (whose innermost loop is 2 elements long)."""
     n, k = rows.shape
-    blocks, i = _blocks(packed, k), 0
+    src = rows.contiguous().view(torch.int32)  # [n, K/2]
+    blocks, i = _pairs(packed, k), 0  # [N/32, K/2, 32]
     while i < n:
         b, off = divmod(row0 + i, PACK_ROWS)
         if off == 0 and n - i >= PACK_ROWS:
             m = (n - i) // PACK_ROWS * PACK_ROWS
-            blocks[b:b + m // PACK_ROWS].copy_(rows[i:i + m].view(m // PACK_ROWS, PACK_ROWS, k // 2, 2)
-                                               .permute(0, 2, 1, 3))
+            blocks[b:b + m // PACK_ROWS].copy_(src[i:i + m].view(m // PACK_ROWS, PACK_ROWS, k // 2).transpose(1, 2))
         else:
             m = min(PACK_ROWS - off, n - i)
-            blocks[b, :, off:off + m].copy_(rows[i:i + m].view(m, k // 2, 2).permute(1, 0, 2))
+            blocks[b, :, off:off + m].copy_(src[i:i + m].t())
         i += m
+
+
+def _pairs(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """The packed layout with each bf16 pair as one int32: [N/32, K/2, 32]."""
+    return packed.view(torch.int32).view(-1, k // 2, PACK_ROWS)
 
 
 def unpack_rows(packed: torch.Tensor, row0: int, n: int, cols: torch.Tensor | None = None) -> torch.Tensor:

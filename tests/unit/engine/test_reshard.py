@@ -105,3 +105,22 @@ def test_every_rank_receives_exactly_its_tp_slice_from_fsdp_shards():
         assert (results[r]["w_items"] == len(full_weights())) == writer and (results[r]["w_items"] == 0) != writer
         assert (results[r]["w_allocs"] > 0) == writer
         assert results[r]["w_received"] == (results[r]["received"] if writer else 0)
+
+
+def test_one_rank_hands_on_the_cast_bytes_without_assembling_a_copy():
+    """World 1 (one rank using every core, or one GPU): each weight arrives as one piece, so the slices handed to vLLM
+    are views of the bucket's cast buffer (no second copy), with the same values and checksums as at world 4."""
+    full = full_weights()
+    sources = [SourceParam(n, w, tuple(w.shape)) for n, w in full.items()]
+    plan = build_plan(sources, Layout(DIMS, 1), rank=0, world=1, tp_rank_of=lambda r: 0, bucket_bytes=8 * 1024,
+                      dtype=torch.bfloat16, sharded=True)
+    storages, sums = {}, []
+    for k, pairs in stream_buckets(plan, sources, device=torch.device("cpu"), probe_cols=16):
+        for ts, tensor in pairs:
+            assert torch.equal(tensor, full[ts.hf_name].to(torch.bfloat16)), ts.hf_name
+            storages.setdefault(k, set()).add(tensor.untyped_storage().data_ptr())
+            cols = probe_for(ts, 16, 0)
+            sums.append(block_checksum(tensor if cols is None else tensor[:, cols], row0=0, col_ids=cols))
+    assert len(storages) == len(plan.buckets) > 3
+    assert all(len(ptrs) == 1 for ptrs in storages.values()), "a bucket's slices were copied out of its buffer"
+    assert bool(checksums_match(plan.expected, torch.stack(sums)).all())
