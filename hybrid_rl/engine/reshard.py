@@ -352,23 +352,22 @@ def _assemble(plan: ReshardPlan, k: int, bucket: Bucket, recv: torch.Tensor, dev
     if not any(bucket.recvs):
         return []
     slices = [plan.slices[i] for i in bucket.indices]
-    whole = {pc.index: pc for per_src in bucket.recvs for pc in per_src if pc.shape == plan.slices[pc.index].shape}
-    if alloc is None and len(whole) == len(slices):
-        # Every slice arrived as one piece (one rank, or weights every rank holds whole): the received bytes are
-        # already the slices, so they are handed on as views instead of copied (recv lives while they do).
-        off, out = 0, {}
-        for per_src in bucket.recvs:
-            for pc in per_src:
-                out[pc.index] = recv[off : off + pc.numel].view(pc.shape)
-                off += pc.numel
-        return [(plan.slices[i], out[i]) for i in bucket.indices]
-    dest = alloc(k, slices) if alloc is not None else \
-        [torch.empty(ts.shape, dtype=plan.dtype, device=device) for ts in slices]
-    out = dict(zip(bucket.indices, dest, strict=True))
+    pieces = [pc for per_src in bucket.recvs for pc in per_src]  # recv's order: by source rank
+    # Every slice arrived as one piece (one rank, or weights every rank holds whole): the received bytes are already
+    # the slices, so they are handed on as views instead of copied (recv lives while they do).
+    as_views = alloc is None and len({pc.index for pc in pieces if pc.shape == plan.slices[pc.index].shape}) == len(slices)
+    if as_views:
+        out = {}
+    else:
+        dest = alloc(k, slices) if alloc is not None else \
+            [torch.empty(ts.shape, dtype=plan.dtype, device=device) for ts in slices]
+        out = dict(zip(bucket.indices, dest, strict=True))
     off = 0
-    for s in range(plan.world):
-        for pc in bucket.recvs[s]:
-            dst = out[pc.index]
-            dst[pc.slice_row0 : pc.slice_row0 + pc.shape[0]].copy_(recv[off : off + pc.numel].view(pc.shape))
-            off += pc.numel
+    for pc in pieces:
+        piece = recv[off : off + pc.numel].view(pc.shape)
+        if as_views:
+            out[pc.index] = piece
+        else:
+            out[pc.index][pc.slice_row0 : pc.slice_row0 + pc.shape[0]].copy_(piece)
+        off += pc.numel
     return [(plan.slices[i], out[i]) for i in bucket.indices]

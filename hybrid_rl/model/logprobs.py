@@ -59,10 +59,10 @@ class ChunkedLogProbs(torch.autograd.Function):
         logits, targets, lses, ents = ctx.saved_tensors
         t, chunk = ctx.temperature, ctx.chunk
         grad = torch.zeros_like(logits) if grad_lp is None and grad_ent is None else torch.empty_like(logits)
+        with_ent = grad_ent is not None and ctx.entropy
         for i in range(0, logits.shape[0] if grad_lp is not None or grad_ent is not None else 0, chunk):
             logp = _scaled(logits[i : i + chunk], t).sub_(lses[i : i + chunk, None])
             g = logp.exp()  # p
-            with_ent = grad_ent is not None and ctx.entropy
             if with_ent:  # dH/dx = -p (log p + H): built in the log-p buffer
                 logp.add_(ents[i : i + chunk, None]).mul_(g).mul_(-grad_ent[i : i + chunk, None].float())
             if grad_lp is not None:  # dlogp/dx = onehot - p
