@@ -30,7 +30,7 @@ SANDBOX   ?= required
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install install-sidecar install-sandbox install-flash-attn install-all test test-fast lint fmt demo bench clean help
+.PHONY: install install-sidecar install-sandbox install-flash-attn install-all test test-fast test-gpu lint fmt demo bench clean help
 
 help:
 	@echo "make install          create $(VENV) with the pinned stack (+ flash-attn on CUDA): all that colocated mode needs"
@@ -39,6 +39,7 @@ help:
 	@echo "make install-all      all three (what make test runs first)"
 	@echo "make test      install-all if needed, then run the whole test suite (what CI runs)"
 	@echo "make test-fast only the single-process tests (no torchrun)"
+	@echo "make test-gpu  the training side on one CUDA device (tests/gpu; needs a GPU, not vLLM)"
 	@echo "make demo      GRPO on a tiny model with the hybrid engine, 2 CPU ranks (ALGO=ppo for PPO, TASK=tools for the tools demo)"
 	@echo "make bench     quick versions of all benchmarks -> benchmarks/results/"
 	@echo "make lint      ruff + import-linter layer contracts"
@@ -90,6 +91,11 @@ test: install-all
 
 test-fast: install-all
 	$(BIN)/python -m pytest tests -m "not slow" $(PYTEST_ARGS)
+
+# The training side on one CUDA device (tests/gpu; vLLM not needed: README, "What has and has not run on a GPU").
+# Needs a GPU: CI has none and does not run it.
+test-gpu: install
+	HR_GPU_TESTS=1 $(BIN)/python -m pytest tests/gpu -v $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check hybrid_rl tests benchmarks

