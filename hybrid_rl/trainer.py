@@ -37,7 +37,7 @@ from hybrid_rl.experience.scoring import Pending, Ready, Scorer
 from hybrid_rl.experience.sources import SourceSettings, TrainingError, open_source
 from hybrid_rl.metrics import MetricsLogger
 from hybrid_rl.model.lora import adapter_disabled, is_lora, merged_stream, save_adapter
-from hybrid_rl.model.phase_peaks import PhasePeaks, peak_reading
+from hybrid_rl.model.phase_peaks import PhasePeaks, PlanWatch, peak_reading
 from hybrid_rl.types import Rollout, TrainBatch
 from hybrid_rl.updates import UpdateSettings, update_actor, update_critic
 from hybrid_rl.utils.timer import PhaseTimer
@@ -52,6 +52,7 @@ class Trainer:
         self.out = Path(t.output_dir)
         self.timer, self.peaks = PhaseTimer(), PhasePeaks()
         self.plan = c.plan
+        self.plan_watch = PlanWatch({p.name: p.total / 2**30 for p in c.plan.phases}, enabled=torch.cuda.is_available())
         self.startup_peak_gib: float | None = peak_reading() / 2**30  # building the models: reported with step 1
         self.kl_ctl = AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon) if a.kl_target > 0 \
             else FixedKLController(a.kl_coef)
@@ -256,6 +257,10 @@ class Trainer:
             if peak >= 0:  # phases this step ran (the rollout's includes the weight sync)
                 out[f"memory/{phase.name}/peak_gib"] = peak
                 out[f"memory/{phase.name}/plan_gib"] = phase.total / 2**30
+        ran = {p.name: peak for p, peak in zip(self.plan.phases, peaks, strict=False) if peak >= 0}
+        for message in self.plan_watch.check(ran):  # the same verdict on every rank (peaks are all-reduced)
+            if self.dims.is_main:
+                log.warning(message)
         return out
 
     def _validate(self, step: int) -> float:

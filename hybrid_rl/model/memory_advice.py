@@ -208,7 +208,7 @@ def unlisted(kind: str) -> str:
     """What the plan leaves out, so a measured peak above it is not a surprise."""
     if kind == "cuda":
         return ("CUDA context, NCCL communicators, what vLLM keeps asleep and fragmentation are typical figures "
-                "(not measured: no GPU was lent to this project), hence the safety margin; check them against a "
+                "(not measured on a GPU), hence the safety margin; check them against a "
                 "run's first-step table (measured peak row) and vLLM's log (CUDA graph pool)")
     return ("measured on CPU as each rank's peak RSS; not counted: small allocations glibc keeps after frees "
             "(hybrid_rl sets malloc to return every freed buffer of 1 MiB or more at once)")

@@ -50,7 +50,7 @@ CPU_VLLM_IMPORT_BYTES = int(0.18 * GIB)
 CPU_VLLM_RUNTIME_BYTES = int(0.22 * GIB)
 CPU_VLLM_RUNTIME_PER_VOCAB = int(0.49 * GIB / 151936)
 CPU_VLLM_RUNTIME_PER_WEIGHT_BYTE = 0.046
-# CUDA figures no CPU can measure (no GPU was lent to this project): typical values, stated so a user can check
+# CUDA figures no CPU can measure (and the project's one GPU run did not: tests/gpu): typical values, stated so a user can check
 # them against a run's own log (vLLM logs its graph pool; `nvidia-smi` shows the context) and adjust the margin.
 CUDA_CONTEXT_BYTES = int(0.6 * GIB)  # CUDA context + torch's and NCCL's kernels (CUDA 12 lazy loading), per GPU
 # One NCCL communicator on an NVLink node: NCCL_BUFFSIZE (4 MiB) x send/recv x up to 32 channels, plus its

@@ -54,3 +54,41 @@ class PhasePeaks:
         self.peaks.clear()
         self.step_peak = 0.0
         return out, step_peak
+
+
+
+# A phase may measure this much above its plan before the run says so. On CUDA the reading is PyTorch's peak
+# allocation, while the plan's total also holds what PyTorch does not count (the CUDA context, what vLLM keeps
+# asleep), so a phase the plan covers measures below its total.
+OVER_PLAN_SLACK = 1.05
+
+
+class PlanWatch:
+    """Says once per phase when a phase's measured peak exceeds `OVER_PLAN_SLACK` x its plan.
+
+    The plan decided that the run fits, and how much vLLM gets; a phase above it is one the plan under-counts,
+    which a longer response or a fuller micro-batch later can turn into an out-of-memory error days into a run.
+    On the GPU, one did (tests/gpu: an update whose activation checkpointing had been switched off measured 48.7
+    GiB against its plan's 33.3). Off on CPU (`enabled`), where the reading is the process's RSS, which the plan
+    only approximates.
+    """
+
+    def __init__(self, planned_gib: dict[str, float], *, enabled: bool):
+        self.planned, self.enabled = planned_gib, enabled
+        self.said: set[str] = set()
+
+    def check(self, measured_gib: dict[str, float]) -> list[str]:
+        """The messages for phases newly found above their plan (phase -> measured peak GiB, this step's)."""
+        if not self.enabled:
+            return []
+        out = []
+        for phase, measured in measured_gib.items():
+            planned = self.planned.get(phase)
+            if planned is not None and measured > OVER_PLAN_SLACK * planned and phase not in self.said:
+                self.said.add(phase)
+                out.append(f"memory: the {phase} phase peaked at {measured:.2f} GiB, above the memory plan's "
+                           f"{planned:.2f} GiB (the table printed at start-up): the plan under-counts this run, so its "
+                           "verdict that the run fits, and vLLM's share, may not hold. Leave more room "
+                           "(model.activation_checkpointing=true, a lower trainer.micro_batch_tokens or "
+                           "rollout.gpu_memory_utilization), and please report it with the table.")
+        return out
