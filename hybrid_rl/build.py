@@ -213,6 +213,8 @@ def _store_frozen_in(module: torch.nn.Module, dtype: torch.dtype) -> None:
 def _critic(cfg: Config, dims: ParallelDims) -> Model:
     path = cfg.critic.path or cfg.model.path
     module = empty_model(path, "value")
+    if cfg.model.activation_checkpointing:  # the critic's update keeps as many activations as the actor's, less logits
+        enable_activation_checkpointing(module)
     module.config.use_cache = False
     _shard(module, path, cfg, dims)
     opt = build_optimizer(cfg.optim.name, module.parameters(), lr=cfg.critic.lr, betas=cfg.optim.betas,

@@ -368,7 +368,7 @@ def _startup(x: PlanInputs) -> Phase:
 def _activations(name: str, spec: ModelSpec, x: PlanInputs, *, train: bool) -> Item:
     b, d = x.compute_bytes, spec.dims
     if train:
-        ckpt = x.activation_checkpointing and name == "actor"  # build.py checkpoints the actor only
+        ckpt = x.activation_checkpointing and name in ("actor", "critic")  # build.py checkpoints both
         a = train_activations(d, x.update_tokens, b=b, attention=x.attention, checkpointing=ckpt, head=spec.head,
                               entropy=x.entropy, responses=x.update_responses, math_len=x.math_len)
         # LoRA: each adapted linear also keeps its [T, rank] down-projection for lora_B's backward.

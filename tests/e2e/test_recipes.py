@@ -75,8 +75,10 @@ def test_every_recipe_runs_two_steps_and_logs_its_metrics(tiny_models, task_file
     # Online DPO pairs best against worst by reward: a reward whose scores vary gives it pairs to train.
     runs.append({"name": "online_dpo", "recipe": "online_dpo", "overrides": overrides(
         "online_dpo", **{"reward.fn": "tests.e2e.rewards:length_parity"})})
-    # PPO with every component that can be offloaded: actor, reference (KL), critic and a reward model.
-    runs.append({"name": "ppo", "recipe": "ppo", "overrides": overrides("ppo", **{"reward.model_path": reward_model})})
+    # PPO with every component that can be offloaded: actor, reference (KL), critic and a reward model; with
+    # activation checkpointing, which recomputes the actor's and the critic's blocks.
+    ppo_keys = {"reward.model_path": reward_model, "model.activation_checkpointing": "true"}
+    runs.append({"name": "ppo", "recipe": "ppo", "overrides": overrides("ppo", **ppo_keys)})
     # A random model never gets a math answer right, so every group would look alike to dynamic sampling:
     # DAPO gets a user reward (plugged in by dotted path) whose scores vary.
     runs.append({"name": "dapo", "recipe": "dapo", "overrides": overrides(
@@ -99,8 +101,7 @@ def test_every_recipe_runs_two_steps_and_logs_its_metrics(tiny_models, task_file
     runs.append({"name": "dpo", "recipe": "dpo", "overrides": [o for o in dpo if not o.startswith("data.val")]})
     for target in ("cpu", "disk"):  # last: the PPO run again, everything offloaded
         runs.append({"name": f"ppo_offload_{target}", "recipe": "ppo", "overrides": overrides(
-            f"ppo_offload_{target}", **{"reward.model_path": reward_model},
-            **{f"offload.{k}": target for k in OFFLOAD})})
+            f"ppo_offload_{target}", **ppo_keys, **{f"offload.{k}": target for k in OFFLOAD})})
     result = run_torchrun(WORKER, json.dumps(runs), tmp_path=tmp_path, timeout=1200)
     failed = {name: r["error"] for name, r in result.items() if not r["ok"]}
     assert not failed, failed

@@ -13,8 +13,8 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from hybrid_rl.model.activations import MATH_MAX_LEN, forward_activations, train_activations
-from hybrid_rl.model.forward import micro_batches, policy_logprobs
-from hybrid_rl.model.loading import enable_activation_checkpointing, load_causal_lm, load_config
+from hybrid_rl.model.forward import micro_batches, policy_logprobs, token_values
+from hybrid_rl.model.loading import enable_activation_checkpointing, load_causal_lm, load_config, load_critic
 from hybrid_rl.model.param_count import ArchDims
 from hybrid_rl.types import Sample
 
@@ -32,11 +32,13 @@ def _micro_batch(vocab: int, lengths: tuple[int, ...]):
     return micro_batches(samples, token_budget=10**6)[0]
 
 
-def _measured_activation_bytes(model, mb, *, train: bool) -> int:
+def _measured_activation_bytes(model, mb, *, train: bool, critic: bool = False) -> int:
     tracker = MemTracker()
     tracker.track_external(model)
     with tracker:
-        if train:
+        if critic:
+            token_values(model, mb).sum().backward()
+        elif train:
             lp, ent = policy_logprobs(model, mb, temperature=1.0, with_entropy=True)
             (lp.sum() + ent.sum()).backward()
         else:
@@ -98,3 +100,24 @@ def test_the_cpu_plan_counts_the_math_kernel_for_short_sequences_and_the_gpu_pla
     per_token = 4 * dims.num_heads * (3 * dims.head_dim + 2 * math_len)  # layer_saved_per_token's math term
     assert cpu - gpu == dims.num_layers * tokens * per_token
     assert update_activations(4 * MATH_MAX_LEN, "cpu")[1] == MATH_MAX_LEN  # longer sequences: capped at the bound
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_critic_activation_estimate_bounds_the_measured_peak_with_and_without_checkpointing(tiny_models, dtype):
+    """The critic (a 1-output token head, no vocabulary tensors) trains with checkpointing too when
+    `model.activation_checkpointing` is on (`build._critic`), and the plan counts it so."""
+    path = tiny_models["mid"]
+    dims = ArchDims.from_hf_config(load_config(path))
+    mb = _micro_batch(dims.vocab_size, RESPONSE_LENGTHS["long"])
+    tokens = mb.packed.input_ids.numel()
+    b = torch.finfo(dtype).bits // 8
+    critic = load_critic(path).to(dtype)
+    measured, ratios = {}, {}
+    for ckpt in (False, True):
+        if ckpt:
+            enable_activation_checkpointing(critic)
+        measured[ckpt] = _measured_activation_bytes(critic, mb, train=True, critic=True)
+        predicted = train_activations(dims, tokens, b=b, attention="sdpa", checkpointing=ckpt, head="value")
+        ratios[ckpt] = round(predicted.total / measured[ckpt], 3)
+    assert all(LOW <= r <= HIGH for r in ratios.values()), ratios
+    assert measured[True] < 0.5 * measured[False], measured  # no vocabulary tensors: checkpointing drops most
