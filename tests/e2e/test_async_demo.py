@@ -1,4 +1,7 @@
-"""The demo in sidecar mode, shortened, at max_staleness 0, 1 and 2: each run raises the held-out reward clearly.
+"""The demo in sidecar mode, shortened, at max_staleness 0 and 2: each run raises the held-out reward clearly.
+
+K = 1 is left out to keep `make test` near 30 minutes (it passed beside them in every run up to 2026-11-27); K = 2
+exercises the same asynchronous code with more staleness, and the buffer's rules are unit-tested (tests/unit/experience).
 
 One launch (`workers/async_demo.py`) with one vLLM server: the warmed-up model is checkpointed, then each
 staleness bound trains at most 40 steps of 32 prompts from it, stopping early once the held-out reward (measured every
@@ -29,15 +32,15 @@ def test_short_async_demo_raises_held_out_reward_clearly_at_every_staleness(demo
         overrides = demo_overrides(model=demo_root / "warm_model", data=demo_root / "data", out=tmp_path / "run",
                                    steps=STEPS, prompts=32, val_every=0)
         overrides += sidecar_overrides(etcd=etcd.endpoint, max_staleness=0)
-        r = run_torchrun(worker, json.dumps({"overrides": overrides, "staleness": [0, 1, 2], "steps": STEPS,
+        r = run_torchrun(worker, json.dumps({"overrides": overrides, "staleness": [0, 2], "steps": STEPS,
                                              "check_every": 4, "stop_at": RISE}),
                          nproc=2, tmp_path=tmp_path, timeout=1500)
     finally:
         etcd.stop()
     before = r["before"]
     assert before < 0.3  # the warmed-up model only knows the format
-    for k in ("0", "1", "2"):
+    for k in ("0", "2"):
         after, m = r["after"][k], r["metrics"][k]
         assert after - before >= RISE, f"max_staleness={k}: RL did not raise the held-out reward: {before} -> {after}"
         assert m["async/staleness_groups_max"] <= int(k) and m["async/staleness_tokens_max"] <= int(k)
-    assert r["correction"] == {"0": "none", "1": "tis", "2": "tis"}  # auto: truncated IS when asynchronous
+    assert r["correction"] == {"0": "none", "2": "tis"}  # auto: truncated IS when asynchronous
