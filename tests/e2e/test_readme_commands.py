@@ -39,6 +39,8 @@ COVERED_ELSEWHERE = {
     "make test-fast": "a subset of this suite",
     "make demo": "tests/e2e/test_demo.py (40 steps); TASK=tools: tests/e2e/test_tools_demo.py (5 steps)",
     "make lint": "not run by `make test` (ruff + import-linter; the layer rules: tests/unit/*/test_import_rule.py)",
+    "make test-gpu": "needs a CUDA GPU, which CI lacks: tests/gpu, run on an H200 on 2026-11-27 (README, \"What has and "
+                     "has not run on a GPU\"); here, tests/conftest.py keeps it out of `make test`",
     "etcd": "tests/sidecar start their own etcd on free ports (the README's line is the stock etcd command)",
     "python hybrid_rl.model.smollm2": "the `smollm2` fixture of tests/conftest.py builds it (tests/e2e/test_smollm2.py)",
 }
