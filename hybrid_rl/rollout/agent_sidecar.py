@@ -15,8 +15,6 @@ is an infrastructure failure (left out of the group statistics and the loss).
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import uuid
 from dataclasses import replace
 
@@ -42,16 +40,13 @@ class AgentSidecar(MultiTurnSidecar):
     def __init__(self, inner: SidecarRollout, tokenizer, family: TemplateFamily, agent: Agent, *, max_inflight: int):
         self.inner, self.tokenizer, self.agent = inner, tokenizer, agent
         self.endpoint = ChatEndpoint(inner.stream, tokenizer, family, model=inner.model_name, versions=self._versions)
-        self._slots = threading.BoundedSemaphore(max_inflight)
-        self._closed = False
-        self._arrived: queue.SimpleQueue[tuple[int, Arrival | None, str]] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._in_flight = 0
+        self._init_threads(max_inflight)
 
     def close(self) -> None:
         self._closed = True
         self.endpoint.shutdown()
         self.inner.close()
+        self._drain()
 
     def _trajectory(self, r: Request, sampling: Sampling, router: Router) -> Arrival:
         row = dict(r.row or {})

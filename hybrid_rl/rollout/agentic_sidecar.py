@@ -43,6 +43,8 @@ from hybrid_rl.types import Rollout
 
 log = logging.getLogger(__name__)
 _WAIT_S = 0.02
+# At close, how long to wait for the trajectory threads to end (with the servers gone each ends at its next call).
+_DRAIN_S = 30.0
 
 
 class MultiTurnSidecar:
@@ -52,13 +54,18 @@ class MultiTurnSidecar:
         self.inner, self.tokenizer, self.setup = inner, tokenizer, setup
         self.batcher = ToolBatcher(setup.runner)
         self.loop = replace_runner(setup.loop, self.batcher)
-        # One daemon thread per trajectory, at most max_inflight playing at once: a thread still waiting on a server
-        # or a tool when the run ends must not hold the process up (pool threads are joined at exit)
+        self._init_threads(max_inflight)
+
+    def _init_threads(self, max_inflight: int) -> None:
+        """The trajectory threads' bookkeeping (`AgentSidecar`'s too). One daemon thread per trajectory, at most
+        `max_inflight` playing at once: a thread still waiting on a server or a tool when the run ends must not hold
+        the process up for long (pool threads are joined at exit, unbounded), so `close` waits for them, bounded."""
         self._slots = threading.BoundedSemaphore(max_inflight)
         self._closed = False
         self._arrived: queue.SimpleQueue[tuple[int, Arrival | None, str]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._in_flight = 0
+        self._threads: set[threading.Thread] = set()
 
     # -- the session and the rest: the sidecar's own ----------------------------------------------
 
@@ -78,6 +85,18 @@ class MultiTurnSidecar:
         self._closed = True
         self.batcher.close()
         self.inner.close()
+        self._drain()
+
+    def _drain(self, timeout_s: float = _DRAIN_S) -> None:
+        """Wait, at most `timeout_s`, for the trajectory threads still running (the servers are closed: each ends at
+        its next call). A daemon thread left inside native code (torch, tokenizers) while the interpreter tears down
+        can abort the process: a run's last rank once died so ("terminate called without an active exception")
+        just after its final checkpoint, its episodes failing on the closed servers."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            threads = list(self._threads)
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
 
     # -- streaming -------------------------------------------------------------------------------
 
@@ -94,8 +113,11 @@ class MultiTurnSidecar:
             if counted:
                 with self._lock:
                     self._in_flight += 1
-            threading.Thread(target=self._play, args=(r, sampling, router, sink, counted), daemon=True,
-                             name=f"trajectory-{r.key}").start()
+            thread = threading.Thread(target=self._play, args=(r, sampling, router, sink, counted), daemon=True,
+                                      name=f"trajectory-{r.key}")
+            with self._lock:
+                self._threads.add(thread)
+            thread.start()
 
     def _play(self, r: Request, sampling: Sampling, router: Router, sink: queue.SimpleQueue, counted: bool) -> None:
         try:
@@ -105,9 +127,10 @@ class MultiTurnSidecar:
                 arrival, error = self._trajectory(r, sampling, router), ""
         except Exception as e:  # noqa: BLE001 - a failed request: the buffer recovers and sends it again
             arrival, error = None, f"{type(e).__name__}: {e}"
-        if counted:
-            with self._lock:
+        with self._lock:
+            if counted:
                 self._in_flight -= 1
+            self._threads.discard(threading.current_thread())
         sink.put((r.key, arrival, error))
 
     def _trajectory(self, r: Request, sampling: Sampling, router: Router) -> Arrival:
