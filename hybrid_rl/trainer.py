@@ -252,12 +252,13 @@ class Trainer:
             measured["startup"], self.startup_peak_gib = self.startup_peak_gib, None
         names = [p.name for p in self.plan.phases]
         peaks = all_reduce_max([measured.get(n, -1.0) for n in names] + [step_peak])
-        out = {"memory/peak_gib": peaks[-1]}
-        for phase, peak in zip(self.plan.phases, peaks, strict=False):
-            if peak >= 0:  # phases this step ran (the rollout's includes the weight sync)
-                out[f"memory/{phase.name}/peak_gib"] = peak
-                out[f"memory/{phase.name}/plan_gib"] = phase.total / 2**30
+        # the phases this step ran (the rollout's includes the weight sync)
         ran = {p.name: peak for p, peak in zip(self.plan.phases, peaks, strict=False) if peak >= 0}
+        out = {"memory/peak_gib": peaks[-1]}
+        for phase in self.plan.phases:
+            if phase.name in ran:
+                out[f"memory/{phase.name}/peak_gib"] = ran[phase.name]
+                out[f"memory/{phase.name}/plan_gib"] = phase.total / 2**30
         for message in self.plan_watch.check(ran):  # the same verdict on every rank (peaks are all-reduced)
             if self.dims.is_main:
                 log.warning(message)

@@ -50,8 +50,9 @@ CPU_VLLM_IMPORT_BYTES = int(0.18 * GIB)
 CPU_VLLM_RUNTIME_BYTES = int(0.22 * GIB)
 CPU_VLLM_RUNTIME_PER_VOCAB = int(0.49 * GIB / 151936)
 CPU_VLLM_RUNTIME_PER_WEIGHT_BYTE = 0.046
-# CUDA figures no CPU can measure (and the project's one GPU run did not: tests/gpu): typical values, stated so a user can check
-# them against a run's own log (vLLM logs its graph pool; `nvidia-smi` shows the context) and adjust the margin.
+# CUDA figures no CPU can measure (nor did the project's one GPU run, tests/gpu, which read PyTorch's allocations only):
+# typical values, stated so a user can check them against a run's own log (vLLM logs its graph pool; `nvidia-smi`
+# shows the context) and adjust the margin.
 CUDA_CONTEXT_BYTES = int(0.6 * GIB)  # CUDA context + torch's and NCCL's kernels (CUDA 12 lazy loading), per GPU
 # One NCCL communicator on an NVLink node: NCCL_BUFFSIZE (4 MiB) x send/recv x up to 32 channels, plus its
 # proxy and work FIFOs. A rank joins: the trainer's world group (FSDP's collectives) and its point-to-point

@@ -56,7 +56,6 @@ class PhasePeaks:
         return out, step_peak
 
 
-
 # A phase may measure this much above its plan before the run says so. On CUDA the reading is PyTorch's peak
 # allocation, while the plan's total also holds what PyTorch does not count (the CUDA context, what vLLM keeps
 # asleep), so a phase the plan covers measures below its total.
