@@ -1,5 +1,10 @@
 """The recipes' training side on one GPU: `build` and `Trainer` as `hybrid_rl.train` runs them, at the recipes'
-own batch shapes (32 prompts x n samples of up to 512 new tokens) on Qwen2.5-shaped models.
+own batch shapes (32 prompts x n samples) on Qwen2.5-shaped models, with 128 new tokens a sample instead of 512.
+
+The shorter responses are for the stand-in generator's sake: its eager decode, one FSDP forward per token, took
+51 s of a 74 s step at 512 tokens on an H200 (1.5B, 128 samples), and the first GPU run of this suite ran out of its
+time. The update's micro-batches stay full (`trainer.micro_batch_tokens`, 8192 tokens: several per step here), so
+the phases the plan is checked against keep their size.
 
 What runs on CUDA here and nowhere else in the tests: the world `cpu:gloo,cuda:nccl` bound to the GPU, shards
 allocated on the GPU and filled from the checkpoint, FSDP2's bf16 passes through the packed attention and the
@@ -27,15 +32,16 @@ GIB = 2**30
 NOT_ALLOCATED = {"vllm", "process"}
 # vLLM's phases: the eager generator is not vLLM (its KV cache is not the plan's, and it has no weight sync).
 VLLM_PHASES = {"sync", "rollout"}
+SHORTER = "rollout.max_new_tokens=128"
 CASES = {
     # the grpo recipe as shipped (full fine-tuning, no checkpointing), its reference offloaded between its passes
-    "grpo_0.5B": ("grpo", "0.5B", ["offload.reference=cpu"]),
+    "grpo_0.5B": ("grpo", "0.5B", [SHORTER, "offload.reference=cpu"]),
     # the ppo recipe as the README's GPU command runs it (activation checkpointing), with a critic whose weights and
     # optimizer state go to host memory between its passes and updates
-    "ppo_1.5B": ("ppo", "1.5B", ["model.activation_checkpointing=true", "offload.critic=cpu",
+    "ppo_1.5B": ("ppo", "1.5B", [SHORTER, "model.activation_checkpointing=true", "offload.critic=cpu",
                                  "offload.reference=cpu"]),
     # LoRA on the grpo recipe: a bf16 frozen base under FSDP2 with float32 adapters; the reference is the base itself
-    "grpo_lora_0.5B": ("grpo", "0.5B", ["model.lora.rank=16"]),
+    "grpo_lora_0.5B": ("grpo", "0.5B", [SHORTER, "model.lora.rank=16"]),
 }
 
 
