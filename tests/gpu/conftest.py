@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-# Qwen2.5-{0.5B,1.5B}'s published config.json values (both tie their embeddings).
-SHAPES = {
-    "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2),
-    "1.5B": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2),
-}
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import qwen_shapes  # noqa: E402 - Qwen2.5's published configs, as the benchmarks build their model folders
+
+SHAPES = qwen_shapes.SHAPES
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -40,16 +40,9 @@ def report(name: str, figures: dict) -> None:
 
 def build_qwen_shape(size: str, path: Path) -> Path:
     """A model folder of Qwen2.5-`size`'s shape at `path`: random bf16 weights made on the GPU, the tests' tokenizer."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM
 
-    from hybrid_rl.model.tiny import build_tokenizer
-
-    tok = build_tokenizer()
-    cfg = Qwen2Config(**SHAPES[size], vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
-                      max_position_embeddings=32768, rms_norm_eps=1e-6, use_sliding_window=False,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id,
-                      dtype="bfloat16")
-    cfg.architectures = ["Qwen2ForCausalLM"]
+    cfg, tok = qwen_shapes.config(size)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
