@@ -14,18 +14,21 @@ from pathlib import Path
 
 import common
 
-# Published config.json values of Qwen2.5-{0.5B,1.5B,3B,7B}(-Instruct).
+# Published config.json values of Qwen2.5-{0.5B,1.5B,3B,7B,32B}(-Instruct). The untied sizes pad their vocabulary
+# to 152064 rows, the tied ones to 151936.
 SHAPES = {
     "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, tie_word_embeddings=True, max_window_layers=21),
+                 num_key_value_heads=2, tie_word_embeddings=True, max_window_layers=21, vocab_size=151936),
     "1.5B": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, tie_word_embeddings=True, max_window_layers=21),
+                 num_key_value_heads=2, tie_word_embeddings=True, max_window_layers=21, vocab_size=151936),
     "3B": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-               num_key_value_heads=2, tie_word_embeddings=True, max_window_layers=70),
+               num_key_value_heads=2, tie_word_embeddings=True, max_window_layers=70, vocab_size=151936),
     "7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-               num_key_value_heads=4, tie_word_embeddings=False, max_window_layers=28),
+               num_key_value_heads=4, tie_word_embeddings=False, max_window_layers=28, vocab_size=152064),
+    "32B": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                num_key_value_heads=8, tie_word_embeddings=False, max_window_layers=64, vocab_size=152064),
 }
-COMMON = dict(vocab_size=151936, rope_theta=1e6, max_position_embeddings=32768, rms_norm_eps=1e-6,
+COMMON = dict(rope_theta=1e6, max_position_embeddings=32768, rms_norm_eps=1e-6,
               use_sliding_window=False, sliding_window=32768)
 SHARD_BYTES = 1 << 30
 
@@ -42,10 +45,16 @@ def config(size: str):
     return cfg, tok
 
 
+def _stale(path: Path, size: str) -> bool:
+    """Whether `path` holds a config.json that no longer has SHAPES[size] (a folder built before a correction)."""
+    saved = json.loads((path / "config.json").read_text())
+    return any(saved.get(k) != v for k, v in SHAPES[size].items())
+
+
 def config_folder(size: str) -> Path:
     """`size`'s config and tokenizer without weights: enough for the memory planner (`scale.py --plan-only`)."""
     path = common.CACHE / "models" / f"qwen2.5-{size.lower()}-config"
-    if not (path / "config.json").exists():
+    if not (path / "config.json").exists() or _stale(path, size):
         cfg, tok = config(size)
         tok.save_pretrained(path)
         cfg.save_pretrained(path)
@@ -56,6 +65,8 @@ def folder(size: str) -> Path:
     """The model folder of `size` (one of SHAPES), built on first use."""
     path = common.CACHE / "models" / f"qwen2.5-{size.lower()}-shape"
     if (path / "config.json").exists():
+        if _stale(path, size):  # its weights have another shape: rebuilding them is the user's call (GBs, minutes)
+            raise SystemExit(f"{path} was built with another {size} shape than qwen_shapes.SHAPES: delete it and run again")
         return path
     import torch
     from safetensors.torch import save_file

@@ -26,6 +26,9 @@ import pytest
 from hybrid_rl.dist.mesh import free_port
 from tests.conftest import REPO, VLLM_TP2
 
+sys.path.insert(0, str(REPO / "benchmarks"))
+import qwen_shapes  # noqa: E402 - Qwen2.5's published configs, as the benchmarks build their model folders
+
 pytestmark = pytest.mark.slow
 
 README = REPO / "README.md"
@@ -50,12 +53,6 @@ RECIPES_RUN_ELSEWHERE = {"smollm2_arithmetic": "tests/e2e/test_smollm2.py (a 1-s
 SMALL = ["rollout.n=2", "rollout.max_new_tokens=8", "data.prompts_per_step=4", "data.val_prompts=4",
          "trainer.micro_batch_tokens=512", "reward.num_workers=1", "trainer.show_progress=false", "rollout.bucket_mb=1"]
 REPLACE = {"trainer.total_steps": "2", "trainer.save_every": "1"}
-# Published config.json shapes the README's model folders name; the planner reads config.json only.
-QWEN25 = {  # hidden, intermediate, layers, heads, kv heads, tied, vocab
-    "0.5B": (896, 4864, 24, 14, 2, True, 151936),
-    "7B": (3584, 18944, 28, 28, 4, False, 152064),
-    "32B": (5120, 27648, 64, 40, 8, False, 152064),
-}
 
 
 def readme_commands(text: str | None = None) -> list[str]:
@@ -117,22 +114,14 @@ def with_overrides(argv: list[str], values: dict[str, str]) -> list[str]:
 
 
 def shape_folder(root: Path, name: str) -> Path:
-    """A config.json (and a tiny tokenizer) with the published shape of the Qwen2.5 size `name` names."""
-    from transformers import Qwen2Config
-
-    from hybrid_rl.model.tiny import build_tokenizer
-
+    """A config.json (and a tiny tokenizer) with the published shape of the Qwen2.5 size `name` names; the planner
+    reads config.json only."""
     size = re.search(r"(\d+(?:\.\d+)?B)", name)
-    assert size and size.group(1) in QWEN25, f"README names model {name!r}: add its published shape to QWEN25"
+    assert size and size.group(1) in qwen_shapes.SHAPES, \
+        f"README names model {name!r}: add its published shape to benchmarks/qwen_shapes.py"
     out = root / "shapes" / size.group(1)
     if not (out / "config.json").exists():
-        hidden, inter, layers, heads, kv, tied, vocab = QWEN25[size.group(1)]
-        tok = build_tokenizer()
-        cfg = Qwen2Config(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                          num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=tied,
-                          vocab_size=vocab, max_position_embeddings=32768, rope_theta=1e6, dtype="bfloat16",
-                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        cfg.architectures = ["Qwen2ForCausalLM"]
+        cfg, tok = qwen_shapes.config(size.group(1))
         cfg.save_pretrained(out)
         tok.save_pretrained(out)
     return out
