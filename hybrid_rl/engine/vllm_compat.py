@@ -111,12 +111,32 @@ def _blocks(packed: torch.Tensor, k: int) -> torch.Tensor:
     return packed.view(-1, k // 2, PACK_ROWS, 2)
 
 
+CAST_CHUNK_BYTES = 1 << 20  # rows cast at a time when the source has another dtype: stays in the core's cache
+
+
 def pack_rows_into(packed: torch.Tensor, rows: torch.Tensor, row0: int) -> None:
     """Write dense weight rows [row0, row0 + len(rows)) into `packed` (the layer's packed [N, K] tensor) in place:
     whole blocks with one strided copy, a partial block at either end into its rows of the block.
 
     Each (k, k + 1) pair of a row is moved as one int32: the copy is then a transpose of 4-byte elements, 3-8x
-    faster on CPU than the same transpose of bf16 pairs (whose innermost loop is 2 elements long)."""
+    faster on CPU than the same transpose of bf16 pairs (whose innermost loop is 2 elements long).
+
+    Rows of another dtype (the trainer's float32 weight itself, at world 1) are cast a cache-sized block of rows at
+    a time, each block packed while it is still in cache: the weight is read once, and nothing weight-sized is
+    allocated."""
+    if rows.dtype != packed.dtype:
+        n, k = rows.shape
+        step = max(PACK_ROWS, CAST_CHUNK_BYTES // (k * packed.element_size()) // PACK_ROWS * PACK_ROWS)
+        buf, i = torch.empty(min(step, n), k, dtype=packed.dtype, device=rows.device), 0
+        while i < n:  # chunks end on multiples of `step` (of PACK_ROWS): whole blocks but at the two ends
+            m = min(step - (row0 + i) % step, n - i)
+            _pack_rows(packed, buf[:m].copy_(rows[i:i + m]), row0 + i)
+            i += m
+        return
+    _pack_rows(packed, rows, row0)
+
+
+def _pack_rows(packed: torch.Tensor, rows: torch.Tensor, row0: int) -> None:
     n, k = rows.shape
     src = rows.contiguous().view(torch.int32)  # [n, K/2]
     blocks, i = _pairs(packed, k), 0  # [N/32, K/2, 32]

@@ -42,6 +42,10 @@ from hybrid_rl.engine.layout import TPSlice
 from hybrid_rl.engine.reshard import HEAD, WeightSyncError
 from hybrid_rl.engine.vllm_compat import PACKED_ATTR, derived_linear, pack_rows_into, packed_linear_dense, unpack_rows
 
+# The paths whose landing casts what it is given to vLLM's dtype as it copies (`copy_`, `pack_rows_into`): at world 1
+# the resharder hands them the trainer's weights uncast (`stream_buckets(landing_casts=True)`).
+CASTING_PATHS = ("inplace", "packed")
+
 
 class StorageMovedError(WeightSyncError):
     """A parameter's storage moved under captured CUDA graphs: they would run on stale weights."""

@@ -72,6 +72,21 @@ def test_packed_sync_lands_every_slice_in_the_weight_vllms_kernel_reads(tp1_laun
         assert step["max_logprob_diff"] < 0.1, step  # bf16 on both sides, different kernels
 
 
+@pytest.mark.skipif(not PACKED, reason="the packed path needs AVX512-BF16 (CI has it)")
+def test_packed_sync_at_world_1_casts_the_trainers_weights_as_it_lands_them(tiny_models, tmp_path):
+    """One rank (the topology the README recommends for a 0.5B-class model on a CPU box): the slices are the
+    trainer's float32 weights themselves, cast as they are packed into vLLM's weights (no buffer), still bit-exact
+    through the kernel, tied head included."""
+    r = run_torchrun(WORKERS / "parity.py", "--packed", tiny_models["qwen2_tied"], nproc=1, tmp_path=tmp_path,
+                     timeout=600)["packed"]
+    for step in r["steps"]:
+        assert step["sync_path"] == "packed"
+        assert step["buffer_bytes_max"] == 0, step  # no send buffer: the landing read the sources
+        assert step["packed_slices_min"] >= step["slices"] // 2, step
+        assert step["mismatched"] == 0, step
+        assert step["max_logprob_diff"] < 0.1, step
+
+
 @VLLM_TP2
 def test_tp_slices_match_vllms_own_sharding_for_every_architecture(tiny_models, tp2_launch):
     r = tp2_launch["layout"]

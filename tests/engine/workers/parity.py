@@ -24,7 +24,7 @@ from hybrid_rl.engine.reshard import WeightSyncError
 from hybrid_rl.engine.vllm_engine import Sampling
 
 p = argparse.ArgumentParser()
-p.add_argument("--models", nargs="+", required=True)
+p.add_argument("--models", nargs="*", default=[], help="models whose greedy parity to check")
 p.add_argument("--tp", type=int, default=1)
 p.add_argument("--steps", type=int, nargs="+", default=[3], help="optimizer steps per model (the last repeats)")
 p.add_argument("--release", default="keep", choices=["keep", "restart"])

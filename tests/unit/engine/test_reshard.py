@@ -10,6 +10,7 @@ from hybrid_rl.dist.mesh import free_port
 from hybrid_rl.engine.layout import Layout, ModelDims
 from hybrid_rl.engine.reshard import (
     SourceParam,
+    SyncStats,
     block_checksum,
     build_plan,
     checksums_match,
@@ -124,3 +125,32 @@ def test_one_rank_hands_on_the_cast_bytes_without_assembling_a_copy():
     assert len(storages) == len(plan.buckets) > 3
     assert all(len(ptrs) == 1 for ptrs in storages.values()), "a bucket's slices were copied out of its buffer"
     assert bool(checksums_match(plan.expected, torch.stack(sums)).all())
+
+
+def test_one_rank_with_a_casting_landing_hands_on_the_sources_themselves():
+    """World 1, `landing_casts` (the in-place paths cast as they copy): the slices are the trainer's float32 matrices
+    themselves (no buffer, no cast before the landing), and the checksums are those of their bf16 values, the
+    values that land: the same as the cast path's."""
+    full = full_weights()
+    sources = [SourceParam(n, w, tuple(w.shape)) for n, w in full.items()]
+
+    def stream(landing_casts):
+        plan = build_plan(sources, Layout(DIMS, 1), rank=0, world=1, tp_rank_of=lambda r: 0, bucket_bytes=8 * 1024,
+                          dtype=torch.bfloat16, sharded=True)
+        stats = SyncStats()
+        pairs = list(stream_slices(plan, sources, device=torch.device("cpu"), probe_cols=16, stats=stats,
+                                   landing_casts=landing_casts))
+        return plan, stats, pairs
+
+    plan, stats, pairs = stream(True)
+    cast_plan, cast_stats, cast_pairs = stream(False)
+    assert [ts for ts, _ in pairs] == [ts for ts, _ in cast_pairs]
+    for (ts, tensor), (_, cast) in zip(pairs, cast_pairs, strict=True):
+        if tensor.dim() == 2:  # vectors (biases, norms) are cast here: vLLM may keep them in float32
+            assert tensor.untyped_storage().data_ptr() == full[ts.hf_name].untyped_storage().data_ptr(), ts.hf_name
+        else:
+            assert tensor.dtype == torch.bfloat16
+        assert torch.equal(tensor.to(torch.bfloat16), cast)
+    assert torch.equal(plan.expected, cast_plan.expected)
+    assert (stats.bytes_received, stats.buckets) == (cast_stats.bytes_received, cast_stats.buckets)
+    assert stats.peak_buffer_bytes == 0 < cast_stats.peak_buffer_bytes

@@ -71,3 +71,19 @@ def test_rows_written_into_the_packed_layout_equal_vllms_own_packing(shape, row0
     assert torch.equal(unpack_rows(packed, row0, n), rows)
     cols = torch.tensor([0, 3, 17, shape[1] - 1])
     assert torch.equal(unpack_rows(packed, row0, n, cols), rows[:, cols])  # the verification's probed columns
+
+
+@pytest.mark.parametrize("shape,row0,n", [((1152, 896), 0, 1152), ((1152, 896), 7, 1100), ((4864, 128), 40, 4800)])
+def test_float32_rows_are_cast_block_by_block_into_the_packed_layout(shape, row0, n, monkeypatch):
+    """World 1 hands the landing the trainer's float32 weight (`stream_buckets(landing_casts=True)`): cast in
+    cache-sized row blocks (small here: many blocks, unaligned ends), the result is the bf16 rows' packing."""
+    from hybrid_rl.engine import vllm_compat
+
+    monkeypatch.setattr(vllm_compat, "CAST_CHUNK_BYTES", 96 * shape[1] * 2)  # 96 rows a block
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(shape, generator=g).to(torch.bfloat16)
+    packed = torch.ops._C.convert_weight_packed(w)
+    rows = torch.randn(n, shape[1], generator=g)
+    vllm_compat.pack_rows_into(packed, rows, row0)
+    w[row0:row0 + n] = rows.to(torch.bfloat16)
+    assert torch.equal(packed, torch.ops._C.convert_weight_packed(w))
