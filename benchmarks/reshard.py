@@ -1,8 +1,11 @@
 """Weight sync (FSDP shards -> vLLM) against a plain copy of the same bytes, and generation inside the engine.
 
-    python benchmarks/reshard.py [--quick] [--sizes 4M 25M] [--tps 1 2] [--dtypes bfloat16 float32]
+    python benchmarks/reshard.py [--quick] [--sizes 4M 25M 0.5B] [--tps 1 2] [--dtypes bfloat16 float32]
+                                 [--topologies 2x1 1x2]
 
-(a) Weight sync, 2 ranks under torchrun, for each model size x rollout.tp x rollout dtype: the time
+(a) Weight sync under torchrun, for each topology (ranks x threads per rank: 2x1, the recipe's default, and 1x2,
+    one rank using both cores, the faster one for 0.5B-class models on a CPU box) x model size x rollout.tp
+    (up to the world size) x rollout dtype: the time
     of `sync_weights` (HybridEngine.report.seconds) against the floor, a `copy_` of the bytes this
     rank receives per sync (in the rollout dtype) on the same rank; the two alternate (sync, copy,
     sync, copy ...) and each is the slowest rank's time; the figure is the ratio of medians.
@@ -32,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import qwen_shapes  # noqa: E402
 
 SYNC_TARGET, GEN_TARGET, DP_TARGET = 5.0, 0.95, 1.8  # sync: issue 22
 PARTS = ("pack_cast", "all_to_all", "checksum", "assemble", "staging", "vllm_reload", "verify_unpack",
@@ -358,8 +362,11 @@ def _measure_standalone(engine, cfg: dict, a) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer repeats, shorter generations (~3 min)")
-    p.add_argument("--sizes", nargs="+", choices=sorted(common.SIZES), help="default 25M quick, 4M 25M full")
+    p.add_argument("--sizes", nargs="+", choices=sorted(common.SIZES) + ["0.5B"],
+                   help="default 25M quick, 4M 25M full; 0.5B = Qwen2.5-0.5B's shape, random weights")
     p.add_argument("--tps", nargs="+", type=int, default=[1, 2])
+    p.add_argument("--topologies", nargs="+", default=["2x1", "1x2"], choices=["2x1", "1x2"],
+                   help="the sync's launches: ranks x threads per rank (tp 2 runs at 2 ranks only)")
     p.add_argument("--dtypes", nargs="+", help="rollout dtypes (default bfloat16 quick, bfloat16 float32 full)")
     p.add_argument("--repeats", type=int, help="alternating rounds per side (default 5 quick, 15 full)")
     p.add_argument("--gen-prompts", type=int, help="prompts per generate call (default 8 quick, 16 full)")
@@ -376,6 +383,7 @@ def main() -> None:
     a = p.parse_args()
     if a.smoke:
         a.sizes, a.tps, a.dtypes, a.repeats, a.gen_prompts, a.gen_n, a.gen_tokens = ["4M"], [1], ["bfloat16"], 1, 2, 2, 4
+        a.topologies = ["2x1"]
     a.repeats = a.repeats or (5 if a.quick else 15)
     a.sizes = a.sizes or (["25M"] if a.quick else ["4M", "25M"])
     a.dtypes = a.dtypes or (["bfloat16"] if a.quick else ["bfloat16", "float32"])
@@ -396,15 +404,19 @@ def main() -> None:
     from hybrid_rl.utils.env import set_runtime_defaults
 
     set_runtime_defaults()
-    models = {s: str(common.sized_model(s)) for s in a.sizes}
+    models = {s: str(qwen_shapes.folder(s) if s == "0.5B" else common.sized_model(s)) for s in a.sizes}
     passthrough = ["--repeats", str(a.repeats), "--gen-prompts", str(a.gen_prompts), "--gen-n", str(a.gen_n),
                    "--gen-tokens", str(a.gen_tokens)]
-    configs = [{"size": s, "model": models[s], "tp": tp, "dtype": dt, "dp_gen": tp == 1 and lin == "packed",
-                "verify": False if a.no_verify else None, "probe_cols": a.probe_cols, "packed": lin == "packed"}
-               for s in a.sizes for tp in a.tps for dt in a.dtypes for lin in a.cpu_linears]
-    t0 = time.time()
-    sync_rows = common.torchrun(__file__, ["--worker", "sync", "--configs", json.dumps(configs), *passthrough],
-                                nproc=2, timeout=3000, tag="reshard_sync")["rows"]
+    t0, sync_rows = time.time(), []
+    for topology in a.topologies:
+        world, threads = (int(x) for x in topology.split("x"))
+        configs = [{"size": s, "model": models[s], "tp": tp, "dtype": dt, "topology": topology,
+                    "dp_gen": tp == 1 and lin == "packed" and world == 2,
+                    "verify": False if a.no_verify else None, "probe_cols": a.probe_cols, "packed": lin == "packed"}
+                   for s in a.sizes for tp in a.tps if tp <= world for dt in a.dtypes for lin in a.cpu_linears]
+        sync_rows += common.torchrun(__file__, ["--worker", "sync", "--configs", json.dumps(configs), *passthrough],
+                                     nproc=world, timeout=3000, tag=f"reshard_sync_{topology}",
+                                     env={"OMP_NUM_THREADS": str(threads)})["rows"]
     t1 = time.time()
     gen_cfgs = [{"size": s, "model": models[s], "dtype": dt} for s in a.sizes for dt in a.dtypes]
     gen_rows = common.torchrun(__file__, ["--worker", "standalone", "--configs", json.dumps(gen_cfgs), *passthrough],
@@ -415,14 +427,18 @@ def main() -> None:
     report(sync_rows, gen_rows, a, {"sync_launch_s": t1 - t0, "generation_launch_s": t2 - t1})
 
 
+def _label(r: dict) -> str:
+    return f"{r['topology']} {r['size']} tp{r['tp']} {r['dtype']}"
+
+
 def report(sync_rows: list[dict], gen_rows: list[dict], a, walls: dict) -> None:
-    print("\n(a) weight sync vs a copy_ of the same bytes (2 ranks; medians of alternating runs; slowest rank)")
+    print("\n(a) weight sync vs a copy_ of the same bytes (ranks x threads; medians of alternating runs; slowest rank)")
     for r in sync_rows:
         r["mib"] = r["bytes_per_rank"] / 2**20
         r["sync_ms"], r["copy_ms"] = 1e3 * r["sync_s"], 1e3 * r["copy_s"]
         r["switch_ms"] = 1e3 * r["switch_round_trip_s"]
         r["a2a_ms"] = None if r.get("a2a_alone_s") is None else 1e3 * r["a2a_alone_s"]
-    print(common.table(sync_rows, [("size", "model", "s"), ("tp", "tp", "d"), ("dtype", "dtype", "s"),
+    print(common.table(sync_rows, [("topology", "ranks x threads", "s"), ("size", "model", "s"), ("tp", "tp", "d"), ("dtype", "dtype", "s"),
                                    ("mib", "MiB/rank", ".2f"), ("buckets", "buckets", "d"), ("path", "path", "s"),
                                    ("sync_ms", "sync ms", ".1f"), ("copy_ms", "copy ms", ".2f"), ("a2a_ms", "a2a alone ms", ".1f"),
                                    ("ratio", "sync/copy", ".0f"), ("switch_ms", "switch ms", ".1f")]))
@@ -430,19 +446,19 @@ def report(sync_rows: list[dict], gen_rows: list[dict], a, walls: dict) -> None:
     cols = [("label", "config", "s")] + [(p, p, ".1f") for p in PARTS]
     rows = []
     for r in sync_rows:
-        row = {"label": f"{r['size']} tp{r['tp']} {r['dtype']}"}
+        row = {"label": _label(r)}
         row.update({p: 1e3 * r["parts"][p] for p in PARTS})
         rows.append(row)
     print(common.table(rows, cols))
     steps = sorted({k for r in sync_rows for k in r["switch_steps"]})
     print("\n    every switch step (ms, median): enter rollout = offload_train_state .. kv_cache_in; leave = "
           "release_vllm, reload_train_state")
-    print(common.table([{"label": f"{r['size']} tp{r['tp']} {r['dtype']}",
+    print(common.table([{"label": _label(r),
                          **{k: 1e3 * v for k, v in r["switch_steps"].items()}} for r in sync_rows],
                        [("label", "config", "s")] + [(k, k, ".1f") for k in steps]))
     targets = []
     for r in sync_rows:
-        targets.append(common.check(f"sync/copy {r['size']} tp{r['tp']} {r['dtype']} ({r['path']})", r["ratio"], SYNC_TARGET,
+        targets.append(common.check(f"sync/copy {_label(r)} ({r['path']})", r["ratio"], SYNC_TARGET,
                                     higher_is_better=False))
         big = max(r["parts"], key=r["parts"].get)
         print(f"      largest part: {big} ({100 * r['parts'][big] / r['sync_s']:.0f}% of the sync)")
