@@ -95,7 +95,7 @@ class RolloutConfig:
     release: str = "auto"  # vLLM memory in train mode: auto | keep | sleep | restart
     bucket_mb: float = 256.0  # weights moved per all-to-all during the sync
     verify: bool = True  # checksum every synced weight against what landed in vLLM
-    verify_probe_cols: int = 32  # columns checked per 2-D weight (every row); they rotate with each sync
+    verify_probe_cols: int = 32  # adjacent columns checked per 2-D weight (every row); the band moves each sync
     # CPU, bf16: vLLM's linears keep packed weights the sync writes in place (no rerun of vLLM's weight processing)
     cpu_packed_linears: bool = True
     val_greedy: bool = True

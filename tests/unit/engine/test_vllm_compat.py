@@ -69,8 +69,8 @@ def test_rows_written_into_the_packed_layout_equal_vllms_own_packing(shape, row0
     w[row0:row0 + n] = rows
     assert torch.equal(packed, torch.ops._C.convert_weight_packed(w))  # the other rows untouched, these in place
     assert torch.equal(unpack_rows(packed, row0, n), rows)
-    cols = torch.tensor([0, 3, 17, shape[1] - 1])
-    assert torch.equal(unpack_rows(packed, row0, n, cols), rows[:, cols])  # the verification's probed columns
+    for cols in (torch.tensor([0, 3, 17, shape[1] - 1]), torch.arange(32, 64), torch.arange(5, 9)):
+        assert torch.equal(unpack_rows(packed, row0, n, cols), rows[:, cols])  # the verification's probed columns
 
 
 @pytest.mark.parametrize("shape,row0,n", [((1152, 896), 0, 1152), ((1152, 896), 7, 1100), ((4864, 128), 40, 4800)])
