@@ -56,7 +56,7 @@ from hybrid_rl.engine.reshard import (
     verify_targets,
 )
 from hybrid_rl.engine.vllm_engine import Generation, Sampling, VLLMEngine
-from hybrid_rl.engine.vllm_weights import CASTING_PATHS
+from hybrid_rl.engine.vllm_weights import ROW_PATHS
 from hybrid_rl.utils import memory
 
 log = logging.getLogger(__name__)
@@ -273,7 +273,7 @@ class HybridEngine:
         stats = SyncStats()
         stream = stream_slices(
             plan, sources, device=self.device, probe_cols=self.options.probe_cols,
-            sync_index=self.sync_index, stats=stats, landing_casts=self._path in CASTING_PATHS,
+            sync_index=self.sync_index, stats=stats, row_landing=self._path in ROW_PATHS,
         )
         self.vllm.load_weights(stream, self._path)
         if self.options.verify:

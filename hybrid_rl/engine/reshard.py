@@ -298,17 +298,17 @@ class SyncStats:
 
 def stream_slices(
     plan: ReshardPlan, params: list[SourceParam], *, device: torch.device, group=None,
-    probe_cols: int, sync_index: int = 0, stats: SyncStats | None = None, landing_casts: bool = False,
+    probe_cols: int, sync_index: int = 0, stats: SyncStats | None = None, row_landing: bool = False,
 ) -> Iterator[tuple[TPSlice, torch.Tensor]]:
     """Yield (slice, tensor) for every weight this rank's vLLM needs, bucket by bucket.
 
     Must be driven to the end on every rank in lockstep (each bucket is a collective). After the
     last item, `plan.expected` holds the senders' checksums of this rank's slices, taken over
     `probe_cols` columns of each 2-D slice (`rollout.verify_probe_cols`) that rotate with `sync_index`.
-    `landing_casts`: see `stream_buckets`.
+    `row_landing`: see `stream_buckets`.
     """
     for _, items in stream_buckets(plan, params, device=device, group=group, probe_cols=probe_cols,
-                                   sync_index=sync_index, stats=stats, landing_casts=landing_casts):
+                                   sync_index=sync_index, stats=stats, row_landing=row_landing):
         items.reverse()
         while items:  # each slice is dropped here as soon as vLLM has taken it
             yield items.pop()
@@ -320,7 +320,7 @@ Alloc = Callable[[int, list[TPSlice]], list[torch.Tensor]]
 def stream_buckets(
     plan: ReshardPlan, params: list[SourceParam], *, device: torch.device, group=None,
     probe_cols: int, sync_index: int = 0, stats: SyncStats | None = None, alloc: Alloc | None = None,
-    landing_casts: bool = False,
+    row_landing: bool = False,
 ) -> Iterator[tuple[int, list[tuple[TPSlice, torch.Tensor]]]]:
     """`stream_slices` one bucket at a time: (bucket number, its (slice, tensor) pairs on this rank).
 
@@ -328,16 +328,17 @@ def stream_buckets(
     shared-memory slot: the received pieces are then copied once, straight to their destination);
     None: fresh tensors on `device`. A rank that receives nothing gets empty lists.
 
-    `landing_casts`: the consumer casts each tensor to `plan.dtype` as it writes it into vLLM (the in-place
-    paths do). At world 1 every slice is then a view of its source weight, in the source's dtype: no buffer, and
-    the weight is read once, by the landing, instead of cast into a buffer that the landing reads again.
+    `row_landing`: the consumer writes each tensor at rows [ts.dest_offset, + len(tensor)) of vLLM's weight and
+    casts it to `plan.dtype` as it copies (the in-place paths do). Then no slice is assembled: at world 1 every
+    slice is a view of its source weight, in the source's dtype (no buffer; the weight is read once, by the
+    landing), and at more ranks every received piece goes on as it came, its `dest_offset` moved to its first row.
     """
     stats = stats or SyncStats()
     world = plan.world
     partial = torch.zeros(world, len(plan.slices), dtype=torch.float64, device=device)
     for k, bucket in enumerate(plan.buckets):
         local = {i: params[i].tensor() for i in bucket.indices}  # same order on every rank (may be collective)
-        if landing_casts and alloc is None and world == 1 and _whole_slices(plan, bucket):
+        if row_landing and alloc is None and world == 1 and _whole_slices(plan, bucket):
             yield k, _source_views(plan, bucket, local, partial, probe_cols, sync_index, stats)
             continue
         send_splits = [sum(pc.numel for pc in bucket.sends[d]) for d in range(world)]
@@ -374,7 +375,8 @@ def stream_buckets(
         del send, local
         stats.bytes_received += recv.numel() * recv.element_size()
         stats.buckets += 1
-        items = _assemble(plan, k, bucket, recv, device, alloc)
+        items = _received_pieces(plan, bucket, recv) if row_landing and alloc is None else \
+            _assemble(plan, k, bucket, recv, device, alloc)
         del recv  # freed before vLLM gets the slices: at most two buckets' bytes are alive at any moment
         yield k, items
     if world > 1:
@@ -419,6 +421,19 @@ def _source_block(local: torch.Tensor, pc: Piece) -> torch.Tensor:
     if pc.cols is not None and block.dim() == 2:
         block = block[:, pc.cols[0] : pc.cols[1]]
     return block
+
+
+def _received_pieces(plan: ReshardPlan, bucket: Bucket, recv: torch.Tensor) -> list[tuple[TPSlice, torch.Tensor]]:
+    """For a consumer that lands rows: each received piece as a view of `recv`, with its slice's `dest_offset`
+    moved to the piece's first row (no assembling copy into a fresh slice-sized tensor)."""
+    out, off = [], 0
+    for pc in (pc for per_src in bucket.recvs for pc in per_src):  # recv's order: by source rank
+        ts = plan.slices[pc.index]
+        if pc.slice_row0:
+            ts = replace(ts, dest_offset=ts.dest_offset + pc.slice_row0)
+        out.append((ts, recv[off : off + pc.numel].view(pc.shape)))
+        off += pc.numel
+    return out
 
 
 def _assemble(plan: ReshardPlan, k: int, bucket: Bucket, recv: torch.Tensor, device,

@@ -42,9 +42,10 @@ from hybrid_rl.engine.layout import TPSlice
 from hybrid_rl.engine.reshard import HEAD, WeightSyncError, take_columns
 from hybrid_rl.engine.vllm_compat import PACKED_ATTR, derived_linear, pack_rows_into, packed_linear_dense, unpack_rows
 
-# The paths whose landing casts what it is given to vLLM's dtype as it copies (`copy_`, `pack_rows_into`): at world 1
-# the resharder hands them the trainer's weights uncast (`stream_buckets(landing_casts=True)`).
-CASTING_PATHS = ("inplace", "packed")
+# The paths that write each tensor at its rows of vLLM's weight (`ts.dest_offset`) and cast it as they copy (`copy_`,
+# `pack_rows_into`): the resharder hands them the trainer's weights uncast at world 1 and the received pieces
+# unassembled at more ranks (`stream_buckets(row_landing=True)`).
+ROW_PATHS = ("inplace", "packed")
 
 
 class StorageMovedError(WeightSyncError):

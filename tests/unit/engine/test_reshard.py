@@ -62,8 +62,25 @@ def _worker(rank: int, world: int, tp: int, port: int, results) -> None:
                                        col_ids=probe_for(ts, 16, 0)) for ts, t in got.values()])
     results[rank] = dict(exact=exact, checksums_ok=bool(checksums_match(plan.expected, sums).all()),
                          buckets=len(plan.buckets), received=plan.bytes_per_sync, **_writers_only(rank, world, tp, full,
-                                                                                                   sources, layout))
+                                                                                                   sources, layout),
+                         **_row_landed(rank, world, tp, full, sources, layout))
     dist.destroy_process_group()
+
+
+def _row_landed(rank: int, world: int, tp: int, full, sources, layout) -> dict:
+    """`row_landing` (the in-place paths): the received pieces come unassembled, each at its own first row; written
+    at their rows they rebuild every slice exactly."""
+    plan = build_plan(sources, layout, rank=rank, world=world, tp_rank_of=lambda r: r % tp,
+                      bucket_bytes=8 * 1024, dtype=torch.bfloat16, sharded=True)
+    first_row = {ts.hf_name: ts.dest_offset for ts in plan.slices}
+    landed = {ts.hf_name: torch.full(ts.shape, float("nan"), dtype=torch.bfloat16) for ts in plan.slices}
+    items = 0
+    for ts, tensor in stream_slices(plan, sources, device=torch.device("cpu"), probe_cols=16, row_landing=True):
+        landed[ts.hf_name].narrow(0, ts.dest_offset - first_row[ts.hf_name], tensor.shape[0]).copy_(tensor)
+        items += 1
+    exact = all(torch.equal(landed[ts.hf_name], (full[ts.hf_name] if ts.dim is None else full[ts.hf_name].narrow(
+        ts.dim, ts.start, ts.stop - ts.start)).to(torch.bfloat16)) for ts in plan.slices)
+    return dict(r_exact=exact, r_items=items, r_slices=len(plan.slices))
 
 
 def _writers_only(rank: int, world: int, tp: int, full, sources, layout) -> dict:
@@ -97,6 +114,8 @@ def test_every_rank_receives_exactly_its_tp_slice_from_fsdp_shards():
     for r in range(world):
         assert results[r]["exact"], f"rank {r} assembled a wrong slice"
         assert results[r]["checksums_ok"], f"rank {r}: sender checksums disagree with the received slices"
+        assert results[r]["r_exact"], f"rank {r}: pieces landed at their rows do not rebuild the slices"
+        assert results[r]["r_items"] > results[r]["r_slices"], "no slice came in pieces: nothing tested"
         assert results[r]["buckets"] > 3  # bucketed, not one transfer
         # Only the TP slice arrives (about half the model at tp=2; KV head and norms are replicated).
         assert results[r]["received"] < 0.62 * full_bytes
@@ -128,18 +147,18 @@ def test_one_rank_hands_on_the_cast_bytes_without_assembling_a_copy():
 
 
 def test_one_rank_with_a_casting_landing_hands_on_the_sources_themselves():
-    """World 1, `landing_casts` (the in-place paths cast as they copy): the slices are the trainer's float32 matrices
+    """World 1, `row_landing` (the in-place paths cast as they copy): the slices are the trainer's float32 matrices
     themselves (no buffer, no cast before the landing), and the checksums are those of their bf16 values, the
     values that land: the same as the cast path's."""
     full = full_weights()
     sources = [SourceParam(n, w, tuple(w.shape)) for n, w in full.items()]
 
-    def stream(landing_casts):
+    def stream(row_landing):
         plan = build_plan(sources, Layout(DIMS, 1), rank=0, world=1, tp_rank_of=lambda r: 0, bucket_bytes=8 * 1024,
                           dtype=torch.bfloat16, sharded=True)
         stats = SyncStats()
         pairs = list(stream_slices(plan, sources, device=torch.device("cpu"), probe_cols=16, stats=stats,
-                                   landing_casts=landing_casts))
+                                   row_landing=row_landing))
         return plan, stats, pairs
 
     plan, stats, pairs = stream(True)

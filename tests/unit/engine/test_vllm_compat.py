@@ -75,7 +75,7 @@ def test_rows_written_into_the_packed_layout_equal_vllms_own_packing(shape, row0
 
 @pytest.mark.parametrize("shape,row0,n", [((1152, 896), 0, 1152), ((1152, 896), 7, 1100), ((4864, 128), 40, 4800)])
 def test_float32_rows_are_cast_block_by_block_into_the_packed_layout(shape, row0, n, monkeypatch):
-    """World 1 hands the landing the trainer's float32 weight (`stream_buckets(landing_casts=True)`): cast in
+    """World 1 hands the landing the trainer's float32 weight (`stream_buckets(row_landing=True)`): cast in
     cache-sized row blocks (small here: many blocks, unaligned ends), the result is the bf16 rows' packing."""
     from hybrid_rl.engine import vllm_compat
 
