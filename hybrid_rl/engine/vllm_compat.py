@@ -257,6 +257,10 @@ def _check_tied_head() -> list[str]:
     if "layer.cpu_linear" not in _source(getattr(dispatch, "hr_original", dispatch)):
         out.append("5. dispatch_cpu_unquantized_gemm no longer sets layer.cpu_linear: re-check what a tied head "
                    "derives from the embedding on CPU")
+    if not issubclass(vpe.ParallelLMHead, vpe.VocabParallelEmbedding) or \
+            "layer.weight" not in _source(vpe.UnquantizedEmbeddingMethod.embedding):
+        out.append("4. the input embedding's lookups no longer read layer.weight (or the head is no longer a "
+                   "VocabParallelEmbedding): its GEMM copy, left out, may be read")
     return out
 
 
