@@ -110,8 +110,10 @@ def load_like_vllm(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> Non
             getattr(p, "weight_loader", default_weight_loader)(p, w)
 
 
+@pytest.mark.parametrize("row_landing", [False, True], ids=["assembled", "row_landing"])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_inplace_sync_into_vllms_own_parameter_classes_equals_vllms_loader(tp):
+def test_inplace_sync_into_vllms_own_parameter_classes_equals_vllms_loader(tp, row_landing):
+    """`row_landing` is what the engine asks for on this path (CUDA): the slices are then views of the sources."""
     full = full_weights()
     layout = Layout(DIMS, tp)
     bucket = 16 * 1024  # several buckets, each smaller than the head's slice
@@ -126,7 +128,8 @@ def test_inplace_sync_into_vllms_own_parameter_classes_equals_vllms_loader(tp):
         for sync in range(2):
             stats = SyncStats()
             load_inplace(model_params(model), stream_slices(plan, sources, device=torch.device("cpu"),
-                                                            probe_cols=8, sync_index=sync, stats=stats))
+                                                            probe_cols=8, sync_index=sync, stats=stats,
+                                                            row_landing=row_landing))
             check_storages(captured, storage_ptrs(model), sync_index=sync)  # what CUDA graphs read
         load_like_vllm(reference, full)
         ours, theirs = model_params(model), model_params(reference)
@@ -146,6 +149,7 @@ def test_inplace_sync_into_vllms_own_parameter_classes_equals_vllms_loader(tp):
             modules[ts.module] = modules.get(ts.module, 0) + ts.numel * 4
         largest = max(modules.values())
         assert len(plan.buckets) > 3 and stats.peak_buffer_bytes <= 2 * max(bucket, largest)
+        assert (stats.peak_buffer_bytes == 0) == row_landing  # one rank, landing by rows: no buffer at all
 
 
 def test_vllm_cpu_repacking_sends_the_sync_through_vllms_loader():
