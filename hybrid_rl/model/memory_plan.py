@@ -522,6 +522,9 @@ def sync_transient_bytes(x: PlanInputs) -> int:
     into vLLM's parameter, so nothing else is alive. On the CPU reload path vLLM's loader also holds its
     own copies of the module it is processing (2 x the largest: the original layout it rebuilds and the
     repacked result) beside the staged full-shape tensor.
+
+    An upper bound where the landing takes rows (`row_landing`: the in-place and packed paths): there the received
+    pieces go to vLLM unassembled, and at world 1 no buffer is made at all (the slices are the trainer's weights).
     """
     r = x.rollout
     largest = largest_module_bytes(x)
