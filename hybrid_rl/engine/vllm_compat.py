@@ -18,6 +18,8 @@ import logging
 
 import torch
 
+from hybrid_rl.engine.reshard import band_start
+
 log = logging.getLogger(__name__)
 
 PINNED = "0.32"
@@ -164,9 +166,9 @@ def unpack_rows(packed: torch.Tensor, row0: int, n: int, cols: torch.Tensor | No
     blocks = _blocks(packed, k)[b0:b1]  # [B, K/2, 32, 2]
     if cols is None:
         dense = blocks.permute(0, 2, 1, 3).reshape((b1 - b0) * PACK_ROWS, k)
-    elif len(cols) % 2 == 0 and int(cols[0]) % 2 == 0 and int(cols[-1]) - int(cols[0]) == len(cols) - 1:
+    elif (start := band_start(cols)) is not None and start % 2 == 0 and len(cols) % 2 == 0:
         # a band of adjacent columns starting on a pair (the verification's probes): whole pairs, a slice
-        p0 = int(cols[0]) // 2
+        p0 = start // 2
         dense = blocks[:, p0:p0 + len(cols) // 2].permute(0, 2, 1, 3).reshape((b1 - b0) * PACK_ROWS, len(cols))
     else:  # any other columns: column c is at [:, c // 2, :, c % 2]
         dense = blocks[:, cols // 2, :, cols % 2].permute(1, 2, 0).reshape((b1 - b0) * PACK_ROWS, len(cols))
