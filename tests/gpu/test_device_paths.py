@@ -20,7 +20,7 @@ GIB = 2**30
 
 def _qwen(layers: int, dtype: torch.dtype, attn: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    cfg = Qwen2Config(**{**SHAPES["0.5B"], "num_hidden_layers": layers}, vocab_size=4096, use_sliding_window=False)
+    cfg = Qwen2Config(**{**SHAPES["0.5B"], "num_hidden_layers": layers, "vocab_size": 4096}, use_sliding_window=False)
     model = Qwen2ForCausalLM(cfg).to("cuda", dtype)
     model.set_attn_implementation(attn)
     return model
