@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from hybrid_rl.demo.tools_task import WarmupConversation, read_rows, warmup_conversation
+from hybrid_rl.model.loading import attn_implementation
 from hybrid_rl.rollout.chat_template import ToolSuffix, detect_family
 from hybrid_rl.rollout.tools import resolve_tools
 
@@ -44,7 +45,10 @@ def tools_warmup(model_dir: str | Path, train_file: str | Path, out_dir: str | P
     rng = random.Random(seed)
     tok = AutoTokenizer.from_pretrained(model_dir)
     suffix = ToolSuffix(tok, detect_family(tok.chat_template), [t.schema for t in resolve_tools(["python"])])
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # the packed attention: each sequence of a packed batch alone, not transformers' T x T masked SDPA (whose
+    # backward was 0.09 s a step of this 2-layer model, most of the warm-up)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation=attn_implementation())
     rows = read_rows(train_file)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / steps)

@@ -10,6 +10,7 @@ import torch
 
 from hybrid_rl.data import pack
 from hybrid_rl.demo.task import numbers_of, warmup_target
+from hybrid_rl.model.loading import attn_implementation
 
 
 def supervised_warmup(model_dir: str | Path, train_file: str | Path, out_dir: str | Path, *, epochs: int = 3,
@@ -20,7 +21,10 @@ def supervised_warmup(model_dir: str | Path, train_file: str | Path, out_dir: st
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # the packed attention: each sequence of a packed batch alone, not transformers' T x T masked SDPA (whose
+    # backward was 0.09 s a step of this 2-layer model, most of the warm-up)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation=attn_implementation())
     rows = [json.loads(line) for line in open(train_file)]
     for r in rows:
         r["numbers"] = numbers_of(r["prompt"])
