@@ -96,8 +96,12 @@ def test_a_server_killed_mid_generation_loses_no_response_that_reached_the_train
     lost = [(record, j) for record, j, tokens in r["arrived"] if record not in waiting
             and trained.get((record, j)) != tokens]
     assert not lost, f"responses that reached the trainer were not trained (or trained with other tokens): {lost}"
+    # Every failed request was sent again; its response has arrived, unless its group is still waiting at the end
+    # (the restarted server's answer can still be in flight then: seen once, 2026-11-27).
+    failed = {(record, j) for record, j in r["failed"]}
+    assert failed <= {(record, j) for record, j in r["resent"]}, "failed requests were not sent again"
     arrived = {(record, j) for record, j, _ in r["arrived"]}
-    assert {(record, j) for record, j in r["failed"]} <= arrived, "failed requests were not sent again"
+    assert {(record, j) for record, j in failed if record not in waiting} <= arrived, "a resent request never ended"
     for step in r["batches"].values():
         assert len(step) == 4 * N and len(_groups(step)) == 4
 

@@ -167,6 +167,13 @@ def server_killed(c, trainer: Trainer) -> dict:
         failed.extend((source.book.live[key // n].record.index, key % n) for key in bad)
         return done, bad
     c.rollout.arrivals = arrivals
+    resent = []  # requests sent again after a failure: their responses may still be in flight when the run ends
+    send = source._send
+
+    def send_recording(groups, v, *, again=()):
+        resent.extend((source.book.live[key // n].record.index, key % n) for key in again)
+        return send(groups, v, again=again)
+    source._send = send_recording
     killed = {}
 
     def kill_mid_generation():
@@ -186,12 +193,13 @@ def server_killed(c, trainer: Trainer) -> dict:
     run_steps(recording(trainer, batches), (6, 7, 8))
     if watcher is not None:
         watcher.join()
-    c.rollout.arrivals = inner
+    c.rollout.arrivals, source._send = inner, send
     # Groups still in the buffer after the last step: their responses arrived but are trained in a later step
     live_at_end = sorted({g.record.index for g in source.book.live.values()})
     out = {"batches": gathered(batches), "arrived": [x for p in all_gather_object(arrived) for x in p],
            "live_at_end": live_at_end,
-           "failed": [x for p in all_gather_object(failed) for x in p], **killed}
+           "failed": [x for p in all_gather_object(failed) for x in p],
+           "resent": [x for p in all_gather_object(resent) for x in p], **killed}
     if c.dims.rank == 0:
         out["server_starts"] = c.rollout.sidecar.server.starts
     return out
