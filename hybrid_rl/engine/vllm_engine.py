@@ -172,6 +172,7 @@ class VLLMEngine:
         try:
             self.llm = LLM(**kwargs)
         except Exception as e:
+            gc.unfreeze()  # no engine to unfreeze it at shutdown: what the failed build left must stay collectable
             note = self._shm.start_failure_note(before) if cpu_shm else ""
             if note:
                 e.add_note(note)
