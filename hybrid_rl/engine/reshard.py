@@ -221,24 +221,35 @@ def probe_for(ts: TPSlice, max_cols: int, sync_index: int) -> torch.Tensor | Non
     return None if len(ts.full_shape) == 1 else probe_columns(ts.shape[1], max_cols, sync_index)
 
 
-def block_checksum(x: torch.Tensor, *, row0: int, col_ids: torch.Tensor | None) -> torch.Tensor:
+def block_checksum(x: torch.Tensor, *, row0: int, col_ids: torch.Tensor | None,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
     """Position-weighted fp64 sum of rows `x` placed at `row0` of a slice; a 0-d tensor on x's device.
 
     For 2-D weights `x` holds only the probed columns, whose slice column indices are `col_ids`.
     Weighting each element by its row and column makes swapped or shifted rows and columns
-    visible, not only changed sums.
+    visible, not only changed sums. `dtype`: the values as they land, rounded to it first (the sender's
+    float32 weight, cast as the landing will cast it).
     """
     x = x.detach()
     wc = None if x.dim() == 1 else _col_weights(col_ids, x.device)
+    rows = max(1, _checksum_elements(x.device) // (1 if x.dim() == 1 else max(1, x.shape[1])))
     total = torch.zeros((), dtype=torch.float64, device=x.device)
-    for r in range(0, x.shape[0], CHECKSUM_ROWS):  # float64 copies of a few MiB, not of a vocabulary-sized band
-        part = x[r : r + CHECKSUM_ROWS].double()
+    for r in range(0, x.shape[0], rows):
+        # A band is strided (a few columns of every row); a cast straight from it is 3x slower on CPU than a
+        # same-dtype copy to contiguous memory and a cast there (`benchmarks/README.md`, "Weight sync vs a copy").
+        part = x[r : r + rows].contiguous()
+        if dtype is not None and part.dtype != dtype:
+            part = part.to(dtype)
+        part = part.double()
         wr = _position_weights(part.shape[0], (row0 + r) % 7, 7, x.device)
-        total += (part * wr).sum() if wc is None else ((part @ wc) * wr).sum()
+        total += part.dot(wr) if wc is None else part.mv(wc).dot(wr)
     return total
 
 
-CHECKSUM_ROWS = 8192
+def _checksum_elements(device: torch.device) -> int:
+    """Elements per block of `block_checksum`: on CPU its float64 copy stays in cache and under the size glibc
+    maps fresh pages for (every block of more than 1 MiB would fault in its pages); a device takes a band at once."""
+    return 1 << 16 if device.type == "cpu" else 1 << 24
 
 
 def _col_weights(cols: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -399,8 +410,8 @@ def _source_views(plan: ReshardPlan, bucket: Bucket, local: dict[int, torch.Tens
             checksum = block_checksum(block, row0=pc.slice_row0, col_ids=None)
         else:
             cols = probe_columns(pc.slice_ncols, probe_cols, sync_index)
-            checksum = block_checksum(take_columns(block, cols).to(plan.dtype), row0=pc.slice_row0,
-                                       col_ids=cols)
+            checksum = block_checksum(take_columns(block, cols), row0=pc.slice_row0, col_ids=cols,
+                                      dtype=plan.dtype)
         partial[0, pc.index] += checksum
         out.append((_at_first_row(plan, pc), block))
         stats.bytes_received += pc.numel * plan.dtype.itemsize

@@ -161,15 +161,18 @@ def unpack_rows(packed: torch.Tensor, row0: int, n: int, cols: torch.Tensor | No
     """The dense rows [row0, row0 + n) of a packed [N, K] weight, at the columns `cols` (all when None)."""
     k = packed.shape[1]
     b0, b1 = row0 // PACK_ROWS, -(-(row0 + n) // PACK_ROWS)
-    blocks = _blocks(packed, k)[b0:b1]  # [B, K/2, 32, 2]
+    rows = (b1 - b0) * PACK_ROWS
+    # Whole pairs are moved as int32 (as `_pack_rows` does): a transpose of 4-byte elements, 2x faster here than
+    # the same transpose of bf16 pairs. `contiguous`, not `reshape`: one block's transpose reshapes to a strided view.
     if cols is None:
-        dense = blocks.permute(0, 2, 1, 3).reshape((b1 - b0) * PACK_ROWS, k)
+        dense = _pairs(packed, k)[b0:b1].transpose(1, 2).contiguous().view(rows, k // 2).view(packed.dtype)
     elif (start := band_start(cols)) is not None and start % 2 == 0 and len(cols) % 2 == 0:
         # a band of adjacent columns starting on a pair (the verification's probes): whole pairs, a slice
-        p0 = start // 2
-        dense = blocks[:, p0:p0 + len(cols) // 2].permute(0, 2, 1, 3).reshape((b1 - b0) * PACK_ROWS, len(cols))
+        p0, npairs = start // 2, len(cols) // 2
+        dense = _pairs(packed, k)[b0:b1, p0:p0 + npairs].transpose(1, 2).contiguous().view(rows, npairs)
+        dense = dense.view(packed.dtype)
     else:  # any other columns: column c is at [:, c // 2, :, c % 2]
-        dense = blocks[:, cols // 2, :, cols % 2].permute(1, 2, 0).reshape((b1 - b0) * PACK_ROWS, len(cols))
+        dense = _blocks(packed, k)[b0:b1, cols // 2, :, cols % 2].permute(1, 2, 0).reshape(rows, len(cols))
     return dense[row0 - b0 * PACK_ROWS: row0 - b0 * PACK_ROWS + n]
 
 

@@ -187,3 +187,22 @@ def test_probed_columns_are_adjacent_bands_that_cover_every_column_in_turn():
     for cols in (probe_columns(40, 16, 1), torch.tensor([1, 5, 6])):
         assert torch.equal(take_columns(x, cols), x[:, cols])
     assert take_columns(x, probe_columns(40, 16, 1)).data_ptr() == x[:, 16:].data_ptr()  # a band is a view
+
+
+def test_a_band_checksummed_in_blocks_sees_every_row_and_rounds_as_the_landing_will():
+    """`block_checksum` over a vocabulary-sized band works block by block: every block's rows count, at their
+    place; `dtype` rounds the sender's float32 values as the landing casts them."""
+    g = torch.Generator().manual_seed(0)
+    band = torch.randn(7000, 96, generator=g)[:, 32:64]  # strided, like a probed band; 3+ blocks of 2048 rows
+    cols = torch.arange(32, 64)
+    landed = band.to(torch.bfloat16)
+    want = block_checksum(landed, row0=5, col_ids=cols)
+    assert checksums_match(block_checksum(band, row0=5, col_ids=cols, dtype=torch.bfloat16), want)
+    assert not checksums_match(block_checksum(band, row0=5, col_ids=cols), want)  # unrounded values differ
+    for row in (0, 2047, 2048, 6999):  # a change in any block, first and last rows included
+        changed = landed.clone()
+        changed[row, 7] += 1
+        assert not checksums_match(block_checksum(changed, row0=5, col_ids=cols), want), row
+    swapped = landed.clone()
+    swapped[[4000, 4001]] = landed[[4001, 4000]]  # the same values at other rows
+    assert not checksums_match(block_checksum(swapped, row0=5, col_ids=cols), want)
