@@ -341,11 +341,19 @@ def stream_buckets(
     `row_landing`: the consumer writes each tensor at rows [ts.dest_offset, + len(tensor)) of vLLM's weight and
     casts it to `plan.dtype` as it copies (the in-place paths do). Then no slice is assembled: at world 1 every
     slice is a view of its source weight, in the source's dtype (no buffer; the weight is read once, by the
-    landing), and at more ranks every received piece goes on as it came, its `dest_offset` moved to its first row.
+    landing), and at more ranks every received piece goes on as it came, its `dest_offset` moved to its first row,
+    as a view of a receive buffer the next bucket reuses: the consumer lands each piece before asking for the next.
     """
     stats = stats or SyncStats()
     world = plan.world
     partial = torch.zeros(world, len(plan.slices), dtype=torch.float64, device=device)
+    # Where the landing takes each piece as it comes (`row_landing`), one send and one receive buffer serve every
+    # bucket: a fresh buffer costs its page faults (glibc maps each buffer over 1 MiB anew and unmaps it when
+    # freed), 4x a copy of its bytes on one thread. Elsewhere slices are assembled from the received buffer, and the
+    # send buffer is freed first (the memory plan's two buckets).
+    reuse = row_landing and alloc is None and world > 1
+    sends = _Scratch(plan.dtype, device, max(_numel(b.sends) for b in plan.buckets) if reuse else None)
+    recvs = _Scratch(plan.dtype, device, max(_numel(b.recvs) for b in plan.buckets) if reuse else None)
     for k, bucket in enumerate(plan.buckets):
         local = {i: params[i].tensor() for i in bucket.indices}  # same order on every rank (may be collective)
         if row_landing and alloc is None and world == 1:
@@ -353,7 +361,7 @@ def stream_buckets(
             continue
         send_splits = [sum(pc.numel for pc in bucket.sends[d]) for d in range(world)]
         recv_splits = [sum(pc.numel for pc in bucket.recvs[s]) for s in range(world)]
-        send = torch.empty(sum(send_splits), dtype=plan.dtype, device=device)
+        send = sends.take(sum(send_splits))
         # A block sent to several ranks (every TP rank needs a replicated weight; at tp=1 every rank needs all of
         # them) is cast and checksummed once; its other copies are plain copies in the rollout dtype.
         done: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -377,17 +385,17 @@ def stream_buckets(
                 off += pc.numel
         del done
         if world > 1:
-            recv = torch.empty(sum(recv_splits), dtype=plan.dtype, device=device)
+            recv = recvs.take(sum(recv_splits))
             dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
         else:
             recv = send  # one rank sends to itself
-        stats.peak_buffer_bytes = max(stats.peak_buffer_bytes, (send.numel() + recv.numel()) * send.element_size())
+        stats.peak_buffer_bytes = max(stats.peak_buffer_bytes, sends.bytes(send) + recvs.bytes(recv))
         del send, local
         stats.bytes_received += recv.numel() * recv.element_size()
         stats.buckets += 1
         items = _received_pieces(plan, bucket, recv) if row_landing and alloc is None else \
             _assemble(plan, k, bucket, recv, device, alloc)
-        del recv  # freed before vLLM gets the slices: at most two buckets' bytes are alive at any moment
+        del recv  # freed (unless reused) before vLLM gets the slices: at most two buckets' bytes are alive at once
         yield k, items
     if world > 1:
         # Row s of `partial` goes to rank s; what comes back is what every sender computed for me.
@@ -395,6 +403,28 @@ def stream_buckets(
         dist.all_to_all_single(received, partial, group=group)
         partial = received
     plan.expected = partial.sum(0)
+
+
+class _Scratch:
+    """One sync's buffer of one kind: fresh for each bucket, or (given a `size`) made once, for every bucket."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, size: int | None):
+        self.dtype, self.device, self.size, self.buffer = dtype, device, size, None
+
+    def take(self, n: int) -> torch.Tensor:
+        if self.size is None:
+            return torch.empty(n, dtype=self.dtype, device=self.device)
+        if self.buffer is None:
+            self.buffer = torch.empty(self.size, dtype=self.dtype, device=self.device)
+        return self.buffer[:n]
+
+    def bytes(self, taken: torch.Tensor) -> int:
+        """What `taken` keeps alive: the whole buffer where it is a view of one."""
+        return (taken if self.buffer is None else self.buffer).numel() * taken.element_size()
+
+
+def _numel(pieces: list[list[Piece]]) -> int:
+    return sum(pc.numel for per_rank in pieces for pc in per_rank)
 
 
 def _source_views(plan: ReshardPlan, bucket: Bucket, local: dict[int, torch.Tensor], partial: torch.Tensor,

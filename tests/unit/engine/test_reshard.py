@@ -69,18 +69,20 @@ def _worker(rank: int, world: int, tp: int, port: int, results) -> None:
 
 def _row_landed(rank: int, world: int, tp: int, full, sources, layout) -> dict:
     """`row_landing` (the in-place paths): the received pieces come unassembled, each at its own first row; written
-    at their rows they rebuild every slice exactly."""
+    at their rows they rebuild every slice exactly, each bucket's pieces in the one receive buffer every bucket reuses."""
     plan = build_plan(sources, layout, rank=rank, world=world, tp_rank_of=lambda r: r % tp,
                       bucket_bytes=8 * 1024, dtype=torch.bfloat16, sharded=True)
     first_row = {ts.hf_name: ts.dest_offset for ts in plan.slices}
     landed = {ts.hf_name: torch.full(ts.shape, float("nan"), dtype=torch.bfloat16) for ts in plan.slices}
-    items = 0
+    items, buffers = 0, set()
     for ts, tensor in stream_slices(plan, sources, device=torch.device("cpu"), probe_cols=16, row_landing=True):
         landed[ts.hf_name].narrow(0, ts.dest_offset - first_row[ts.hf_name], tensor.shape[0]).copy_(tensor)
         items += 1
+        buffers.add(tensor.untyped_storage().data_ptr())
     exact = all(torch.equal(landed[ts.hf_name], (full[ts.hf_name] if ts.dim is None else full[ts.hf_name].narrow(
         ts.dim, ts.start, ts.stop - ts.start)).to(torch.bfloat16)) for ts in plan.slices)
-    return dict(r_exact=exact, r_items=items, r_slices=len(plan.slices))
+    return dict(r_exact=exact, r_items=items, r_slices=len(plan.slices), r_buffers=len(buffers),
+                r_buckets=len(plan.buckets))
 
 
 def _writers_only(rank: int, world: int, tp: int, full, sources, layout) -> dict:
@@ -116,6 +118,7 @@ def test_every_rank_receives_exactly_its_tp_slice_from_fsdp_shards():
         assert results[r]["checksums_ok"], f"rank {r}: sender checksums disagree with the received slices"
         assert results[r]["r_exact"], f"rank {r}: pieces landed at their rows do not rebuild the slices"
         assert results[r]["r_items"] > results[r]["r_slices"], "no slice came in pieces: nothing tested"
+        assert results[r]["r_buffers"] == 1 < results[r]["r_buckets"], "a receive buffer made for each bucket"
         assert results[r]["buckets"] > 3  # bucketed, not one transfer
         # Only the TP slice arrives (about half the model at tp=2; KV head and norms are replicated).
         assert results[r]["received"] < 0.62 * full_bytes
