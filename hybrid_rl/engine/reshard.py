@@ -352,8 +352,8 @@ def stream_buckets(
     # freed), 4x a copy of its bytes on one thread. Elsewhere slices are assembled from the received buffer, and the
     # send buffer is freed first (the memory plan's two buckets).
     reuse = row_landing and alloc is None and world > 1
-    sends = _Scratch(plan.dtype, device, max(_numel(b.sends) for b in plan.buckets) if reuse else None)
-    recvs = _Scratch(plan.dtype, device, max(_numel(b.recvs) for b in plan.buckets) if reuse else None)
+    sends = _Scratch(plan.dtype, device, max((_numel(b.sends) for b in plan.buckets), default=0) if reuse else None)
+    recvs = _Scratch(plan.dtype, device, max((_numel(b.recvs) for b in plan.buckets), default=0) if reuse else None)
     for k, bucket in enumerate(plan.buckets):
         local = {i: params[i].tensor() for i in bucket.indices}  # same order on every rank (may be collective)
         if row_landing and alloc is None and world == 1:
