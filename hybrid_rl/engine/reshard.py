@@ -185,7 +185,7 @@ def _bucket(indices, params, layout, rank, world, tp_rank_of, sharded, elt, rece
                 sends[other].append(piece)
             if receives(rank) and (piece := _piece(i, mine, other, rank, held[other], sharded)):  # their rows ∩ mine
                 recvs[other].append(piece)
-    recv_bytes = sum(pc.numel for per_src in recvs for pc in per_src) * elt
+    recv_bytes = _numel(recvs) * elt
     return Bucket(list(indices), sends, recvs, recv_bytes)
 
 
@@ -351,12 +351,13 @@ def stream_buckets(
     # bucket: a fresh buffer costs its page faults (glibc maps each buffer over 1 MiB anew and unmaps it when
     # freed), 4x a copy of its bytes on one thread. Elsewhere slices are assembled from the received buffer, and the
     # send buffer is freed first (the memory plan's two buckets).
-    reuse = row_landing and alloc is None and world > 1
+    as_they_come = row_landing and alloc is None  # each piece to vLLM as received: no slice assembled
+    reuse = as_they_come and world > 1
     sends = _Scratch(plan.dtype, device, max((_numel(b.sends) for b in plan.buckets), default=0) if reuse else None)
     recvs = _Scratch(plan.dtype, device, max((_numel(b.recvs) for b in plan.buckets), default=0) if reuse else None)
     for k, bucket in enumerate(plan.buckets):
         local = {i: params[i].tensor() for i in bucket.indices}  # same order on every rank (may be collective)
-        if row_landing and alloc is None and world == 1:
+        if as_they_come and world == 1:
             yield k, _source_views(plan, bucket, local, partial, probe_cols, sync_index, stats)
             continue
         send_splits = [sum(pc.numel for pc in bucket.sends[d]) for d in range(world)]
@@ -393,8 +394,7 @@ def stream_buckets(
         del send, local
         stats.bytes_received += recv.numel() * recv.element_size()
         stats.buckets += 1
-        items = _received_pieces(plan, bucket, recv) if row_landing and alloc is None else \
-            _assemble(plan, k, bucket, recv, device, alloc)
+        items = _received_pieces(plan, bucket, recv) if as_they_come else _assemble(plan, k, bucket, recv, device, alloc)
         del recv  # freed (unless reused) before vLLM gets the slices: at most two buckets' bytes are alive at once
         yield k, items
     if world > 1:
