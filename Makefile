@@ -78,16 +78,13 @@ install-flash-attn: $(STAMP)
 install-all: install-sidecar install-sandbox
 	@bash scripts/install_check.sh
 
-# Two phases: the single-process tests on both cores at once (pytest-xdist), then the multi-process ones
-# (torchrun, vLLM, servers: `-m slow`) two at a time too (their start-ups and rank-0 checks use one core; the gain
-# measured so far is under other jobs' load: README, Development). `--dist loadgroup` keeps each xdist group on one
-# worker, one test after another (which tests share a group, and why: tests/conftest.py). Both phases always run; the exit status is the first failure's (5,
-# "nothing collected", is no failure: PYTEST_ARGS may select one phase's tests).
+# One pytest run on both cores (pytest-xdist, `-n 2`): the single-process tests and the multi-process ones (torchrun,
+# vLLM, servers: `-m slow`) together. `--dist loadgroup` keeps each xdist group on one worker, one test after another
+# (which tests share a group, and why: tests/conftest.py), and hands out the groups with the most tests first, so the
+# long multi-process groups start at once and the ~1200 short tests fill in beside them and at the end (two phases,
+# one after the other, left a worker idle at the end of each: README, Development).
 test: install-all
-	@status=0; \
-	$(BIN)/python -m pytest tests -m "not slow" -n 2 $(PYTEST_ARGS) || { rc=$$?; [ $$rc -eq 5 ] || status=$$rc; }; \
-	$(BIN)/python -m pytest tests -m slow -n 2 --dist loadgroup $(PYTEST_ARGS) || { rc=$$?; [ $$rc -eq 5 ] || [ $$status -ne 0 ] || status=$$rc; }; \
-	exit $$status
+	$(BIN)/python -m pytest tests -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 test-fast: install-all
 	$(BIN)/python -m pytest tests -m "not slow" $(PYTEST_ARGS)

@@ -61,6 +61,7 @@ BWRAP, RLIMITS = "bwrap", "rlimits"
 _STRENGTH = {RLIMITS: 1, BWRAP: 2}
 _WORKDIR = "/sandbox"
 _WALL_SLACK_S = 0.5  # interpreter start-up and teardown, on top of the program's own time limit
+_STOP_WAIT_S = 30.0  # for a killed sandbox to be gone; a fork bomb's namespace can take seconds to die under load
 
 
 @dataclass(frozen=True)
@@ -248,17 +249,36 @@ def _stop(proc: subprocess.Popen[bytes], init_pid: int | None) -> None:
     """Kill everything the run started, and return only once it is gone.
 
     With bwrap: SIGKILL the namespace's init; the kernel kills and reaps every process inside before
-    init is gone, and bwrap (which waits for init) exits after that. The process group is the
-    fallback (and the only means at the weaker level). Runs before ``proc`` is reaped, so its
-    pid and group id cannot have been reused.
+    init is gone, and bwrap (which waits for init) exits after that. Under load that can take
+    seconds for a fork bomb's hundreds of processes, hence the long wait. The process group is the
+    fallback (and the only means at the weaker level); it holds bwrap but not the namespace (bwrap
+    runs it in a new session), so after it we still wait for init to be gone. Runs before ``proc``
+    is reaped, so its pid and group id cannot have been reused.
     """
     if init_pid is not None and not _exited(proc, deadline=0.0):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(init_pid, signal.SIGKILL)
-        if _exited(proc, time.monotonic() + 2.0):
+        if _exited(proc, time.monotonic() + _STOP_WAIT_S):
             return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
+    if init_pid is not None:
+        _wait_gone(init_pid, time.monotonic() + _STOP_WAIT_S)
+
+
+def _wait_gone(pid: int, deadline: float) -> None:
+    """Wait until ``pid`` has exited. A zombie counts: a PID namespace's init turns into one only
+    after the kernel has reaped every other process of its namespace."""
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return
+        if state in (b"Z", b"X"):
+            return
+        time.sleep(0.01)
+    logger.warning("code sandbox: process %d still running %.0f s after SIGKILL", pid, _STOP_WAIT_S)
 
 
 @dataclass
