@@ -27,6 +27,18 @@ SMOKE_HELP = ("smallest shapes, one repeat, seconds: checks that the script runs
               "its figures mean nothing")
 CACHE = HERE / ".cache"  # built models and run outputs (git-ignored: `.cache/`)
 _START = {"load_avg": os.getloadavg(), "time": time.time()}
+# The environment as the user launched the script, before `set_runtime_defaults` adds this project's settings.
+_LAUNCH_ENV = dict(os.environ)
+HUGE_PAGES = "THP_MEM_ALLOC_ENABLE"  # torch's knob for huge pages under host tensors (a runtime default of ours)
+
+
+def peer_env(*, huge_pages: bool) -> dict[str, str]:
+    """The environment for a peer (TRL): the user's own, none of our runtime defaults, our huge-page setting only
+    when asked (`--trl-huge-pages`: it speeds up TRL's CPU step as it does ours)."""
+    env = {k: v for k, v in _LAUNCH_ENV.items() if k not in ("OMP_NUM_THREADS", "VIRTUAL_ENV")}
+    if huge_pages:
+        env[HUGE_PAGES] = "1"
+    return env
 
 # Named model sizes: (hidden, layers, heads, kv_heads, intermediate). Params include embeddings.
 SIZES = {

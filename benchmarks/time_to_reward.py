@@ -152,7 +152,7 @@ def trl_worker(spec: dict) -> None:
 
 
 def run_trl(python: Path, spec: dict) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "VIRTUAL_ENV")}
+    env = common.peer_env(huge_pages=spec["trl_huge_pages"])
     env.update(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
     proc = subprocess.run([str(python), __file__, "--trl-worker", json.dumps(spec)], capture_output=True, text=True,
                           env=env, cwd=common.REPO, timeout=4 * 3600)
@@ -239,6 +239,8 @@ def main() -> None:
                    "(default 1x2, one rank on both cores: one process, like TRL's; 2x1 = the recipe's 2 ranks)")
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                    help="both sides (default fp32, the recipe's; bf16: bf16 compute over float32 master weights)")
+    p.add_argument("--trl-huge-pages", action="store_true", help="run TRL with our huge-page setting too "
+                   "(THP_MEM_ALLOC_ENABLE=1, a runtime default of ours; TRL's own default is without)")
     p.add_argument("--target", type=float, help="also report the time each side takes to reach this reward")
     p.add_argument("--smoke", action="store_true", help=common.SMOKE_HELP)
     p.add_argument("--trl-worker", help=argparse.SUPPRESS)
@@ -259,7 +261,8 @@ def main() -> None:
         a.steps, a.val_every, a.val_prompts = 1, 1, 4
         settings = dict(settings, prompts=2, n=2, max_new_tokens=4)
     spec = {"model": str(model), "train": str(train), "val": str(val), "settings": settings,
-            "steps": a.steps, "val_every": a.val_every, "val_prompts": a.val_prompts, "precision": a.precision}
+            "steps": a.steps, "val_every": a.val_every, "val_prompts": a.val_prompts, "precision": a.precision,
+            "trl_huge_pages": a.trl_huge_pages}
     python, how = vs_trl.ensure_trl_venv(create=not a.smoke)
     sides = {f"hybrid_rl {a.ours}": run_ours(spec, a.ours)}
     if python is not None:

@@ -26,7 +26,9 @@ read-modify-write of parameters, gradients and both moments (28 bytes per parame
   cores), generation with `transformers` generate (TRL's vLLM modes need a vLLM in TRL's
   environment and a server or colocation set-up; not used). Precision bf16 = `bf16=True` (autocast
   mixed precision), fp32 = `bf16=False`. Its best settings for this CPU: no gradient checkpointing
-  (TRL's default is on; the models are tiny), fused AdamW (its default).
+  (TRL's default is on; the models are tiny), fused AdamW (its default). Its environment is the one this
+  script was started in, without our runtime defaults: before 2026-11-28 it inherited them, our huge-page
+  setting (`THP_MEM_ALLOC_ENABLE`, from that day) included; `--trl-huge-pages` gives it that one on purpose.
 
 TRL runs in its own virtual environment, `benchmarks/.trl-venv`, created here on first use
 (`python3 -m venv` + pip; pinned versions below; torchvision/torchaudio/torchcodec removed, as they
@@ -184,9 +186,9 @@ def ensure_trl_venv(create: bool = True) -> tuple[Path | None, str]:
     return python, "created"
 
 
-def run_trl(python: Path, configs: list[dict], steps: int, threads: int) -> list[dict]:
+def run_trl(python: Path, configs: list[dict], steps: int, threads: int, huge_pages: bool) -> list[dict]:
     train, _ = common.task_files()
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "VIRTUAL_ENV")}
+    env = common.peer_env(huge_pages=huge_pages)
     env.update(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -271,6 +273,8 @@ def main() -> None:
     p.add_argument("--ours", nargs="+", default=["2x1"], metavar="RANKSxTHREADS",
                    help="our topologies: ranks x threads per rank (default 2x1, the recipe's; 1x2 = one rank, both cores)")
     p.add_argument("--precisions", nargs="+", choices=["bf16", "fp32"], help="default fp32 quick, bf16 fp32 full")
+    p.add_argument("--trl-huge-pages", action="store_true", help="run TRL with our huge-page setting too "
+                   "(THP_MEM_ALLOC_ENABLE=1, a runtime default of ours; TRL's own default is without)")
     p.add_argument("--trl-threads", type=int, default=0, help="TRL's torch threads (0 = torch's default: all cores)")
     p.add_argument("--rounds", type=int, help="alternating rounds (default 1 quick, 3 full)")
     p.add_argument("--steps", type=int, help="steps per run incl. one warm-up (default 3 quick, 5 full)")
@@ -313,10 +317,10 @@ def main() -> None:
         for topo in a.ours:
             for row in run_ours(configs, steps, r, topo):
                 ours[f"{row['size']}_{row['precision']}"].append(row)
-        for row in run_trl(python, configs, steps, a.trl_threads):
+        for row in run_trl(python, configs, steps, a.trl_threads, a.trl_huge_pages):
             trl[f"{row['size']}_{row['precision']}"].append(row)
         print(f"round {r + 1}/{rounds} done", flush=True)
-    rows = compare(ours, trl, configs, a.ours, bandwidth)
+    rows = [dict(r, trl_huge_pages=a.trl_huge_pages) for r in compare(ours, trl, configs, a.ours, bandwidth)]
     report(rows, rounds, steps, a.quick, bandwidth)
 
 
@@ -324,7 +328,8 @@ def report(rows: list[dict], rounds: int, steps: int, quick: bool, bandwidth: fl
     print(f"\nGRPO, KL with a reference, per model: {', '.join(f'{s}: {workload(s)}' for s in dict.fromkeys(r['size'] for r in rows))}; "
           f"{rounds} round(s) x {steps} steps (first of each run = warm-up)")
     print("hybrid_rl: RANKS x THREADS per rank (torchrun, vLLM rollout, FSDP2);  TRL: 1 process x "
-          f"{rows[0]['trl_threads']} threads (its natural single-process set-up, transformers generate)")
+          f"{rows[0]['trl_threads']} threads (its natural single-process set-up, transformers generate"
+          f"{'; given our huge-page setting, --trl-huge-pages' if rows[0]['trl_huge_pages'] else ''})")
     print(common.table(rows, [("size", "model", "s"), ("precision", "precision", "s"), ("topology", "ours", "s"),
                               ("ours_step_s", "ours s/step", ".2f"), ("trl_step_s", "TRL s/step", ".2f"),
                               ("step_ratio", "TRL/ours time", ".2f"), ("ours_tok_s", "ours tok/s", ".0f"),
