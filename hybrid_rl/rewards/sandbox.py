@@ -249,8 +249,8 @@ def _stop(proc: subprocess.Popen[bytes], init_pid: int | None) -> None:
     """Kill everything the run started, and return only once it is gone.
 
     With bwrap: SIGKILL the namespace's init; the kernel kills and reaps every process inside before
-    init is gone, and bwrap (which waits for init) exits after that. Under load that can take
-    seconds for a fork bomb's hundreds of processes, hence the long wait. The process group is the
+    init is gone, and bwrap (which waits for init) exits after that: milliseconds on an idle machine,
+    the long wait is for a loaded one with a fork bomb's hundreds of processes. The process group is the
     fallback (and the only means at the weaker level); it holds bwrap but not the namespace (bwrap
     runs it in a new session), so after it we still wait for init to be gone. Runs before ``proc``
     is reaped, so its pid and group id cannot have been reused.
