@@ -34,8 +34,9 @@ HUGE_PAGES = "THP_MEM_ALLOC_ENABLE"  # torch's knob for huge pages under host te
 
 def peer_env(*, huge_pages: bool) -> dict[str, str]:
     """The environment for a peer (TRL): the user's own, none of our runtime defaults, our huge-page setting only
-    when asked (`--trl-huge-pages`: it speeds up TRL's CPU step as it does ours)."""
+    when asked (`--trl-huge-pages`: it speeds up TRL's CPU step as it does ours); offline, quiet, OMP threads unset."""
     env = {k: v for k, v in _LAUNCH_ENV.items() if k not in ("OMP_NUM_THREADS", "VIRTUAL_ENV")}
+    env.update(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
     if huge_pages:
         env[HUGE_PAGES] = "1"
     return env

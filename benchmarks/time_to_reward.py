@@ -153,7 +153,6 @@ def trl_worker(spec: dict) -> None:
 
 def run_trl(python: Path, spec: dict) -> dict:
     env = common.peer_env(huge_pages=spec["trl_huge_pages"])
-    env.update(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
     proc = subprocess.run([str(python), __file__, "--trl-worker", json.dumps(spec)], capture_output=True, text=True,
                           env=env, cwd=common.REPO, timeout=4 * 3600)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("TRL_RESULT ")), None)
@@ -295,7 +294,7 @@ def main() -> None:
     name = "time_to_reward" + ("_bf16" if a.precision == "bf16" else "")  # the recipe's fp32 keeps the plain name
     png = common.RESULTS / f"{name}.png"
     common.RESULTS.mkdir(parents=True, exist_ok=True)
-    plot({k: v for k, v in sides.items()}, png, level, a.precision)
+    plot(sides, png, level, a.precision)
     common.write_result(name, {"sides": sides, "rows": rows, "level": level, "spec": spec,
                                            "headline": headline, "trl_error": None if python else how}, quick=False)
 

@@ -189,7 +189,6 @@ def ensure_trl_venv(create: bool = True) -> tuple[Path | None, str]:
 def run_trl(python: Path, configs: list[dict], steps: int, threads: int, huge_pages: bool) -> list[dict]:
     train, _ = common.task_files()
     env = common.peer_env(huge_pages=huge_pages)
-    env.update(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     spec = json.dumps({"configs": configs, "steps": steps, "train": train})

@@ -61,7 +61,7 @@ BWRAP, RLIMITS = "bwrap", "rlimits"
 _STRENGTH = {RLIMITS: 1, BWRAP: 2}
 _WORKDIR = "/sandbox"
 _WALL_SLACK_S = 0.5  # interpreter start-up and teardown, on top of the program's own time limit
-_STOP_WAIT_S = 30.0  # for a killed sandbox to be gone; a fork bomb's namespace can take seconds to die under load
+_STOP_WAIT_S = 30.0  # for a killed sandbox to be gone: milliseconds when idle, a margin for a loaded machine
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,8 @@ def tune_malloc() -> bool:
     alive (measured on a 0.5B model). A fixed 1 MiB threshold maps every tensor of 1 MiB or more
     directly (freed with it), two arenas bound the rest, and free heap tops are trimmed above 16 MiB.
     The price is speed: each such tensor is fresh pages, zeroed by the kernel at first touch, and unmapped
-    when freed (huge pages, `THP_MEM_ALLOC_ENABLE` in `_DEFAULTS`, make the first touch ~4x cheaper). HR_MALLOC_MMAP_THRESHOLD (bytes) moves the threshold (benchmarks/README.md: the A/B).
+    when freed (huge pages, `THP_MEM_ALLOC_ENABLE` in `_DEFAULTS`, make the first touch ~4x cheaper).
+    HR_MALLOC_MMAP_THRESHOLD (bytes) moves the threshold (benchmarks/README.md: the A/B).
     """
     import ctypes
 

@@ -21,6 +21,7 @@ from hybrid_rl.rewards.sandbox import SandboxConfig, execute
 pytestmark = pytest.mark.sandbox
 
 CONFIG = SandboxConfig()
+FORK_BOMB = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
 LAUNCHER_MARK = sandbox._LAUNCHER.splitlines()[1]  # every sandboxed process carries it in its cmdline
 
 
@@ -77,10 +78,9 @@ def test_sleeping_program_times_out_on_the_wall_clock():
 
 
 def test_fork_bomb_is_contained_and_leaves_no_process():
-    code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
     memory_mb, mark = _run_mark()
     start = time.monotonic()
-    result = run(code, [{"input": "", "output": ""}], timeout_s=1.0, memory_mb=memory_mb)
+    result = run(FORK_BOMB, [{"input": "", "output": ""}], timeout_s=1.0, memory_mb=memory_mb)
     assert result.status in ("timeout", "error", "blocked")
     assert time.monotonic() - start < 5
     assert _processes_with(LAUNCHER_MARK, mark) == []
@@ -96,9 +96,8 @@ def test_a_fork_bomb_is_gone_on_return_even_when_bwrap_is_slow_to_exit(monkeypat
         return False if deadline - time.monotonic() > 1.0 else real_exited(proc, deadline)
 
     monkeypatch.setattr(sandbox, "_exited", impatient)
-    code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
     memory_mb, mark = _run_mark()
-    result = run(code, [{"input": "", "output": ""}], timeout_s=1.0, memory_mb=memory_mb)
+    result = run(FORK_BOMB, [{"input": "", "output": ""}], timeout_s=1.0, memory_mb=memory_mb)
     assert result.status in ("timeout", "error", "blocked")
     assert _processes_with(LAUNCHER_MARK, mark) == []
 
