@@ -1,0 +1,97 @@
+"""FSDP2 on gloo with `gloo_comms`' pairwise collectives against gloo's own, run under torchrun (3 ranks).
+
+Rank 0 writes a JSON record to $HR_TEST_OUT: the collectives alone on integer-valued tensors (sums
+exact in any order, so bitwise comparable), and two training steps of the tiny model sharded both ways
+(`shard_model` installs the pairwise comms on CPU; the reference model is sharded with gloo's own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from hybrid_rl.utils.env import set_runtime_defaults
+
+set_runtime_defaults()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from hybrid_rl.dist import gloo_comms  # noqa: E402
+from hybrid_rl.dist.fsdp import shard_model, transformer_blocks  # noqa: E402
+from hybrid_rl.dist.mesh import fsdp_mesh, init_distributed  # noqa: E402
+
+p = argparse.ArgumentParser()
+p.add_argument("--model", required=True)
+a = p.parse_args()
+dims = init_distributed(1)
+rank, world = dist.get_rank(), dist.get_world_size()
+group = dist.group.WORLD
+record: dict = {"world": world}
+
+# The collectives alone: 7 elements a rank's chunk (odd, so no alignment is assumed), integer values.
+for dtype in (torch.float32, torch.bfloat16):
+    name = str(dtype).split(".")[-1]
+    g = torch.Generator().manual_seed(rank)
+    full = torch.randint(-50, 50, (world * 7,), generator=g).to(dtype)
+    ours, theirs = torch.empty(7, dtype=dtype), torch.empty(7, dtype=dtype)
+    gloo_comms.PairwiseReduceScatter()(ours, full.clone(), group)
+    dist.reduce_scatter_tensor(theirs, full.clone())
+    record[f"reduce_scatter_{name}"] = torch.equal(ours, theirs)
+    out_ours, out_theirs = torch.empty(world * 7, dtype=dtype), torch.empty(world * 7, dtype=dtype)
+    out_ours[rank * 7:(rank + 1) * 7] = full[:7]
+    gloo_comms.PairwiseAllGather()(out_ours, out_ours[rank * 7:(rank + 1) * 7], group)  # FSDP2's in-place slot
+    dist.all_gather_into_tensor(out_theirs, full[:7].clone())
+    gathered_apart = torch.empty(world * 7, dtype=dtype)
+    gloo_comms.PairwiseAllGather()(gathered_apart, full[:7].clone(), group)  # an input outside the output
+    record[f"all_gather_{name}"] = torch.equal(out_ours, out_theirs) and torch.equal(gathered_apart, out_theirs)
+try:
+    gloo_comms.PairwiseReduceScatter()(ours, full, group, op=dist.ReduceOp.AVG)
+    record["avg_refused"] = False
+except ValueError:
+    record["avg_refused"] = True
+
+
+def sharded(pairwise: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
+    if pairwise:
+        return shard_model(m, fsdp_mesh(dims), param_dtype=torch.bfloat16)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for unit in [*transformer_blocks(m), m]:
+        fully_shard(unit, mesh=fsdp_mesh(dims), mp_policy=mp)
+    return m
+
+
+models = {"pairwise": sharded(True), "gloo": sharded(False)}
+record["installed"] = all(
+    isinstance(g._all_gather_comm, gloo_comms.PairwiseAllGather)
+    and isinstance(g._reduce_scatter_comm, gloo_comms.PairwiseReduceScatter)
+    for mod in models["pairwise"].modules() if isinstance(mod, FSDPModule)
+    for g in mod._get_fsdp_state()._fsdp_param_groups)
+ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(100 + rank))  # each rank its own data
+logits, losses = {}, {}
+for name, m in models.items():
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    for step in range(2):
+        out = m(input_ids=ids, labels=ids)
+        if step == 0:
+            logits[name] = out.logits.detach().float()
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+    losses[name] = float(out.loss)
+    m.eval()
+record["first_logits_equal"] = torch.equal(logits["pairwise"], logits["gloo"])
+diffs = [float((p.full_tensor() - q.full_tensor()).abs().max()) for p, q in
+         zip(models["pairwise"].parameters(), models["gloo"].parameters(), strict=True)]
+moved = [float((p.full_tensor() - q).abs().max()) for p, q in
+         zip(models["pairwise"].parameters(), AutoModelForCausalLM.from_pretrained(a.model).parameters(), strict=True)]
+record.update(max_param_diff=max(diffs), min_param_moved=min(moved), losses=losses)
+if rank == 0:
+    with open(os.environ["HR_TEST_OUT"], "w") as f:
+        json.dump(record, f)
+dist.destroy_process_group()
