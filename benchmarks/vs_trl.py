@@ -34,7 +34,7 @@ TRL runs in its own virtual environment, `benchmarks/.trl-venv`, created here on
 (`python3 -m venv` + pip; pinned versions below; torchvision/torchaudio/torchcodec removed, as they
 break imports beside the CPU torch). Rounds alternate the sides: ours (every config) then TRL's
 (every config), `--rounds` times; each run's first step is a warm-up; the figures are medians over
-all measured steps of all rounds. Writes benchmarks/results/vs_trl.json.
+all measured steps of all rounds. Writes benchmarks/results/vs_trl.json (`--name` for another name).
 """
 
 from __future__ import annotations
@@ -280,6 +280,7 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true",
                    help=common.SMOKE_HELP + "; TRL's side runs only where benchmarks/.trl-venv exists (it is not "
                    "created in smoke mode: a multi-GB install)")
+    p.add_argument("--name", default="vs_trl", help="result file name (benchmarks/results/NAME.json)")
     p.add_argument("--trl-worker", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.trl_worker:
@@ -301,11 +302,11 @@ def main() -> None:
     if python is None and a.smoke:
         rows = run_ours(configs, steps, 0, a.ours[0])
         print(f"smoke: our side ran ({rows[0]['step_s']} s/step); TRL side not run: {how}")
-        common.write_result("vs_trl", {"trl_error": how, "ours": rows}, quick=a.quick)
+        common.write_result(a.name, {"trl_error": how, "ours": rows}, quick=a.quick)
         return
     if python is None:
         print(f"TRL side NOT RUN: {how}")
-        common.write_result("vs_trl", {"trl_error": how, "tried": TRL_PINS}, quick=a.quick)
+        common.write_result(a.name, {"trl_error": how, "tried": TRL_PINS}, quick=a.quick)
         return
     print(f"TRL environment: {how} ({TRL_VENV.relative_to(common.REPO)}: {' '.join(TRL_PINS)})")
     bandwidth = common.memory_bandwidth()
@@ -320,10 +321,10 @@ def main() -> None:
             trl[f"{row['size']}_{row['precision']}"].append(row)
         print(f"round {r + 1}/{rounds} done", flush=True)
     rows = [dict(r, trl_huge_pages=a.trl_huge_pages) for r in compare(ours, trl, configs, a.ours, bandwidth)]
-    report(rows, rounds, steps, a.quick, bandwidth)
+    report(rows, rounds, steps, a.quick, bandwidth, a.name)
 
 
-def report(rows: list[dict], rounds: int, steps: int, quick: bool, bandwidth: float) -> None:
+def report(rows: list[dict], rounds: int, steps: int, quick: bool, bandwidth: float, name: str = "vs_trl") -> None:
     print(f"\nGRPO, KL with a reference, per model: {', '.join(f'{s}: {workload(s)}' for s in dict.fromkeys(r['size'] for r in rows))}; "
           f"{rounds} round(s) x {steps} steps (first of each run = warm-up)")
     print("hybrid_rl: RANKS x THREADS per rank (torchrun, vLLM rollout, FSDP2);  TRL: 1 process x "
@@ -349,7 +350,7 @@ def report(rows: list[dict], rounds: int, steps: int, quick: bool, bandwidth: fl
                for r in rows if r["size"] in ("25M", "0.5B") and r["precision"] == "bf16"]
     targets += [common.check(f"0.5B step / floor (ours {r['topology']})", r["step_over_floor"], 2.5,
                              higher_is_better=False) for r in rows if r["size"] == "0.5B"]
-    common.write_result("vs_trl", {"rows": rows, "headline": headline, "targets": targets,
+    common.write_result(name, {"rows": rows, "headline": headline, "targets": targets,
                                    "workloads": {r["size"]: workload(r["size"]) for r in rows}, "rounds": rounds,
                                    "steps": steps, "trl_pins": TRL_PINS, "bandwidth_bytes_s": bandwidth,
                                    "setups": {"ours": "RANKSxTHREADS, torchrun, vLLM rollout, FSDP2",
