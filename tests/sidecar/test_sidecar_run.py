@@ -27,7 +27,6 @@ import pytest
 
 from hybrid_rl.build import sidecar_namespace
 from hybrid_rl.config import load_config
-from hybrid_rl.engine.cpu_shm import mapped_paths
 from hybrid_rl.sidecar.shm_reclaim import mapped_inodes
 from hybrid_rl.sidecar.vllm_server import port_free
 from tests.conftest import REPO, TIMING, VLLM_TP2, run_torchrun
@@ -164,17 +163,16 @@ def test_a_pod_of_four_ranks_at_tp2_runs_two_tp2_servers_both_fed_and_generating
 
 
 def _unmapped(paths: set[str]) -> set[str]:
-    """Those of `paths` that still exist and that no live process maps, by name or by inode: glibc's `sem_open` maps
-    a semaphore under a temporary name (`sidecar/shm_reclaim`), so another test's live multiprocessing semaphores
+    """Those of `paths` that still exist and that no live process maps. Matched by inode, not name: glibc's `sem_open`
+    maps a semaphore under a temporary name (`sidecar/shm_reclaim`), so another test's live multiprocessing semaphores
     (the pod-group tests' spawned members) are mapped under names that are not theirs."""
-    names, inodes, out = mapped_paths(), mapped_inodes(None), set()
+    inodes, out = mapped_inodes(None), set()
     for p in paths:
         try:
-            inode = os.stat(p).st_ino
+            if os.stat(p).st_ino not in inodes:
+                out.add(p)
         except FileNotFoundError:
             continue
-        if p not in names and inode not in inodes:
-            out.add(p)
     return out
 
 
