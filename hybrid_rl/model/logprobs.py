@@ -27,6 +27,14 @@ def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return x.div_(temperature) if temperature != 1.0 else x
 
 
+def _logsumexp_(x: torch.Tensor) -> torch.Tensor:
+    """logsumexp over the last dim of a float32 `[rows, V]`, overwriting `x` (torch.logsumexp allocates two more
+    `[rows, V]` tensors: `x - max` and its exp, each one more pass over fresh memory)."""
+    m = x.amax(-1, keepdim=True)
+    m.masked_fill_(~torch.isfinite(m), 0.0)  # a row of -inf stays -inf (as torch.logsumexp), not NaN
+    return x.sub_(m).exp_().sum(-1).log_().add_(m.squeeze(-1))
+
+
 class ChunkedLogProbs(torch.autograd.Function):
     """(logp [R], entropy [R]) of `targets` under softmax(logits / T), chunked; differentiable in `logits`.
 
@@ -42,12 +50,14 @@ class ChunkedLogProbs(torch.autograd.Function):
         lps = torch.empty(n, dtype=torch.float32, device=logits.device)
         ents, lses = (torch.empty_like if entropy else torch.zeros_like)(lps), torch.empty_like(lps)
         for i in range(0, n, chunk):
-            logp = _scaled(logits[i : i + chunk], temperature)
-            lse = torch.logsumexp(logp, dim=-1)
-            logp.sub_(lse[:, None])
-            lps[i : i + chunk] = logp.gather(-1, targets[i : i + chunk, None]).squeeze(-1)
-            if entropy:
-                ents[i : i + chunk] = -logp.exp().mul_(logp).sum(-1)
+            x = _scaled(logits[i : i + chunk], temperature)
+            picked = x.gather(-1, targets[i : i + chunk, None]).squeeze(-1)
+            if entropy:  # log p is needed whole: the logsumexp works in a copy
+                lse = _logsumexp_(x.clone())
+                ents[i : i + chunk] = -(logp := x.sub_(lse[:, None])).exp().mul_(logp).sum(-1)
+            else:
+                lse = _logsumexp_(x)
+            lps[i : i + chunk] = picked - lse  # = log p at the target, to the bit, either way
             lses[i : i + chunk] = lse
         ctx.save_for_backward(logits, targets, lses, ents)
         ctx.temperature, ctx.chunk, ctx.entropy = temperature, chunk, entropy
@@ -62,7 +72,7 @@ class ChunkedLogProbs(torch.autograd.Function):
         with_ent = grad_ent is not None and ctx.entropy
         for i in range(0, logits.shape[0] if grad_lp is not None or grad_ent is not None else 0, chunk):
             logp = _scaled(logits[i : i + chunk], t).sub_(lses[i : i + chunk, None])
-            g = logp.exp()  # p
+            g = logp.exp() if with_ent else logp.exp_()  # p (in place where log p is not needed again)
             if with_ent:  # dH/dx = -p (log p + H): built in the log-p buffer
                 logp.add_(ents[i : i + chunk, None]).mul_(g).mul_(-grad_ent[i : i + chunk, None].float())
             if grad_lp is not None:  # dlogp/dx = onehot - p

@@ -63,3 +63,16 @@ def test_no_positions_give_empty_outputs_and_a_zero_gradient():
     assert lp.shape == ent.shape == (0,)
     (lp.sum() + ent.sum()).backward()
     assert logits.grad.shape == (0, 11)
+
+
+def test_the_in_place_logsumexp_is_torchs_including_rows_of_infinities():
+    from hybrid_rl.model.logprobs import _logsumexp_
+
+    x = 3 * torch.randn(5, 300, generator=torch.Generator().manual_seed(2))
+    x[1] = float("-inf")  # every entry masked
+    x[2, 7] = float("inf")
+    x[3, :150] = float("-inf")
+    want = torch.logsumexp(x, -1)
+    got = _logsumexp_(x.clone())
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert got[1] == float("-inf") and got[2] == float("inf")
