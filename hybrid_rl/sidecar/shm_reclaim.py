@@ -60,6 +60,18 @@ def mapped_inodes(pids: list[str] | None, shm_dir: Path = SHM_DIR) -> set[int]:
     return inodes
 
 
+def unmapped(paths, shm_dir: Path = SHM_DIR) -> list[str]:
+    """Those of `paths` (files under `shm_dir`) that still exist and that no live process maps, sorted."""
+    in_use, out = mapped_inodes(None, shm_dir), []
+    for path in sorted(paths):
+        try:
+            if os.stat(path).st_ino not in in_use:
+                out.append(path)
+        except OSError:
+            continue
+    return out
+
+
 def reclaimable(name: str) -> bool:
     return name.startswith(("sem.mp-", "psm_")) or CPU_SHM_MARKER in name
 
@@ -102,12 +114,9 @@ class ShmReclaimer:
             self.seen = set()
         if not left:
             return []
-        in_use = mapped_inodes(None, self.shm_dir)
         removed = []
-        for path in sorted(left):
+        for path in unmapped(left, self.shm_dir):
             try:
-                if os.stat(path).st_ino in in_use:
-                    continue
                 os.unlink(path)
                 removed.append(path)
             except OSError:

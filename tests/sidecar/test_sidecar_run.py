@@ -27,7 +27,7 @@ import pytest
 
 from hybrid_rl.build import sidecar_namespace
 from hybrid_rl.config import load_config
-from hybrid_rl.sidecar.shm_reclaim import mapped_inodes
+from hybrid_rl.sidecar.shm_reclaim import unmapped
 from hybrid_rl.sidecar.vllm_server import port_free
 from tests.conftest import REPO, TIMING, VLLM_TP2, run_torchrun
 from tests.e2e.conftest import tiny_overrides
@@ -157,23 +157,11 @@ def test_a_pod_of_four_ranks_at_tp2_runs_two_tp2_servers_both_fed_and_generating
     # running beside this one under `make test`'s two workers has plain files of its own there, named with its run id)
     run_id = (out / "run_id").read_text().strip()
     new = {f"/dev/shm/{n}" for n in set(os.listdir("/dev/shm")) - shm_before}
-    left = {p for p in _unmapped(new) if Path(p).name.startswith(("sem.mp-", "psm_"))
+    # matched by inode (`unmapped`): glibc maps a semaphore under a temporary name, so another test's live
+    # multiprocessing semaphores (the pod-group tests' spawned members) are mapped under names not theirs
+    left = {p for p in unmapped(new) if Path(p).name.startswith(("sem.mp-", "psm_"))
             or (Path(p).name.startswith("hrl-") and f"-{run_id}-" in Path(p).name)}
     assert not left, f"left in /dev/shm: {sorted(left)}"
-
-
-def _unmapped(paths: set[str]) -> set[str]:
-    """Those of `paths` that still exist and that no live process maps. Matched by inode, not name: glibc's `sem_open`
-    maps a semaphore under a temporary name (`sidecar/shm_reclaim`), so another test's live multiprocessing semaphores
-    (the pod-group tests' spawned members) are mapped under names that are not theirs."""
-    inodes, out = mapped_inodes(None), set()
-    for p in paths:
-        try:
-            if os.stat(p).st_ino not in inodes:
-                out.add(p)
-        except FileNotFoundError:
-            continue
-    return out
 
 
 def server_port(n: int = 1) -> int:
