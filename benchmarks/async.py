@@ -414,7 +414,7 @@ def main() -> None:
         p.error(f"--steps {a.steps} must exceed --skip {a.skip}")
 
     from hybrid_rl.demo.__main__ import prepare
-    from hybrid_rl.dist.etcd_server import EtcdProcess
+    from hybrid_rl.sidecar.etcd_server import EtcdProcess
     from hybrid_rl.utils.env import set_runtime_defaults
 
     set_runtime_defaults()

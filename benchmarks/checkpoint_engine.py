@@ -74,7 +74,7 @@ def _colocated(a) -> dict:
     """The hybrid engine's sync of the same model and dtype (median of `repeats`, slowest rank)."""
     import reshard
 
-    from hybrid_rl.dist.collectives import all_reduce_max
+    from hybrid_rl.distributed.collectives import all_reduce_max
 
     engine, dims = reshard._engine(a.model, tp=1, dtype=a.dtype)
     engine.enter_rollout()  # starts vLLM and plans the sync: not timed
@@ -93,18 +93,18 @@ def _sidecar(cfg, a) -> dict:
     import torch
 
     from hybrid_rl.build import server_spec, sidecar_namespace, sidecar_prefix
-    from hybrid_rl.dist.collectives import all_reduce_max, barrier
-    from hybrid_rl.dist.etcd import Etcd
-    from hybrid_rl.dist.fsdp import shard_model
-    from hybrid_rl.dist.mesh import device, fsdp_mesh, init_distributed
-    from hybrid_rl.engine.hybrid import ModuleWeights
-    from hybrid_rl.engine.layout import Layout, ModelDims
-    from hybrid_rl.engine.reshard import SourceParam
+    from hybrid_rl.distributed.collectives import all_reduce_max, barrier
+    from hybrid_rl.distributed.fsdp import shard_model
+    from hybrid_rl.distributed.mesh import device, fsdp_mesh, init_distributed
     from hybrid_rl.model.loading import DTYPES, load_causal_lm
     from hybrid_rl.sidecar.checkpoint_engine import CheckpointEngine, PushOptions
+    from hybrid_rl.sidecar.etcd import Etcd
     from hybrid_rl.sidecar.pod_link import pod_link
     from hybrid_rl.sidecar.shm_ring import ShmRing
     from hybrid_rl.sidecar.sidecar_server import Sidecar
+    from hybrid_rl.weightsync.layout import Layout, ModelDims
+    from hybrid_rl.weightsync.reshard import SourceParam
+    from hybrid_rl.weightsync.source import ModuleWeights
 
     dims = init_distributed(1)
     module = load_causal_lm(a.model)
@@ -165,18 +165,18 @@ def servers_worker(a) -> None:
 
     from hybrid_rl.build import server_spec, sidecar_namespace, sidecar_prefix
     from hybrid_rl.config import load_config
-    from hybrid_rl.dist.collectives import all_gather_object, all_reduce_max, barrier
-    from hybrid_rl.dist.etcd import Etcd
-    from hybrid_rl.dist.fsdp import shard_model
-    from hybrid_rl.dist.mesh import device, fsdp_mesh, init_distributed
-    from hybrid_rl.engine.hybrid import ModuleWeights
-    from hybrid_rl.engine.layout import Layout, ModelDims
-    from hybrid_rl.engine.reshard import SourceParam
-    from hybrid_rl.engine.vllm_engine import Sampling
+    from hybrid_rl.distributed.collectives import all_gather_object, all_reduce_max, barrier
+    from hybrid_rl.distributed.fsdp import shard_model
+    from hybrid_rl.distributed.mesh import device, fsdp_mesh, init_distributed
     from hybrid_rl.model.loading import DTYPES, load_causal_lm
     from hybrid_rl.sidecar.checkpoint_engine import CheckpointEngine, PushOptions
-    from hybrid_rl.sidecar.completions import CompletionClient, Request, Router
+    from hybrid_rl.sidecar.completions import CompletionClient, Router
+    from hybrid_rl.sidecar.etcd import Etcd
     from hybrid_rl.sidecar.sidecar_server import Sidecar
+    from hybrid_rl.types import Request, Sampling
+    from hybrid_rl.weightsync.layout import Layout, ModelDims
+    from hybrid_rl.weightsync.reshard import SourceParam
+    from hybrid_rl.weightsync.source import ModuleWeights
 
     cfg = load_config("grpo", json.loads(a.overrides))
     tp = cfg.rollout.tp
@@ -291,8 +291,8 @@ def main() -> None:
 
 
 def run(model: str, a, repeats: int) -> dict:
-    from hybrid_rl.dist.etcd_server import EtcdProcess
-    from hybrid_rl.dist.mesh import free_port
+    from hybrid_rl.distributed.mesh import free_port
+    from hybrid_rl.sidecar.etcd_server import EtcdProcess
 
     (common.CACHE / "logs").mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="ckpt_bench_", dir=common.CACHE))
@@ -320,8 +320,8 @@ def run(model: str, a, repeats: int) -> dict:
 
 def run_servers(model: str, a, repeats: int) -> dict:
     """The 4-rank, TP-2 launch: one pod with two servers (a private etcd for their registrations)."""
-    from hybrid_rl.dist.etcd_server import EtcdProcess
-    from hybrid_rl.dist.mesh import free_port
+    from hybrid_rl.distributed.mesh import free_port
+    from hybrid_rl.sidecar.etcd_server import EtcdProcess
 
     root = Path(tempfile.mkdtemp(prefix="ckpt_servers_", dir=common.CACHE))
     train = root / "train.jsonl"

@@ -247,7 +247,7 @@ def matmul_rate(dtype, *, n: int = 1024, seconds: float = 1.0, device=None) -> f
     current thread count; the best of repeated calls over `seconds`."""
     import torch
 
-    from hybrid_rl.dist.mesh import device as default_device
+    from hybrid_rl.distributed.mesh import device as default_device
 
     dev = device or default_device()
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)

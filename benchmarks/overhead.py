@@ -41,7 +41,7 @@ class SyntheticEngine:
     """Stands in for the hybrid engine: `generate` returns vLLM-shaped outputs of a fixed response length."""
 
     def __init__(self, response_tokens: int, vocab: int, seed: int):
-        from hybrid_rl.engine.hybrid import SwitchReport
+        from hybrid_rl.colocated.hybrid import SwitchReport
 
         self.response_tokens, self.vocab, self.seed = response_tokens, vocab, seed
         self.report = SwitchReport()
@@ -55,7 +55,7 @@ class SyntheticEngine:
     def generate(self, prompts, sampling, seeds):
         import torch
 
-        from hybrid_rl.engine.vllm_engine import Generation
+        from hybrid_rl.types import Generation
 
         t0 = time.perf_counter()
         g = torch.Generator().manual_seed(self.seed + seeds[0] if seeds else self.seed)

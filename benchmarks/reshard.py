@@ -51,10 +51,10 @@ def _instrument(acc: dict[str, float]) -> None:
     """Timing wrappers around the engine's sync functions, accumulating seconds into `acc`."""
     import torch.distributed as dist
 
-    import hybrid_rl.engine.hybrid as H
-    import hybrid_rl.engine.reshard as R
-    import hybrid_rl.engine.vllm_engine as V
-    import hybrid_rl.engine.vllm_transfer as T
+    import hybrid_rl.colocated.hybrid as H
+    import hybrid_rl.colocated.vllm_engine as V
+    import hybrid_rl.colocated.vllm_transfer as T
+    import hybrid_rl.weightsync.reshard as R
 
     def timed(fn, key):
         def wrapper(*a, **k):
@@ -112,15 +112,15 @@ def _engine(model: str, *, tp: int, dtype: str, verify: bool | None = None, prob
     `verify` and `probe_cols` override the defaults when given."""
     import torch
 
+    from hybrid_rl.colocated.hybrid import HybridEngine, SwitchOptions
+    from hybrid_rl.colocated.vllm_engine import EngineSpec, VLLMEngine
     from hybrid_rl.config import OffloadConfig, RolloutConfig, resolve_rollout
-    from hybrid_rl.dist.fsdp import shard_model
-    from hybrid_rl.dist.mesh import device, fsdp_mesh, init_distributed
-    from hybrid_rl.dist.offload import OffloadManager
-    from hybrid_rl.engine.hybrid import HybridEngine, SwitchOptions
-    from hybrid_rl.engine.layout import Layout, ModelDims
-    from hybrid_rl.engine.vllm_engine import EngineSpec, VLLMEngine
+    from hybrid_rl.distributed.fsdp import shard_model
+    from hybrid_rl.distributed.mesh import device, fsdp_mesh, init_distributed
+    from hybrid_rl.distributed.offload import OffloadManager
     from hybrid_rl.model.loading import DTYPES, load_causal_lm
     from hybrid_rl.model.memory_plan import sync_reserve_bytes
+    from hybrid_rl.weightsync.layout import Layout, ModelDims
 
     r, o = RolloutConfig(), OffloadConfig()
     dims = init_distributed(tp)
@@ -152,7 +152,7 @@ def _prompts(count: int, seed: int = 0) -> list[list[int]]:
 
 
 def _max_over_ranks(values: list[float]) -> list[float]:
-    from hybrid_rl.dist.collectives import all_reduce_max
+    from hybrid_rl.distributed.collectives import all_reduce_max
 
     return all_reduce_max(values)
 
@@ -179,7 +179,7 @@ def _measure_sync(engine, dims, cfg: dict, a, acc: dict[str, float]) -> dict:
     import torch
     import torch.distributed as dist
 
-    from hybrid_rl.engine.vllm_engine import Sampling
+    from hybrid_rl.types import Sampling
 
     t0 = time.perf_counter()
     engine.enter_rollout()  # starts vLLM and plans the sync: not timed
@@ -282,7 +282,7 @@ def _dp_generation(engine, dims, a, Sampling) -> dict:  # noqa: N803 - a class p
 
 
 def _sum(values: list[float]) -> float:
-    from hybrid_rl.dist.collectives import all_reduce_sum
+    from hybrid_rl.distributed.collectives import all_reduce_sum
 
     return all_reduce_sum(values)[0]
 
@@ -304,9 +304,9 @@ def worker_standalone(a) -> None:
 def _measure_standalone(engine, cfg: dict, a) -> dict:
     from vllm import LLM, SamplingParams
 
-    from hybrid_rl.engine import vllm_compat
-    from hybrid_rl.engine.vllm_compat import shutdown_keeping_default_group
-    from hybrid_rl.engine.vllm_engine import Sampling
+    from hybrid_rl.types import Sampling
+    from hybrid_rl.weightsync import vllm_compat
+    from hybrid_rl.weightsync.vllm_compat import shutdown_keeping_default_group
 
     s = engine.vllm.spec
     # The standalone engine with vLLM's own CPU kernels (oneDNN handles above 1 MiB): the engine's linears run on

@@ -48,8 +48,8 @@ def worker(recipe: str, overrides: list[str]) -> None:
 
     from hybrid_rl.build import build
     from hybrid_rl.config import load_config
-    from hybrid_rl.dist.fsdp import local_tensor
-    from hybrid_rl.dist.mesh import init_distributed
+    from hybrid_rl.distributed.fsdp import local_tensor
+    from hybrid_rl.distributed.mesh import init_distributed
     from hybrid_rl.planner import plan_for
     from hybrid_rl.utils import memory
 

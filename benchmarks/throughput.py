@@ -50,7 +50,7 @@ def _rates(dtypes: list[str]) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
-    from hybrid_rl.dist.collectives import all_reduce_sum
+    from hybrid_rl.distributed.collectives import all_reduce_sum
     from hybrid_rl.model.loading import DTYPES
 
     out = {}
@@ -68,7 +68,7 @@ def worker(runs: list[dict]) -> None:
 
     from hybrid_rl.build import build
     from hybrid_rl.config import load_config, to_dict
-    from hybrid_rl.dist.mesh import init_distributed
+    from hybrid_rl.distributed.mesh import init_distributed
     from hybrid_rl.trainer import Trainer
 
     logging.basicConfig(level=logging.WARNING)

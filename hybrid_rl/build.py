@@ -22,18 +22,17 @@ from pathlib import Path
 
 import torch
 
+from hybrid_rl.colocated.hybrid import HybridEngine, SwitchOptions
+from hybrid_rl.colocated.lora_sync import AdapterSync
+from hybrid_rl.colocated.multi_turn import MultiTurnRollout
+from hybrid_rl.colocated.sampler import Sampler
+from hybrid_rl.colocated.vllm_engine import EngineSpec, VLLMEngine
 from hybrid_rl.config import Config, ConfigError, resolve_rollout
 from hybrid_rl.data import PromptLoader, load_prompt_dataset
-from hybrid_rl.dist.collectives import all_reduce_min, broadcast_object
-from hybrid_rl.dist.etcd import Etcd, EtcdUnavailable, Registration
-from hybrid_rl.dist.etcd_server import EtcdProcess
-from hybrid_rl.dist.fsdp import is_sharded, shard_model
-from hybrid_rl.dist.mesh import ParallelDims, device, fsdp_mesh, init_distributed
-from hybrid_rl.dist.offload import OffloadManager
-from hybrid_rl.engine.hybrid import HybridEngine, ModuleWeights, SwitchOptions
-from hybrid_rl.engine.layout import Layout, ModelDims, check_architecture
-from hybrid_rl.engine.lora_sync import AdapterSync
-from hybrid_rl.engine.vllm_engine import EngineSpec, VLLMEngine
+from hybrid_rl.distributed.collectives import all_reduce_min, broadcast_object
+from hybrid_rl.distributed.fsdp import is_sharded, shard_model
+from hybrid_rl.distributed.mesh import ParallelDims, device, fsdp_mesh, init_distributed
+from hybrid_rl.distributed.offload import OffloadManager
 from hybrid_rl.model.handle import Model
 from hybrid_rl.model.loading import DTYPES, empty_model, enable_activation_checkpointing, load_config, load_tokenizer
 from hybrid_rl.model.lora import BaseWeights, LoraWeights, apply_lora, is_lora
@@ -43,25 +42,29 @@ from hybrid_rl.model.optimizers import build_optimizer
 from hybrid_rl.model.param_count import Head
 from hybrid_rl.planner import detect_device, plan_for, training_records
 from hybrid_rl.rewards import RewardPool, Rubric, RubricItem, resolve_reward
-from hybrid_rl.rollout.agent_sidecar import AgentSidecar
-from hybrid_rl.rollout.agentic import AgentSetup, MultiTurnRollout
-from hybrid_rl.rollout.agentic_sidecar import MultiTurnSidecar
+from hybrid_rl.rollout.agentic import AgentSetup
 from hybrid_rl.rollout.base import RolloutWorker
-from hybrid_rl.rollout.black_box import load_agent
 from hybrid_rl.rollout.chat_template import TemplateError, TemplateFamily, ToolSuffix, family_of, with_tools
 from hybrid_rl.rollout.multi_turn import ToolLoop, TurnLimits
-from hybrid_rl.rollout.sampler import Sampler, SamplingSettings
-from hybrid_rl.rollout.sidecar import SidecarOptions, SidecarRollout
+from hybrid_rl.rollout.sampling import SamplingSettings
 from hybrid_rl.rollout.tool_calls import get_parser
 from hybrid_rl.rollout.tools import EnvironmentReward, ToolRunner, load_environment, resolve_tools
+from hybrid_rl.sidecar.agent import AgentSidecar
+from hybrid_rl.sidecar.black_box import load_agent
 from hybrid_rl.sidecar.checkpoint_engine import CheckpointEngine, PushOptions
 from hybrid_rl.sidecar.completions import CompletionClient
+from hybrid_rl.sidecar.etcd import Etcd, EtcdUnavailable, Registration
+from hybrid_rl.sidecar.etcd_server import EtcdProcess
+from hybrid_rl.sidecar.multi_turn import MultiTurnSidecar
 from hybrid_rl.sidecar.pod_link import pod_link
+from hybrid_rl.sidecar.rollout import SidecarOptions, SidecarRollout
 from hybrid_rl.sidecar.server_adapter import AdapterPublisher
 from hybrid_rl.sidecar.shm_ring import ShmSpaceError, check_space
 from hybrid_rl.sidecar.sidecar_server import Sidecar
 from hybrid_rl.sidecar.vllm_server import ServerError, ServerSpec, check_python, port_free
 from hybrid_rl.utils.schedule import lr_multiplier
+from hybrid_rl.weightsync.layout import Layout, ModelDims, check_architecture
+from hybrid_rl.weightsync.source import ModuleWeights
 
 log = logging.getLogger(__name__)
 

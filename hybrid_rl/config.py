@@ -538,7 +538,7 @@ def resolve_rollout(r: RolloutConfig, platform: str) -> RolloutDefaults:
     between rollouts (vLLM has no sleep mode on CPU). CUDA: vLLM's fast path (CUDA graphs, compiled
     model), sleep mode between rollouts (vLLM's weights and KV cache leave the GPU while FSDP trains),
     and a `gpu_memory_utilization` measured when vLLM first starts: the memory then free on the GPU
-    (the trainer's state stays resident), less a reserve for the weight sync (`engine/vllm_engine.py`).
+    (the trainer's state stays resident), less a reserve for the weight sync (`colocated/vllm_engine.py`).
     """
     if platform not in ("cuda", "cpu"):
         raise ValueError(f"platform must be 'cuda' or 'cpu', got {platform!r}")

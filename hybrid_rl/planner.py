@@ -179,7 +179,7 @@ def _attention(choice: str, device: DeviceSpec) -> str:
 
 
 def _config_notes(cfg: Config, actor: ModelSpec, device: DeviceSpec) -> list[str]:
-    from hybrid_rl.engine.layout import ARCHITECTURES
+    from hybrid_rl.weightsync.layout import ARCHITECTURES
 
     notes = []
     if cfg.model.lora.rank:
@@ -187,7 +187,7 @@ def _config_notes(cfg: Config, actor: ModelSpec, device: DeviceSpec) -> list[str
         notes.append(f"LoRA rank {cfg.model.lora.rank}: {adapters} adapter parameters train; the reference pass is "
                      "the actor with the adapter disabled")
     if actor.dims.architecture not in ARCHITECTURES:
-        notes.append(f"{actor.dims.architecture} has no vLLM weight layout (engine/layout.py): hybrid_rl.train "
+        notes.append(f"{actor.dims.architecture} has no vLLM weight layout (weightsync/layout.py): hybrid_rl.train "
                      "refuses it; sizes come from a meta-device instance")
     if cfg.rollout.mode == "sidecar":
         notes += _sidecar_notes(cfg, actor, device)

@@ -27,7 +27,7 @@ EXIT_BAD_INPUT = 2
 def main(argv: list[str] | None = None) -> int:
     from hybrid_rl.build import server_spec, sidecar_namespace, sidecar_prefix
     from hybrid_rl.config import ConfigError, load_config, split_command_line
-    from hybrid_rl.dist.etcd import Etcd, EtcdUnavailable
+    from hybrid_rl.sidecar.etcd import Etcd, EtcdUnavailable
     from hybrid_rl.utils.logs import setup_logging
 
     setup_logging()
@@ -53,7 +53,7 @@ def run(cfg, etcd, *, log_path: Path, namespace, spec, prefix) -> None:
 
     import torch
 
-    from hybrid_rl.dist.pod_group import PodGroup, payload_device_for, pod_store
+    from hybrid_rl.sidecar.pod_group import PodGroup, payload_device_for, pod_store
     from hybrid_rl.sidecar.pod_link import GROUP_KEY, PodReceiver
     from hybrid_rl.sidecar.server_adapter import AdapterFolders
     from hybrid_rl.sidecar.sidecar_server import Sidecar

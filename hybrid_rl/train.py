@@ -40,9 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as e:  # DatasetError and the engine's layout errors are ValueErrors too
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
-    from hybrid_rl.engine.reshard import WeightSyncError
     from hybrid_rl.rollout.base import RolloutError
     from hybrid_rl.trainer import Trainer, TrainingError
+    from hybrid_rl.weightsync.reshard import WeightSyncError
 
     trainer = Trainer(components)
     try:

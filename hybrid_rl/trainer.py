@@ -28,7 +28,7 @@ from hybrid_rl.algos.objectives import ObjectiveSettings, get_objective
 from hybrid_rl.build import Components
 from hybrid_rl.checkpoint import Checkpointer, export_hf
 from hybrid_rl.config import resolve_correction, to_dict
-from hybrid_rl.dist.collectives import all_reduce_max
+from hybrid_rl.distributed.collectives import all_reduce_max
 from hybrid_rl.experience import batch as exp_batch
 from hybrid_rl.experience import share
 from hybrid_rl.experience.guard import MismatchGuard

@@ -11,7 +11,7 @@ share); what every rank knows about every sample is the small `BatchIndex`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -37,7 +37,7 @@ class Sample:
     # trajectory's tool results and template tokens sit inside the response as context, mask 0 (`rollout/trajectory`)
     loss_mask: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
     # its place in its episode: 0 for a sample of its own; k for the (k+1)-th trajectory a black-box agent's episode
-    # was stitched into (`rollout/stitch.py`). An episode's trajectories have consecutive uids in call order, and the
+    # was stitched into (`sidecar/stitch.py`). An episode's trajectories have consecutive uids in call order, and the
     # last one carries the episode's reward (`BatchIndex.episodes`)
     part: int = 0
 
@@ -157,3 +157,37 @@ class TrainBatch:
         return TrainBatch([self.samples[i] for i in idx], self.mask[t], self.scores[t], pick(self.old_logp),
                           self.advantages[t], pick(self.ref_logp), pick(self.values), pick(self.returns), self.paired,
                           pick(self.rollout_logp), pick(self.staleness))
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling parameters of one generate call."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    n: int = 1
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One sampled response: token ids, the sampler's log-prob of each, and why it stopped."""
+
+    prompt_index: int
+    token_ids: Sequence[int]  # as vLLM returns them (the sampler turns them into one tensor)
+    logprobs: Sequence[float]
+    finish_reason: str  # "stop" | "length"
+    # (weight version, first token, end token) spans over the response, as a vLLM server stamps them (partial
+    # rollouts: a request paused for a weight update continues under the next version); () when not recorded
+    weight_spans: tuple[tuple[str, int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class Request:
+    key: int  # the caller's id for the sample
+    prompt: list[int]
+    seed: int
+    affinity: int | None = None  # requests with the same value go to the same server (None: the key)
+    row: Mapping[str, Any] | None = None  # black-box agents: the dataset row the agent plays (not sent to a server)

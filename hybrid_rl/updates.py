@@ -27,7 +27,7 @@ from hybrid_rl.algos.objectives import (
     StatSums,
     zero_like_loss,
 )
-from hybrid_rl.dist.collectives import all_reduce, all_reduce_sum
+from hybrid_rl.distributed.collectives import all_reduce, all_reduce_sum
 from hybrid_rl.model.forward import MicroBatch, micro_batches, policy_logprobs, token_values
 from hybrid_rl.model.handle import Model
 from hybrid_rl.types import Sample, TrainBatch

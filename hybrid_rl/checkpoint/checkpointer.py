@@ -38,7 +38,7 @@ from hybrid_rl.checkpoint.collective import (
 from hybrid_rl.checkpoint.files import fsync_dir, replace_dir, torch_bytes, torch_read, write_durable
 from hybrid_rl.checkpoint.sites import Site, find_site
 from hybrid_rl.checkpoint.state import Component, load_component, rank_dir, save_component
-from hybrid_rl.dist import collectives
+from hybrid_rl.distributed import collectives
 from hybrid_rl.utils.faults import maybe_die
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
-from hybrid_rl.dist import collectives
+from hybrid_rl.distributed import collectives
 
 # DCP reports failures as CheckpointException, which derives from BaseException, not Exception.
 CAUGHT = (Exception, CheckpointException)

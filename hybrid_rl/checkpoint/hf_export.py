@@ -23,8 +23,8 @@ from torch import nn
 
 from hybrid_rl.checkpoint.collective import CAUGHT, raise_if_any_failed
 from hybrid_rl.checkpoint.files import fsync_tree, replace_dir
-from hybrid_rl.dist.collectives import world_size
-from hybrid_rl.dist.fsdp import hf_name
+from hybrid_rl.distributed.collectives import world_size
+from hybrid_rl.distributed.fsdp import hf_name
 
 # (name, the whole tensor on rank 0's CPU; None on the other ranks), one state-dict entry at a time.
 Stream = Iterator[tuple[str, torch.Tensor | None]]

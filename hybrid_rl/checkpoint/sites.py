@@ -22,7 +22,7 @@ from hybrid_rl.checkpoint.collective import (
     is_distributed,
     raise_if_any_failed,
 )
-from hybrid_rl.dist import collectives
+from hybrid_rl.distributed import collectives
 
 
 @dataclass(frozen=True)

@@ -125,7 +125,7 @@ TASKS = {
 
 def sidecar_overrides(*, etcd: str, max_staleness: int) -> list[str]:
     """Sidecar mode on this machine: the server on a free port, a small KV cache (the model is tiny)."""
-    from hybrid_rl.dist.mesh import free_port
+    from hybrid_rl.distributed.mesh import free_port
 
     return ["rollout.mode=sidecar", f"sidecar.etcd={etcd}", f"sidecar.port={free_port()}", "rollout.kv_cache_gb=0.25",
             f"rollout.max_staleness={max_staleness}"]
@@ -198,7 +198,7 @@ def _etcd(run: Path, wanted: bool) -> Iterator:
     if not wanted:
         yield None
         return
-    from hybrid_rl.dist.etcd_server import EtcdProcess
+    from hybrid_rl.sidecar.etcd_server import EtcdProcess
 
     run.mkdir(parents=True, exist_ok=True)
     etcd = EtcdProcess(run / "etcd")

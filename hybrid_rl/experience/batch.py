@@ -20,7 +20,7 @@ from hybrid_rl.algos import kl, masked_sum, overlong_penalty
 from hybrid_rl.algos.correction import CorrectionInputs, CorrectionSettings, rollout_correction, token_log_ratio
 from hybrid_rl.algos.estimators import AdvantageInputs, AdvantageSettings, get_estimator
 from hybrid_rl.algos.groups import episode_rows
-from hybrid_rl.dist.collectives import all_reduce, all_reduce_sum
+from hybrid_rl.distributed.collectives import all_reduce, all_reduce_sum
 from hybrid_rl.experience.passes import PassOutputs, width_of
 from hybrid_rl.experience.share import Share
 from hybrid_rl.types import BatchIndex, Sample, Scores, TrainBatch

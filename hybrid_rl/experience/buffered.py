@@ -41,17 +41,16 @@ import torch
 
 from hybrid_rl.algos import groups_with_signal
 from hybrid_rl.data import PromptLoader
-from hybrid_rl.dist.collectives import all_reduce
-from hybrid_rl.dist.mesh import ParallelDims
+from hybrid_rl.distributed.collectives import all_reduce
+from hybrid_rl.distributed.mesh import ParallelDims
 from hybrid_rl.experience.buffer import Book, Group, Plan
 from hybrid_rl.experience.scoring import Ready, Scorer
 from hybrid_rl.experience.source import Experience, Session, SourceSettings, no_signal, sync_metrics
 from hybrid_rl.rollout.agentic import trajectory_metrics
 from hybrid_rl.rollout.base import RolloutError, StreamingRollout, agent_row, prompt_of
 from hybrid_rl.rollout.exchange import gather_index
-from hybrid_rl.rollout.sampler import request_seed, sample_of
-from hybrid_rl.sidecar.completions import Request
-from hybrid_rl.types import Rollout, Sample, Scores
+from hybrid_rl.rollout.sampling import request_seed, sample_of
+from hybrid_rl.types import Request, Rollout, Sample, Scores
 from hybrid_rl.utils.timer import PhaseTimer
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from hybrid_rl.dist.collectives import all_reduce, all_reduce_max, all_reduce_sum
+from hybrid_rl.distributed.collectives import all_reduce, all_reduce_max, all_reduce_sum
 from hybrid_rl.rewards import RewardPool
 from hybrid_rl.types import Sample, Scores
 

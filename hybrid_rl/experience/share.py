@@ -18,7 +18,7 @@ import torch
 
 from hybrid_rl.algos.pairs import best_worst_pairs
 from hybrid_rl.data import balance_units
-from hybrid_rl.dist.mesh import ParallelDims
+from hybrid_rl.distributed.mesh import ParallelDims
 from hybrid_rl.rollout.exchange import send_to_owners
 from hybrid_rl.types import BatchIndex, Rollout, Sample
 

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from hybrid_rl.data import PromptLoader
-from hybrid_rl.dist.mesh import ParallelDims
+from hybrid_rl.distributed.mesh import ParallelDims
 from hybrid_rl.experience import dynamic
 from hybrid_rl.experience.buffer import refill_seeds
 from hybrid_rl.experience.scoring import Pending, Ready, Scorer

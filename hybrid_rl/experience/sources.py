@@ -8,7 +8,7 @@ preference pairs are generated (or read) when the step asks (`source.SyncSource`
 from __future__ import annotations
 
 from hybrid_rl.data import PromptLoader
-from hybrid_rl.dist.mesh import ParallelDims
+from hybrid_rl.distributed.mesh import ParallelDims
 from hybrid_rl.experience.buffered import BufferedSource
 from hybrid_rl.experience.scoring import Scorer
 from hybrid_rl.experience.source import ExperienceSource, Session, SourceSettings, SyncSource, TrainingError

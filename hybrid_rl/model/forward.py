@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from hybrid_rl.data import PackedBatch, ResponseIndex, pack, split_by_token_budget
-from hybrid_rl.dist.collectives import all_reduce_max
-from hybrid_rl.dist.mesh import device
+from hybrid_rl.distributed.collectives import all_reduce_max
+from hybrid_rl.distributed.mesh import device
 from hybrid_rl.model.logprobs import logits_to_logprobs
 from hybrid_rl.types import Sample
 

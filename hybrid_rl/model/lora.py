@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from hybrid_rl.dist.fsdp import local_tensor
+from hybrid_rl.distributed.fsdp import local_tensor
 
 ADAPTER = "default"
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from hybrid_rl.dist.fsdp import local_rows, local_tensor
+from hybrid_rl.distributed.fsdp import local_rows, local_tensor
 from hybrid_rl.model.lora import hf_name
 from hybrid_rl.model.weight_files import WeightFiles
 

@@ -1,6 +1,6 @@
 """Expected memory per rank in each phase of an RL step: numbers in, a `MemoryPlan` out. Pure arithmetic.
 
-Who holds what, as `build.py`, `engine/hybrid.py` and `trainer.py` arrange it:
+Who holds what, as `build.py`, `colocated/hybrid.py` and `trainer.py` arrange it:
 
 * Every model is FSDP2-sharded: trained ones with float32 master weights, frozen ones (reference,
   reward model) in `model.frozen_dtype` (`ModelSpec.param_bytes`); FSDP2 pads dim 0 of
@@ -471,7 +471,7 @@ _FUSED = re.compile(r"\.(q|k|v)_proj\.(weight|bias)$|\.(gate|up)_proj\.weight$")
 
 
 def _vllm_module(name: str) -> str:
-    """The vLLM module an HF weight lands in (`engine/layout.py`: q/k/v -> qkv_proj, gate/up -> gate_up_proj)."""
+    """The vLLM module an HF weight lands in (`weightsync/layout.py`: q/k/v -> qkv_proj, gate/up -> gate_up_proj)."""
     m = _FUSED.search(name)
     if m is None:
         return name.rsplit(".", 1)[0]
@@ -513,7 +513,7 @@ def lora_merge_bytes(x: PlanInputs) -> int:
 
 
 def sync_transient_bytes(x: PlanInputs) -> int:
-    """Extra memory while the weights stream into vLLM (`engine/reshard.py`, `engine/vllm_weights.py`).
+    """Extra memory while the weights stream into vLLM (`weightsync/reshard.py`, `weightsync/vllm_weights.py`).
 
     A bucket holds at least its largest vLLM module. While a bucket moves, its send and receive buffers are
     alive (2 buckets); then the received buffer and the assembled slices (2 buckets); the consumer still
@@ -564,7 +564,7 @@ def _fragmentation(items: list[Item]) -> list[Item]:
 
 def host_offload_bytes(x: PlanInputs) -> dict[str, int]:
     """Host memory of `offload.*=cpu` from a GPU, per component: one flat pinned buffer each, exactly the size
-    of what it moves (`dist/offload.py`), registered once and kept for the run."""
+    of what it moves (`distributed/offload.py`), registered once and kept for the run."""
     if x.device.kind != "cuda":
         return {}
     o, out = x.offload, {}

@@ -16,23 +16,16 @@ sees them (group statistics, the loss, the reward mean), the rest renumbered, an
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from hybrid_rl.data import PromptRecord
-from hybrid_rl.dist.collectives import all_gather_object, all_gather_rows, all_reduce
-from hybrid_rl.dist.mesh import tp_group
-from hybrid_rl.engine.vllm_engine import Generation, Sampling
-from hybrid_rl.rollout.base import RolloutError, SyncReport
+from hybrid_rl.distributed.collectives import all_gather_rows, all_reduce
+from hybrid_rl.rollout.base import RolloutError
 from hybrid_rl.rollout.chat_template import ToolSuffix
-from hybrid_rl.rollout.environment import Opening, open_environment, trajectory_fields
+from hybrid_rl.rollout.environment import Opening
 from hybrid_rl.rollout.exchange import gather_index
-from hybrid_rl.rollout.multi_turn import ToolLoop, merge_parts
-from hybrid_rl.rollout.sampler import Sampler, request_seed
+from hybrid_rl.rollout.multi_turn import ToolLoop
 from hybrid_rl.rollout.tools import Environment, ToolRunner
 from hybrid_rl.rollout.trajectory import Trajectory
 from hybrid_rl.types import Rollout, Sample
@@ -47,87 +40,6 @@ class AgentSetup:
     suffix: ToolSuffix
     environment: Environment | None
     max_prompt_tokens: int = 0  # an environment's own prompt longer than this fails its trajectory (0: no limit)
-
-
-class MultiTurnRollout:
-    """The colocated rollout worker with tools (`rollout.mode=colocated` + `rollout.tools` / `rollout.environment`)."""
-
-    def __init__(self, sampler: Sampler, tokenizer, setup: AgentSetup):
-        self.sampler, self.tokenizer, self.setup = sampler, tokenizer, setup
-        # TP > 1: the gloo group of this rank's vLLM TP group, for the tool answers (made now: every rank builds)
-        self.group = tp_group(sampler.dims)
-
-    def session(self, version: int | None = None):
-        return self.sampler.session(version)
-
-    def last_sync(self) -> SyncReport:
-        return self.sampler.last_sync()
-
-    def close(self) -> None:
-        self.setup.runner.close()
-        self.sampler.close()
-
-    def generate(self, records: list[PromptRecord], *, n: int, step: int, group_base: int,
-                 greedy: bool = False) -> Rollout:
-        """`n` trajectories per record, uid `i * n + j` and group `group_base + i` as `Sampler.generate`, less the
-        infrastructure failures (the survivors renumbered 0..). Collective, in a session.
-
-        The ranks of a TP group play the same trajectories (identical requests); trajectory uid `u` is held, as in
-        `Sampler.generate`, by the group's rank `u % tp`, which also runs its tools and holds its environment."""
-        s = self.sampler
-        d = s.dims
-        mine = [(i, j) for i in range(d.dp_rank, len(records), d.dp) for j in range(n)]
-        share = GroupShare([(i * n + j) % d.tp for i, j in mine], d.tp_rank, self.group) if d.tp > 1 else None
-        owned = [k for k in range(len(mine)) if share is None or share.owns(k)]
-        envs: list[object | None] = [None] * len(mine)
-        openings: dict[int, Opening] = {}
-        for k in owned:
-            i = mine[k][0]
-            envs[k], openings[k] = open_environment(self.setup.environment, self.tokenizer, self.setup.suffix.tools,
-                                                    records[i].fields, records[i].prompt_ids,
-                                                    self.setup.max_prompt_tokens)
-        if share is not None and self.setup.environment is not None:  # an environment's prompt: its owner's
-            openings = share.exchange(openings, len(mine))
-        trajs = [opened(openings.get(k) or Opening(records[i].prompt_ids)) for k, (i, _) in enumerate(mine)]
-        seeds = [request_seed(s.seed, step, group_base + i) + j for i, j in mine]
-        start = time.monotonic()
-        stats = self.setup.loop.run(trajs, envs, self._generate_fn(greedy), seeds, share)
-        loop_s = time.monotonic() - start
-        samples, failed = {}, set()
-        for k in owned:
-            (i, j), t = mine[k], trajs[k]
-            fields = {**records[i].fields, **trajectory_fields(self.setup.environment, envs[k], t)}
-            samples[i * n + j] = t.to_sample(i * n + j, group_base + i, records[i].index, fields)
-            if t.infra_failed:
-                failed.add(i * n + j)
-        return keep_survivors(samples, failed, len(records) * n, [stats_of(trajs[k]) for k in owned],
-                              wall=(stats.tool_seconds, loop_s))
-
-    def _generate_fn(self, greedy: bool) -> Callable[[list[list[int]], list[int], list[int]], list[Generation]]:
-        s = self.sampler
-        st = s.settings
-        sampling = Sampling(max_tokens=st.max_new_tokens, temperature=0.0 if greedy else st.temperature,
-                            top_p=1.0 if greedy else st.top_p, top_k=-1 if greedy else st.top_k, n=1,
-                            stop_token_ids=s.stop_ids)
-
-        def generate(contexts: list[list[int]], budgets: list[int], seeds: list[int]) -> list[Generation]:
-            return [g[0] for g in s.engine.generate(contexts, sampling, seeds, budgets)]
-
-        return generate
-
-
-class GroupShare:
-    """Colocated TP > 1 (`multi_turn.ToolShare`): trajectory `k` of the group's shared list belongs to the group's rank
-    `owners[k]`; the exchange is an object all-gather over the group's ranks (a gloo group of consecutive ranks)."""
-
-    def __init__(self, owners: list[int], tp_rank: int, group):
-        self.owners, self.tp_rank, self.group = owners, tp_rank, group
-
-    def owns(self, i: int) -> bool:
-        return self.owners[i] == self.tp_rank
-
-    def exchange(self, mine: dict[int, Any], check: int) -> dict[int, Any]:
-        return merge_parts(all_gather_object((check, mine), group=self.group))
 
 
 def opened(o: Opening) -> Trajectory:

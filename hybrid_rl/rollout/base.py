@@ -20,9 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from hybrid_rl.data import PromptRecord
-from hybrid_rl.engine.vllm_engine import Generation
-from hybrid_rl.sidecar.completions import Request
-from hybrid_rl.types import Rollout
+from hybrid_rl.types import Generation, Request, Rollout
 
 
 class RolloutError(RuntimeError):

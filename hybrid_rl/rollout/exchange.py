@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from hybrid_rl.dist.collectives import all_gather_rows, all_to_all_rows
+from hybrid_rl.distributed.collectives import all_gather_rows, all_to_all_rows
 from hybrid_rl.types import BatchIndex, Sample
 
 # Header columns of one sample on the wire.

@@ -22,12 +22,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from hybrid_rl.engine.vllm_engine import Generation
 from hybrid_rl.rollout.chat_template import ToolSuffix
 from hybrid_rl.rollout.tool_calls import ToolCall
 from hybrid_rl.rollout.tools._worker import ERROR, INFRA, TIMEOUT
 from hybrid_rl.rollout.tools.runner import ToolRequest, ToolResult, ToolRunner
 from hybrid_rl.rollout.trajectory import Trajectory
+from hybrid_rl.types import Generation
 
 # (contexts, max new tokens of each, seeds) -> one generation per context
 Generate = Callable[[list[list[int]], list[int], list[int]], list[Generation]]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from hybrid_rl.data import PreferenceRecord
-from hybrid_rl.dist.mesh import ParallelDims
+from hybrid_rl.distributed.mesh import ParallelDims
 from hybrid_rl.types import BatchIndex, Rollout, Sample
 
 _NO_LOGPROBS = torch.zeros(0)

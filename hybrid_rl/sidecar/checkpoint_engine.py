@@ -13,7 +13,7 @@ One update ("register shard", then "update weight"), on every trainer rank in lo
    the next slot while the server loads the previous one, and no more than `slots` buckets are ever in
    shared memory.
 3. `PodLink` (optional) sends each slot of server 0's writers on to the receivers of other pods
-   (`dist/pod_group.py`), and tells them when an update is abandoned mid-way.
+   (`sidecar/pod_group.py`), and tells them when an update is abandoned mid-way.
 4. Each leader finishes the update; every writer compares the server's checksums of what landed (its
    report) with the senders' (`plan.expected`), exactly as colocated verification does; only when every
    rank agrees does each leader stamp the version (`/update_weight_version`) and read it back.
@@ -34,18 +34,7 @@ from typing import Protocol
 
 import torch
 
-from hybrid_rl.dist.collectives import all_gather_object, all_reduce, barrier
-from hybrid_rl.engine.layout import Layout, TPSlice
-from hybrid_rl.engine.reshard import (
-    ReshardPlan,
-    SourceParam,
-    WeightSyncError,
-    build_plan,
-    checksums_match,
-    stream_buckets,
-    target_label,
-    verify_targets,
-)
+from hybrid_rl.distributed.collectives import all_gather_object, all_reduce, barrier
 from hybrid_rl.sidecar.server_update import ServerUpdate
 from hybrid_rl.sidecar.shm_ring import (
     Entry,
@@ -60,6 +49,17 @@ from hybrid_rl.sidecar.shm_ring import (
     write_manifest,
 )
 from hybrid_rl.sidecar.vllm_server import ServerError, VLLMServer
+from hybrid_rl.weightsync.layout import Layout, TPSlice
+from hybrid_rl.weightsync.reshard import (
+    ReshardPlan,
+    SourceParam,
+    WeightSyncError,
+    build_plan,
+    checksums_match,
+    stream_buckets,
+    target_label,
+    verify_targets,
+)
 
 log = logging.getLogger(__name__)
 

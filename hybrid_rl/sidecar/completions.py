@@ -28,15 +28,13 @@ import json
 import queue
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
 
 import requests
 
-from hybrid_rl.engine.vllm_engine import Generation, Sampling
 from hybrid_rl.sidecar.vllm_server import SERVED_MODEL
+from hybrid_rl.types import Generation, Request, Sampling
 
 GENERATE = "/inference/v1/generate"
 _ERRORS = (requests.RequestException, RuntimeError, ValueError, KeyError, TypeError)
@@ -46,13 +44,6 @@ CONNECT_TIMEOUT_S = 30.0  # a server that does not even accept the connection
 UNAVAILABLE = "http://server-unavailable.invalid"  # no server listed: every request fails and the caller recovers
 
 
-@dataclass(frozen=True)
-class Request:
-    key: int  # the caller's id for the sample
-    prompt: list[int]
-    seed: int
-    affinity: int | None = None  # requests with the same value go to the same server (None: the key)
-    row: Mapping[str, Any] | None = None  # black-box agents: the dataset row the agent plays (not sent to a server)
 
 
 class Router:

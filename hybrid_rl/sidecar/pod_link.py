@@ -25,16 +25,16 @@ import logging
 
 import torch
 
-from hybrid_rl.dist.collectives import broadcast_object
-from hybrid_rl.dist.etcd import Etcd
-from hybrid_rl.dist.mesh import ParallelDims
-from hybrid_rl.dist.pod_group import PodGroup, payload_device_for, pod_store
-from hybrid_rl.engine.reshard import WeightSyncError, checksums_match
+from hybrid_rl.distributed.collectives import broadcast_object
+from hybrid_rl.distributed.mesh import ParallelDims
+from hybrid_rl.sidecar.etcd import Etcd
+from hybrid_rl.sidecar.pod_group import PodGroup, payload_device_for, pod_store
 from hybrid_rl.sidecar.server_adapter import AdapterFolders, load_on_server
 from hybrid_rl.sidecar.server_update import ServerUpdate
 from hybrid_rl.sidecar.shm_ring import Manifest, RingAborted, RingTimeout, ShmRing, bucket_bytes, write_manifest
 from hybrid_rl.sidecar.sidecar_server import Sidecar
 from hybrid_rl.sidecar.vllm_server import ServerError
+from hybrid_rl.weightsync.reshard import WeightSyncError, checksums_match
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hybrid_rl.engine.reshard import WeightSyncError
 from hybrid_rl.model.lora import gather_adapter, save_adapter
 from hybrid_rl.sidecar.vllm_server import VLLMServer
+from hybrid_rl.weightsync.reshard import WeightSyncError
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from hybrid_rl.engine.reshard import WeightSyncError
 from hybrid_rl.sidecar.vllm_server import VLLMServer
+from hybrid_rl.weightsync.reshard import WeightSyncError
 
 
 class ServerUpdate:

@@ -24,8 +24,8 @@ import threading
 import time
 from pathlib import Path
 
-from hybrid_rl.engine.cpu_shm import SHM_DIR
-from hybrid_rl.engine.vllm_compat import CPU_SHM_MARKER
+from hybrid_rl.utils.shm import SHM_DIR
+from hybrid_rl.weightsync.vllm_compat import CPU_SHM_MARKER
 
 log = logging.getLogger(__name__)
 

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from hybrid_rl.engine.cpu_shm import SHM_DIR
-from hybrid_rl.engine.layout import TPSlice
-from hybrid_rl.engine.reshard import verify_targets
+from hybrid_rl.utils.shm import SHM_DIR
+from hybrid_rl.weightsync.layout import TPSlice
+from hybrid_rl.weightsync.reshard import verify_targets
 
 ALIGN = 64
 _WRITTEN, _CONSUMED = 0, 1

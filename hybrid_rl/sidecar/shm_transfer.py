@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import torch
 from vllm.distributed import get_tensor_model_parallel_rank
 
-from hybrid_rl.engine.reshard import block_checksum, probe_for
-from hybrid_rl.engine.vllm_landing import LandingEngine
-from hybrid_rl.engine.vllm_weights import load_inplace, model_params, readback, staged, sync_path
 from hybrid_rl.sidecar.shm_ring import ShmRing, read_manifest
 from hybrid_rl.sidecar.vllm_plugin import BACKEND  # noqa: F401 - the name this backend is registered under
+from hybrid_rl.weightsync.reshard import block_checksum, probe_for
+from hybrid_rl.weightsync.vllm_landing import LandingEngine
+from hybrid_rl.weightsync.vllm_weights import load_inplace, model_params, readback, staged, sync_path
 
 
 @dataclass

@@ -15,7 +15,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from hybrid_rl.dist.etcd import Etcd, Registration
+from hybrid_rl.sidecar.etcd import Etcd, Registration
 from hybrid_rl.sidecar.vllm_server import ServerError, ServerSpec, VLLMServer
 
 log = logging.getLogger(__name__)

@@ -12,6 +12,6 @@ BACKEND = "hybrid_rl_shm"  # the weight-transfer backend's name (`--weight-trans
 
 
 def register() -> None:
-    from hybrid_rl.engine.vllm_landing import register_backend
+    from hybrid_rl.weightsync.vllm_landing import register_backend
 
     register_backend(BACKEND, "hybrid_rl.sidecar.shm_transfer", "ShmTransfer")

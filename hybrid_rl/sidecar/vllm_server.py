@@ -32,9 +32,9 @@ from pathlib import Path
 
 import requests
 
-from hybrid_rl.engine.vllm_engine import lora_slot_rank
 from hybrid_rl.sidecar.shm_reclaim import ShmReclaimer, group_pids
 from hybrid_rl.sidecar.vllm_plugin import BACKEND
+from hybrid_rl.weightsync.vllm_compat import lora_slot_rank
 
 SERVED_MODEL = "policy"  # the name every sidecar serves its model under (requests name it)
 

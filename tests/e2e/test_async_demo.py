@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from hybrid_rl.demo.__main__ import demo_overrides, sidecar_overrides
-from hybrid_rl.dist.etcd_server import EtcdProcess
+from hybrid_rl.sidecar.etcd_server import EtcdProcess
 from tests.conftest import run_torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("demo_root")]  # its warmed-up model: built once

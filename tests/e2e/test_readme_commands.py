@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_rl.dist.mesh import free_port
+from hybrid_rl.distributed.mesh import free_port
 from tests.conftest import REPO, VLLM_TP2
 
 sys.path.insert(0, str(REPO / "benchmarks"))

@@ -17,8 +17,8 @@ from contextlib import contextmanager
 
 import torch
 
-from hybrid_rl.engine.hybrid import SwitchReport
-from hybrid_rl.engine.vllm_engine import Generation, Sampling
+from hybrid_rl.colocated.hybrid import SwitchReport
+from hybrid_rl.types import Generation, Sampling
 
 
 class EagerEngine:

@@ -11,7 +11,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from hybrid_rl.data import pack
-from hybrid_rl.dist.offload import OffloadManager, optimizer_tensors, param_tensors
+from hybrid_rl.distributed.offload import OffloadManager, optimizer_tensors, param_tensors
 from hybrid_rl.model.attention import register
 from tests.gpu.conftest import SHAPES, report
 

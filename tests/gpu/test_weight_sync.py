@@ -25,13 +25,20 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM
 
-from hybrid_rl.dist.fsdp import shard_model
-from hybrid_rl.dist.mesh import ParallelDims
-from hybrid_rl.dist.offload import OffloadManager
-from hybrid_rl.engine.hybrid import HybridEngine, SwitchOptions
-from hybrid_rl.engine.layout import Layout, ModelDims
-from hybrid_rl.engine.reshard import HEAD, WeightSyncError
-from hybrid_rl.engine.vllm_weights import check_storages, load_inplace, model_params, readback, storage_ptrs, sync_path
+from hybrid_rl.colocated.hybrid import HybridEngine, SwitchOptions
+from hybrid_rl.distributed.fsdp import shard_model
+from hybrid_rl.distributed.mesh import ParallelDims
+from hybrid_rl.distributed.offload import OffloadManager
+from hybrid_rl.weightsync.layout import Layout, ModelDims
+from hybrid_rl.weightsync.reshard import HEAD, WeightSyncError
+from hybrid_rl.weightsync.vllm_weights import (
+    check_storages,
+    load_inplace,
+    model_params,
+    readback,
+    storage_ptrs,
+    sync_path,
+)
 from tests.gpu.conftest import qwen_shapes, report
 
 MIB = 2**20

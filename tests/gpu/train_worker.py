@@ -19,9 +19,9 @@ import torch  # noqa: E402
 
 from hybrid_rl import build as build_module  # noqa: E402
 from hybrid_rl.build import build, check_inputs, sampling_settings  # noqa: E402
+from hybrid_rl.colocated.sampler import Sampler  # noqa: E402
 from hybrid_rl.config import load_config, split_command_line  # noqa: E402
-from hybrid_rl.dist.mesh import device  # noqa: E402
-from hybrid_rl.rollout.sampler import Sampler  # noqa: E402
+from hybrid_rl.distributed.mesh import device  # noqa: E402
 from hybrid_rl.trainer import Trainer  # noqa: E402
 from hybrid_rl.utils.logs import setup_logging  # noqa: E402
 

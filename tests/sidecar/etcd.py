@@ -8,7 +8,7 @@ import os
 import signal
 import time
 
-from hybrid_rl.dist.etcd_server import EtcdProcess
+from hybrid_rl.sidecar.etcd_server import EtcdProcess
 
 
 class SharedEtcd(EtcdProcess):

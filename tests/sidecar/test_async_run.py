@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_rl.dist.etcd_server import EtcdProcess
-from hybrid_rl.dist.mesh import free_port
+from hybrid_rl.distributed.mesh import free_port
+from hybrid_rl.sidecar.etcd_server import EtcdProcess
 from tests.conftest import TIMING, run_torchrun
 from tests.e2e.conftest import tiny_overrides
 

@@ -10,15 +10,15 @@ import sys
 import pytest
 import requests
 
-from hybrid_rl.dist.mesh import free_port
-from hybrid_rl.engine.vllm_engine import Sampling
-from hybrid_rl.rollout.black_box import load_agent, play
-from hybrid_rl.rollout.chat_endpoint import ChatEndpoint
+from hybrid_rl.distributed.mesh import free_port
 from hybrid_rl.rollout.chat_template import ToolSuffix, detect_family
-from hybrid_rl.rollout.sidecar import token_versions_of
-from hybrid_rl.rollout.stitch import stitch
+from hybrid_rl.sidecar.black_box import load_agent, play
+from hybrid_rl.sidecar.chat_endpoint import ChatEndpoint
 from hybrid_rl.sidecar.completions import GENERATE, CompletionClient, Router, parse_choice, request_body
+from hybrid_rl.sidecar.rollout import token_versions_of
+from hybrid_rl.sidecar.stitch import stitch
 from hybrid_rl.sidecar.vllm_server import ServerSpec, VLLMServer
+from hybrid_rl.types import Sampling
 
 pytestmark = pytest.mark.slow
 

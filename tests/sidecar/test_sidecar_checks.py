@@ -14,9 +14,9 @@ import pytest
 
 from hybrid_rl.build import check_inputs
 from hybrid_rl.config import ConfigError, load_config
-from hybrid_rl.dist.etcd import Etcd, EtcdUnavailable, Registration
-from hybrid_rl.dist.etcd_server import EtcdProcess
-from hybrid_rl.dist.mesh import free_port
+from hybrid_rl.distributed.mesh import free_port
+from hybrid_rl.sidecar.etcd import Etcd, EtcdUnavailable, Registration
+from hybrid_rl.sidecar.etcd_server import EtcdProcess
 from tests.conftest import REPO, TIMING
 
 pytestmark = [pytest.mark.slow, TIMING]  # leases of 3 s kept alive across an etcd restart
@@ -100,9 +100,9 @@ def test_two_runs_with_the_same_folder_name_on_one_etcd_stay_apart(etcd, tmp_pat
     """Each run has its own id (kept in its output folder: a resume is the same run) in every key and weight
     version: run A never lists run B's server, even at B's version number; a pod must be told which run to serve."""
     from hybrid_rl.build import sidecar_namespace, sidecar_prefix, sidecar_run_id
-    from hybrid_rl.dist.mesh import ParallelDims
+    from hybrid_rl.distributed.mesh import ParallelDims
     from hybrid_rl.pod import _live_run
-    from hybrid_rl.rollout.sidecar import servers_at
+    from hybrid_rl.sidecar.rollout import servers_at
 
     dims = ParallelDims(1, 0, 0, 1)
     cfgs = [load_config("grpo", ["model.path=/m", "data.train_files=[/t.jsonl]", f"sidecar.etcd={etcd.endpoint}",

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybrid_rl.dist.etcd_server import EtcdProcess
-from hybrid_rl.dist.mesh import free_port
+from hybrid_rl.distributed.mesh import free_port
+from hybrid_rl.sidecar.etcd_server import EtcdProcess
 from tests.conftest import run_torchrun
 from tests.e2e.conftest import tiny_overrides
 from tests.e2e.test_tools import TOOL_KEYS

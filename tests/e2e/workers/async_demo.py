@@ -22,7 +22,7 @@ import torch.distributed as dist  # noqa: E402
 
 from hybrid_rl.build import build  # noqa: E402
 from hybrid_rl.config import load_config  # noqa: E402
-from hybrid_rl.dist.collectives import barrier, broadcast_object  # noqa: E402
+from hybrid_rl.distributed.collectives import barrier, broadcast_object  # noqa: E402
 from hybrid_rl.train import setup_logging  # noqa: E402
 from hybrid_rl.trainer import Trainer  # noqa: E402
 

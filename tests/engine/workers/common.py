@@ -14,14 +14,14 @@ set_runtime_defaults()
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from hybrid_rl.dist.fsdp import shard_model  # noqa: E402
-from hybrid_rl.dist.mesh import device, fsdp_mesh, init_distributed  # noqa: E402
-from hybrid_rl.dist.offload import OffloadManager  # noqa: E402
-from hybrid_rl.engine.hybrid import HybridEngine, SwitchOptions  # noqa: E402
-from hybrid_rl.engine.layout import Layout, ModelDims  # noqa: E402
-from hybrid_rl.engine.vllm_engine import EngineSpec, VLLMEngine  # noqa: E402
+from hybrid_rl.colocated.hybrid import HybridEngine, SwitchOptions  # noqa: E402
+from hybrid_rl.colocated.vllm_engine import EngineSpec, VLLMEngine  # noqa: E402
+from hybrid_rl.distributed.fsdp import shard_model  # noqa: E402
+from hybrid_rl.distributed.mesh import device, fsdp_mesh, init_distributed  # noqa: E402
+from hybrid_rl.distributed.offload import OffloadManager  # noqa: E402
 from hybrid_rl.model.loading import DTYPES, load_causal_lm  # noqa: E402
 from hybrid_rl.model.logprobs import forward_logprobs  # noqa: E402
+from hybrid_rl.weightsync.layout import Layout, ModelDims  # noqa: E402
 
 
 def build(model_path: str, *, tp: int, dtype: str = "float32", release: str = "keep", offload: str = "none",

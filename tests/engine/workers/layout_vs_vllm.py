@@ -11,8 +11,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from hybrid_rl.engine.layout import Layout, ModelDims
-from hybrid_rl.engine.vllm_engine import EngineSpec, VLLMEngine
+from hybrid_rl.colocated.vllm_engine import EngineSpec, VLLMEngine
+from hybrid_rl.weightsync.layout import Layout, ModelDims
 
 
 def check_layout(path: str, tp: int, tp_rank: int) -> dict:

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from common import build, full_state_dict, log, train_on_samples
 
-from hybrid_rl.engine.vllm_compat import PACKED_ATTR, packed_linear_dense
-from hybrid_rl.engine.vllm_engine import Sampling
+from hybrid_rl.types import Sampling
+from hybrid_rl.weightsync.vllm_compat import PACKED_ATTR, packed_linear_dense
 
 PROMPTS = [[58, 382, 266, 224, 20, 21], [30, 31, 32], [100, 200, 300, 40, 41]]
 

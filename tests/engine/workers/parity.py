@@ -18,10 +18,10 @@ from layout_vs_vllm import check_layout
 from packed_sync import packed_check
 from transformers import AutoModelForCausalLM
 
-from hybrid_rl.dist.mesh import init_distributed
-from hybrid_rl.engine import vllm_landing
-from hybrid_rl.engine.reshard import WeightSyncError
-from hybrid_rl.engine.vllm_engine import Sampling
+from hybrid_rl.distributed.mesh import init_distributed
+from hybrid_rl.types import Sampling
+from hybrid_rl.weightsync import vllm_landing
+from hybrid_rl.weightsync.reshard import WeightSyncError
 
 p = argparse.ArgumentParser()
 p.add_argument("--models", nargs="*", default=[], help="models whose greedy parity to check")

@@ -13,9 +13,9 @@ import os
 import torch.distributed as dist
 from common import log, write_result
 
-from hybrid_rl.dist.mesh import init_distributed
-from hybrid_rl.engine.cpu_shm import ShmLedger
-from hybrid_rl.engine.vllm_engine import EngineSpec, VLLMEngine
+from hybrid_rl.colocated.cpu_shm import ShmLedger
+from hybrid_rl.colocated.vllm_engine import EngineSpec, VLLMEngine
+from hybrid_rl.distributed.mesh import init_distributed
 
 p = argparse.ArgumentParser()
 p.add_argument("--model", required=True)

@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 from common import build, log, write_result
 
-from hybrid_rl.dist.offload import optimizer_tensors, param_tensors, release_freed_memory
-from hybrid_rl.engine.reshard import WeightSyncError, stream_slices
-from hybrid_rl.engine.vllm_engine import Sampling
+from hybrid_rl.distributed.offload import optimizer_tensors, param_tensors, release_freed_memory
 from hybrid_rl.model.logprobs import forward_logprobs
+from hybrid_rl.types import Sampling
 from hybrid_rl.utils import memory
+from hybrid_rl.weightsync.reshard import WeightSyncError, stream_slices
 
 p = argparse.ArgumentParser()
 p.add_argument("--model", required=True)

@@ -39,7 +39,7 @@ import torch.distributed as dist  # noqa: E402
 
 from hybrid_rl.build import build  # noqa: E402
 from hybrid_rl.config import load_config  # noqa: E402
-from hybrid_rl.dist.collectives import all_gather_object, barrier  # noqa: E402
+from hybrid_rl.distributed.collectives import all_gather_object, barrier  # noqa: E402
 from hybrid_rl.experience.source import SyncSource  # noqa: E402
 from hybrid_rl.train import setup_logging  # noqa: E402
 from hybrid_rl.trainer import Trainer  # noqa: E402

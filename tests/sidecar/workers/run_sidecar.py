@@ -45,13 +45,14 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from hybrid_rl.build import build  # noqa: E402
 from hybrid_rl.config import load_config  # noqa: E402
-from hybrid_rl.dist.collectives import all_gather_object, barrier  # noqa: E402
+from hybrid_rl.distributed.collectives import all_gather_object, barrier  # noqa: E402
 from hybrid_rl.model.loading import DTYPES  # noqa: E402
 from hybrid_rl.model.lora import gather_adapter, is_lora, merge_full_state_dict  # noqa: E402
-from hybrid_rl.sidecar.completions import CompletionClient, Request, Router  # noqa: E402
+from hybrid_rl.sidecar.completions import CompletionClient, Router  # noqa: E402
 from hybrid_rl.sidecar.vllm_server import kv_capacity_from_metrics  # noqa: E402
 from hybrid_rl.train import setup_logging  # noqa: E402
 from hybrid_rl.trainer import Trainer  # noqa: E402
+from hybrid_rl.types import Request  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from tests.engine.workers.common import write_result  # noqa: E402

@@ -19,8 +19,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
-from hybrid_rl.dist.fsdp import local_tensor, shard_model
-from hybrid_rl.dist.mesh import free_port
+from hybrid_rl.distributed.fsdp import local_tensor, shard_model
+from hybrid_rl.distributed.mesh import free_port
 
 Snapshot = dict[str, torch.Tensor]
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from hybrid_rl.checkpoint import Checkpointer
-from hybrid_rl.dist.fsdp import local_tensor
-from hybrid_rl.dist.offload import OffloadManager, optimizer_tensors, plain_tensors
+from hybrid_rl.distributed.fsdp import local_tensor
+from hybrid_rl.distributed.offload import OffloadManager, optimizer_tensors, plain_tensors
 from hybrid_rl.model.memory_plan import shard_bytes
 from hybrid_rl.model.optimizers import build_optimizer
 from hybrid_rl.model.param_count import model_params
@@ -22,7 +22,7 @@ def _sharded(model_dir: str, world: int):
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
 
-    from hybrid_rl.dist.fsdp import shard_model
+    from hybrid_rl.distributed.fsdp import shard_model
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     shard_model(model, init_device_mesh("cpu", (world,)), param_dtype=torch.float32)

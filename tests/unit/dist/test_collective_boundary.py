@@ -1,7 +1,7 @@
-"""Collectives go through `hybrid_rl.dist` helpers: no other module calls torch.distributed collectives directly.
+"""Collectives go through `hybrid_rl.distributed` helpers: no other module calls torch.distributed collectives directly.
 
 A collective called with a tensor on the wrong device fails only on GPUs (nccl serves CUDA tensors,
-gloo CPU ones), where this project's CI never runs; the helpers in `dist/collectives.py` put every
+gloo CPU ones), where this project's CI never runs; the helpers in `distributed/collectives.py` put every
 payload on the communication device. The engine drives its own all-to-alls in the resharder and
 vLLM's groups, so `hybrid_rl/engine/` is allowed too.
 """
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from hybrid_rl.dist.collectives import comm_device_for
-from hybrid_rl.dist.mesh import backend_for
+from hybrid_rl.distributed.collectives import comm_device_for
+from hybrid_rl.distributed.mesh import backend_for
 
 PACKAGE = Path(__file__).resolve().parents[3] / "hybrid_rl"
 ALLOWED = ("dist", "engine")
@@ -52,7 +52,7 @@ def test_no_module_outside_dist_and_engine_calls_a_collective_directly():
         if path.relative_to(PACKAGE).parts[0] in ALLOWED:
             continue
         offenders += _direct_collective_calls(path)
-    assert not offenders, "call hybrid_rl.dist.collectives instead:\n" + "\n".join(offenders)
+    assert not offenders, "call hybrid_rl.distributed.collectives instead:\n" + "\n".join(offenders)
 
 
 def test_the_boundary_check_sees_the_forms_it_forbids(tmp_path):

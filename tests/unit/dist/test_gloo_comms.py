@@ -1,4 +1,4 @@
-"""`dist/gloo_comms`: FSDP2's gathers and reductions as pairwise exchanges on CPU, against gloo's own.
+"""`distributed/gloo_comms`: FSDP2's gathers and reductions as pairwise exchanges on CPU, against gloo's own.
 
 One 3-rank torchrun launch (`workers/gloo_comms.py`; 3 so that a rank has more than one peer and the
 reduce-scatter more than one round); each test checks one behaviour of its record.

@@ -8,8 +8,8 @@ same code as from an accelerator, so these tests run it; the pinned branch runs 
 import pytest
 import torch
 
-from hybrid_rl.dist import offload as offload_mod
-from hybrid_rl.dist.offload import (
+from hybrid_rl.distributed import offload as offload_mod
+from hybrid_rl.distributed.offload import (
     HOST_ALIGN,
     OffloadManager,
     flat_layout,

@@ -10,8 +10,8 @@ import time
 
 import torch
 
-from hybrid_rl.dist.mesh import free_port
-from hybrid_rl.dist.pod_group import PodGroup, payload_device_for, pod_store
+from hybrid_rl.distributed.mesh import free_port
+from hybrid_rl.sidecar.pod_group import PodGroup, payload_device_for, pod_store
 
 BUCKET = torch.arange(1000, dtype=torch.float32).to(torch.bfloat16).view(torch.uint8)
 

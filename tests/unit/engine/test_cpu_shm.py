@@ -5,7 +5,8 @@ import json
 import mmap
 import os
 
-from hybrid_rl.engine.cpu_shm import ShmLedger, mapped_paths
+from hybrid_rl.colocated.cpu_shm import ShmLedger
+from hybrid_rl.utils.shm import mapped_paths
 
 
 def _segment(d, name: str) -> str:

@@ -20,9 +20,9 @@ from unittest import mock
 import pytest
 import torch
 
-from hybrid_rl.engine.layout import Layout, ModelDims
-from hybrid_rl.engine.reshard import SourceParam, SyncStats, build_plan, stream_slices
-from hybrid_rl.engine.vllm_weights import check_storages, load_inplace, model_params, storage_ptrs, sync_path
+from hybrid_rl.weightsync.layout import Layout, ModelDims
+from hybrid_rl.weightsync.reshard import SourceParam, SyncStats, build_plan, stream_slices
+from hybrid_rl.weightsync.vllm_weights import check_storages, load_inplace, model_params, storage_ptrs, sync_path
 
 vllm_linear = pytest.importorskip("vllm.model_executor.layers.linear")
 from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402

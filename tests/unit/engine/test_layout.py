@@ -2,7 +2,7 @@
 
 import pytest
 
-from hybrid_rl.engine.layout import Layout, ModelDims
+from hybrid_rl.weightsync.layout import Layout, ModelDims
 
 
 def dims(**kw):

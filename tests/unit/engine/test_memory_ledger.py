@@ -16,11 +16,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from hybrid_rl.dist.mesh import ParallelDims
-from hybrid_rl.dist.offload import OffloadManager, optimizer_state_to_come
-from hybrid_rl.engine.hybrid import HybridEngine, SwitchOptions
-from hybrid_rl.engine.layout import Layout, ModelDims
-from hybrid_rl.engine.vllm_engine import EngineSpec, VLLMEngine
+from hybrid_rl.colocated.hybrid import HybridEngine, SwitchOptions
+from hybrid_rl.colocated.vllm_engine import EngineSpec, VLLMEngine
+from hybrid_rl.distributed.mesh import ParallelDims
+from hybrid_rl.distributed.offload import OffloadManager, optimizer_state_to_come
 from hybrid_rl.model.memory_plan import (
     GIB,
     DeviceSpec,
@@ -33,6 +32,7 @@ from hybrid_rl.model.memory_plan import (
     vllm_weight_bytes,
 )
 from hybrid_rl.model.param_count import ArchDims, model_params
+from hybrid_rl.weightsync.layout import Layout, ModelDims
 
 TOTAL = 80 * GIB
 BUCKET = 256 * 2**20

@@ -6,9 +6,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hybrid_rl.dist.mesh import free_port
-from hybrid_rl.engine.layout import Layout, ModelDims
-from hybrid_rl.engine.reshard import (
+from hybrid_rl.distributed.mesh import free_port
+from hybrid_rl.weightsync.layout import Layout, ModelDims
+from hybrid_rl.weightsync.reshard import (
     SourceParam,
     SyncStats,
     block_checksum,
@@ -179,7 +179,7 @@ def test_one_rank_with_a_casting_landing_hands_on_the_sources_themselves():
 
 
 def test_probed_columns_are_adjacent_bands_that_cover_every_column_in_turn():
-    from hybrid_rl.engine.reshard import probe_columns, take_columns
+    from hybrid_rl.weightsync.reshard import probe_columns, take_columns
 
     for ncols, max_cols in ((896, 32), (100, 32), (20, 32), (4864, 32), (7, 3)):
         bands = [probe_columns(ncols, max_cols, i) for i in range(-(-ncols // max_cols))]

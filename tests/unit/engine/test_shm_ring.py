@@ -8,7 +8,6 @@ import uuid
 import pytest
 import torch
 
-from hybrid_rl.engine.layout import TPSlice
 from hybrid_rl.sidecar.shm_ring import (
     SHM_DIR,
     Manifest,
@@ -21,6 +20,7 @@ from hybrid_rl.sidecar.shm_ring import (
     shm_free_bytes,
     write_manifest,
 )
+from hybrid_rl.weightsync.layout import TPSlice
 
 
 def _slices(n: int, rows: int = 3, cols: int = 5) -> list[TPSlice]:

@@ -11,10 +11,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from hybrid_rl.engine.vllm_engine import Sampling
-from hybrid_rl.sidecar.completions import CompletionClient, Request, Router
+from hybrid_rl.sidecar.completions import CompletionClient, Router
 from hybrid_rl.sidecar.sidecar_server import HEALTH_MISSES, Sidecar
 from hybrid_rl.sidecar.vllm_server import ServerSpec
+from hybrid_rl.types import Request, Sampling
 
 
 class Behaviour:

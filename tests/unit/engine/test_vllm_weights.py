@@ -10,8 +10,8 @@ CUDA, where the engine runs `check_storages` after every sync when CUDA graphs a
 import pytest
 import torch
 
-from hybrid_rl.engine.layout import Layout
-from hybrid_rl.engine.vllm_weights import (
+from hybrid_rl.weightsync.layout import Layout
+from hybrid_rl.weightsync.vllm_weights import (
     StorageMovedError,
     check_storages,
     load_inplace,

@@ -15,14 +15,14 @@ import torch
 from hybrid_rl.algos import grpo, rloo
 from hybrid_rl.algos.estimators import AdvantageSettings
 from hybrid_rl.data import PromptRecord
-from hybrid_rl.dist.mesh import ParallelDims
-from hybrid_rl.engine.vllm_engine import Generation
+from hybrid_rl.distributed.mesh import ParallelDims
 from hybrid_rl.experience import batch as exp_batch
 from hybrid_rl.experience.buffered import BufferedSource
 from hybrid_rl.experience.passes import PassOutputs
 from hybrid_rl.experience.share import make_share, ranked_pairs, singles
 from hybrid_rl.experience.source import SourceSettings
 from hybrid_rl.rollout.base import Arrival, SyncReport
+from hybrid_rl.types import Generation
 from hybrid_rl.utils.timer import PhaseTimer
 
 N = 4  # rollout.n

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
-from hybrid_rl.dist.mesh import free_port
+from hybrid_rl.distributed.mesh import free_port
 from hybrid_rl.model.lora import LoraWeights, adapter_disabled, apply_lora, merge_full_state_dict
 
 
@@ -67,7 +67,7 @@ def _first_forward_is_the_reference(rank: int, port: int, path: str, results) ->
     dist.init_process_group("gloo", rank=0, world_size=1)
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hybrid_rl.dist.fsdp import shard_model
+    from hybrid_rl.distributed.fsdp import shard_model
 
     ids = torch.randint(5, 400, (1, 12))
     for name, reference in (("peft", lambda m: m.disable_adapter()), ("ours", adapter_disabled)):

@@ -97,7 +97,7 @@ def _tied_allocations(rank: int, port: int, path: str, results) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hybrid_rl.dist.fsdp import shard_model
+    from hybrid_rl.distributed.fsdp import shard_model
     from hybrid_rl.model.loading import empty_model, load_causal_lm
     from hybrid_rl.model.materialize import materialize
 
@@ -130,7 +130,7 @@ def test_a_tied_weight_is_allocated_once(tiny_models):
     embedding for a moment: at Qwen2.5-0.5B's shape on an H100, 0.25 GiB of bf16 above the start-up plan."""
     import torch.multiprocessing as mp
 
-    from hybrid_rl.dist.mesh import free_port
+    from hybrid_rl.distributed.mesh import free_port
 
     results = mp.Manager().dict()
     mp.spawn(_tied_allocations, args=(free_port(), tiny_models["llama_tied_kv1"], results), nprocs=1, join=True)

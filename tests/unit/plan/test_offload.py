@@ -1,4 +1,4 @@
-"""Where the planner puts offloaded items matches what the trainer does with `offload.*` (dist/offload.py)."""
+"""Where the planner puts offloaded items matches what the trainer does with `offload.*` (distributed/offload.py)."""
 
 import pytest
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hybrid_rl.dist.mesh import free_port
+from hybrid_rl.distributed.mesh import free_port
 from hybrid_rl.model.memory_plan import shard_bytes
 from hybrid_rl.model.param_count import lora_params, model_params
 
@@ -27,7 +27,7 @@ def _storage_bytes(tensors) -> int:
 
 def _measure(model: torch.nn.Module) -> tuple[int, int, int]:
     """(param, grad, AdamW state) bytes this process holds after one backward and one optimizer step."""
-    from hybrid_rl.dist.offload import grad_tensors, param_tensors
+    from hybrid_rl.distributed.offload import grad_tensors, param_tensors
 
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     ids = torch.arange(24)[None] % 97
@@ -69,7 +69,7 @@ def _worker(rank: int, world: int, port: int, paths: dict[str, str], results) ->
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hybrid_rl.dist.fsdp import shard_model
+    from hybrid_rl.distributed.fsdp import shard_model
     from hybrid_rl.model.loading import load_causal_lm
 
     mesh = init_device_mesh("cpu", (world,))

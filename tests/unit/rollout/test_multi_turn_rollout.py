@@ -11,16 +11,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hybrid_rl.algos.advantages import grpo
+from hybrid_rl.colocated.multi_turn import MultiTurnRollout
+from hybrid_rl.colocated.sampler import Sampler
 from hybrid_rl.data.records import PromptRecord, ReadOnlyFields
-from hybrid_rl.dist.mesh import ParallelDims, free_port
-from hybrid_rl.engine.vllm_engine import Generation
-from hybrid_rl.rollout.agentic import AgentSetup, MultiTurnRollout
+from hybrid_rl.distributed.mesh import ParallelDims, free_port
+from hybrid_rl.rollout.agentic import AgentSetup
 from hybrid_rl.rollout.chat_template import FAMILIES, ToolSuffix
 from hybrid_rl.rollout.environment import open_environment
 from hybrid_rl.rollout.multi_turn import ToolLoop, TurnLimits, merge_parts
-from hybrid_rl.rollout.sampler import Sampler, SamplingSettings
+from hybrid_rl.rollout.sampling import SamplingSettings
 from hybrid_rl.rollout.tool_calls import hermes
 from hybrid_rl.rollout.tools import ToolRunner, load_environment, resolve_tools
+from hybrid_rl.types import Generation
 from tests.unit.rollout.templates import tokenizer_for
 
 M = "tests.unit.rollout.tool_fns"

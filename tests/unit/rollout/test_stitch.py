@@ -3,7 +3,7 @@ context, the sampled ids as the model's); one that rewrites history starts a new
 
 import pytest
 
-from hybrid_rl.rollout.stitch import RecordedCall, stitch
+from hybrid_rl.sidecar.stitch import RecordedCall, stitch
 
 
 def test_calls_that_extend_append_with_the_added_ids_as_context():

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_rl.engine.vllm_engine import Generation
 from hybrid_rl.rollout.chat_template import FAMILIES, TemplateError, ToolSuffix, detect_family
 from hybrid_rl.rollout.multi_turn import ToolLoop, TurnLimits
 from hybrid_rl.rollout.tool_calls import get_parser
 from hybrid_rl.rollout.tools import ToolRunner, resolve_tools
 from hybrid_rl.rollout.trajectory import Trajectory
+from hybrid_rl.types import Generation
 from tests.unit.rollout.templates import CALL_TEXT, FAMILY_OF, tokenizer_for
 
 TOOLS = resolve_tools(["tests.unit.rollout.templates:calc"])

@@ -4,8 +4,8 @@ native code while the interpreter exits; each one that ends is forgotten, counte
 import threading
 import time
 
-from hybrid_rl.rollout.agentic_sidecar import MultiTurnSidecar
-from hybrid_rl.sidecar.completions import Request
+from hybrid_rl.sidecar.multi_turn import MultiTurnSidecar
+from hybrid_rl.types import Request
 
 
 class _Inner:

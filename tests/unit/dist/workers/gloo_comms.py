@@ -20,9 +20,9 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from hybrid_rl.dist import gloo_comms  # noqa: E402
-from hybrid_rl.dist.fsdp import shard_model, transformer_blocks  # noqa: E402
-from hybrid_rl.dist.mesh import fsdp_mesh, init_distributed  # noqa: E402
+from hybrid_rl.distributed import gloo_comms  # noqa: E402
+from hybrid_rl.distributed.fsdp import shard_model, transformer_blocks  # noqa: E402
+from hybrid_rl.distributed.mesh import fsdp_mesh, init_distributed  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--model", required=True)

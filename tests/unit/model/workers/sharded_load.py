@@ -21,8 +21,8 @@ import torch.distributed as dist  # noqa: E402
 
 from hybrid_rl.build import _actor, _critic, _frozen  # noqa: E402
 from hybrid_rl.config import Config  # noqa: E402
-from hybrid_rl.dist.fsdp import local_rows, local_tensor, shard_model  # noqa: E402
-from hybrid_rl.dist.mesh import device, fsdp_mesh, init_distributed  # noqa: E402
+from hybrid_rl.distributed.fsdp import local_rows, local_tensor, shard_model  # noqa: E402
+from hybrid_rl.distributed.mesh import device, fsdp_mesh, init_distributed  # noqa: E402
 from hybrid_rl.model.loading import (  # noqa: E402
     DTYPES,
     empty_model,

@@ -21,8 +21,8 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification  
 
 from hybrid_rl.algos.losses import aggregate, value_loss_terms  # noqa: E402
 from hybrid_rl.algos.objectives import Denominators, MicroInputs, ObjectiveSettings, get_objective  # noqa: E402
-from hybrid_rl.dist.fsdp import shard_model  # noqa: E402
-from hybrid_rl.dist.mesh import fsdp_mesh, init_distributed  # noqa: E402
+from hybrid_rl.distributed.fsdp import shard_model  # noqa: E402
+from hybrid_rl.distributed.mesh import fsdp_mesh, init_distributed  # noqa: E402
 from hybrid_rl.experience.share import adjacent_pairs, make_share, ranked_pairs, singles  # noqa: E402
 from hybrid_rl.model.forward import _micro_batch, policy_logprobs, token_values  # noqa: E402
 from hybrid_rl.model.handle import Model  # noqa: E402

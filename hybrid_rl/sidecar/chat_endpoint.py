@@ -31,11 +31,11 @@ from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from hybrid_rl.engine.vllm_engine import Generation, Sampling
 from hybrid_rl.rollout.chat_template import TemplateFamily, ToolSuffix
-from hybrid_rl.rollout.stitch import RecordedCall
-from hybrid_rl.sidecar.completions import CompletionClient, Request, Router
+from hybrid_rl.sidecar.completions import CompletionClient, Router
+from hybrid_rl.sidecar.stitch import RecordedCall
 from hybrid_rl.sidecar.vllm_server import SERVED_MODEL
+from hybrid_rl.types import Generation, Request, Sampling
 
 log = logging.getLogger(__name__)
 _CALL_SEED_STRIDE = 7919  # a call's seed: the episode's + its index times this (each call samples afresh)

@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hybrid_rl.engine.vllm_engine import Sampling
-from hybrid_rl.rollout.chat_endpoint import ChatEndpoint
-from hybrid_rl.rollout.stitch import RecordedCall, stitch
 from hybrid_rl.rollout.tools.spec import load_object
 from hybrid_rl.rollout.trajectory import Trajectory
+from hybrid_rl.sidecar.chat_endpoint import ChatEndpoint
 from hybrid_rl.sidecar.completions import Router
+from hybrid_rl.sidecar.stitch import RecordedCall, stitch
+from hybrid_rl.types import Sampling
 
 Agent = Callable[[str, dict], "float | None"]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hybrid_rl.engine.vllm_engine import VLLMEngine
+from hybrid_rl.colocated.vllm_engine import VLLMEngine
 from hybrid_rl.model.lora import gather_adapter, save_adapter
 
 

@@ -43,23 +43,22 @@ from typing import TypeVar
 import torch
 
 from hybrid_rl.data import PromptRecord
-from hybrid_rl.dist.collectives import all_gather_object, all_reduce_max, broadcast_object
-from hybrid_rl.dist.etcd import Etcd, EtcdUnavailable, Registration
-from hybrid_rl.dist.mesh import ParallelDims
-from hybrid_rl.dist.offload import OffloadManager, grad_tensors, optimizer_tensors, param_tensors
-from hybrid_rl.engine.hybrid import WeightSource
-from hybrid_rl.engine.reshard import SourceParam, WeightSyncError
-from hybrid_rl.engine.vllm_engine import Generation, Sampling
+from hybrid_rl.distributed.collectives import all_gather_object, all_reduce_max, broadcast_object
+from hybrid_rl.distributed.mesh import ParallelDims
+from hybrid_rl.distributed.offload import OffloadManager, grad_tensors, optimizer_tensors, param_tensors
 from hybrid_rl.rollout.base import Arrival, RolloutError, SyncReport
 from hybrid_rl.rollout.exchange import gather_index
-from hybrid_rl.rollout.sampler import SamplingSettings, generation_eos, request_seed, sample_of
+from hybrid_rl.rollout.sampling import SamplingSettings, generation_eos, request_seed, sample_of
 from hybrid_rl.sidecar.checkpoint_engine import CheckpointEngine, PushReport
-from hybrid_rl.sidecar.completions import CompletionClient, Request, Router
+from hybrid_rl.sidecar.completions import CompletionClient, Router
+from hybrid_rl.sidecar.etcd import Etcd, EtcdUnavailable, Registration
 from hybrid_rl.sidecar.pod_link import GROUP_KEY
 from hybrid_rl.sidecar.server_adapter import AdapterPublisher, load_on_server, read_files
 from hybrid_rl.sidecar.sidecar_server import Sidecar
 from hybrid_rl.sidecar.vllm_server import SERVED_MODEL, ServerError
-from hybrid_rl.types import Rollout
+from hybrid_rl.types import Generation, Request, Rollout, Sampling
+from hybrid_rl.weightsync.reshard import SourceParam, WeightSyncError
+from hybrid_rl.weightsync.source import WeightSource
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

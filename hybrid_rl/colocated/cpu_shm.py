@@ -20,23 +20,11 @@ import logging
 import os
 from pathlib import Path
 
-from hybrid_rl.engine.vllm_compat import CPU_SHM_MARKER
+from hybrid_rl.utils.shm import SHM_DIR, mapped_paths
+from hybrid_rl.weightsync.vllm_compat import CPU_SHM_MARKER
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = Path("/dev/shm")
-
-
-def mapped_paths(pids: list[str] | None = None) -> set[str]:
-    """Files mapped by the given processes (default: every process whose maps this user can read)."""
-    paths: set[str] = set()
-    for pid in pids if pids is not None else [p.name for p in Path("/proc").iterdir() if p.name.isdigit()]:
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                paths.update(line.split(None, 5)[-1].strip() for line in f if line.count(" ") >= 5)
-        except OSError:
-            continue
-    return paths
 
 
 class ShmLedger:

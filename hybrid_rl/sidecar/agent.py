@@ -20,15 +20,15 @@ from dataclasses import replace
 
 import torch
 
-from hybrid_rl.engine.vllm_engine import Generation, Sampling
-from hybrid_rl.rollout.agentic_sidecar import MultiTurnSidecar
 from hybrid_rl.rollout.base import Arrival
-from hybrid_rl.rollout.black_box import Agent, play
-from hybrid_rl.rollout.chat_endpoint import ChatEndpoint
 from hybrid_rl.rollout.chat_template import TemplateFamily
-from hybrid_rl.rollout.sidecar import SidecarRollout, token_versions_of
 from hybrid_rl.rollout.trajectory import Trajectory
-from hybrid_rl.sidecar.completions import Request, Router
+from hybrid_rl.sidecar.black_box import Agent, play
+from hybrid_rl.sidecar.chat_endpoint import ChatEndpoint
+from hybrid_rl.sidecar.completions import Router
+from hybrid_rl.sidecar.multi_turn import MultiTurnSidecar
+from hybrid_rl.sidecar.rollout import SidecarRollout, token_versions_of
+from hybrid_rl.types import Generation, Request, Sampling
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ vLLM's model go through `LLM.apply_model`. The private vLLM internals that remai
 Per-platform settings come resolved from `config.resolve_rollout`: on CPU eager with a fixed KV cache;
 on CUDA CUDA graphs (and vLLM's torch.compile), sleep mode, and a GPU share measured at the first start.
 
-vLLM is imported lazily (inside functions) so that importing `hybrid_rl.engine` costs nothing where
+vLLM is imported lazily (inside functions) so that importing `hybrid_rl.colocated` costs nothing where
 vLLM is not installed.
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,11 +29,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hybrid_rl.engine import vllm_compat
-from hybrid_rl.engine.cpu_shm import ShmLedger
-from hybrid_rl.engine.layout import TPSlice
-from hybrid_rl.engine.vllm_weights import check_storages, packed_sync_ok, readback, storage_ptrs, sync_path
+from hybrid_rl.colocated.cpu_shm import ShmLedger
 from hybrid_rl.model.memory_plan import GIB, auto_gpu_memory_utilization
+from hybrid_rl.types import Generation, Sampling
+from hybrid_rl.weightsync import vllm_compat
+from hybrid_rl.weightsync.layout import TPSlice
+from hybrid_rl.weightsync.vllm_compat import lora_slot_rank
+from hybrid_rl.weightsync.vllm_weights import check_storages, packed_sync_ok, readback, storage_ptrs, sync_path
 
 log = logging.getLogger(__name__)
 
@@ -61,29 +63,8 @@ class EngineSpec:
     cpu_packed_linears: bool = True  # CPU: linears keep packed weights a sync writes in place (vllm_compat 4.)
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """Sampling parameters of one generate call."""
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    n: int = 1
-    stop_token_ids: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True)
-class Generation:
-    """One sampled response: token ids, the sampler's log-prob of each, and why it stopped."""
-
-    prompt_index: int
-    token_ids: Sequence[int]  # as vLLM returns them (the sampler turns them into one tensor)
-    logprobs: Sequence[float]
-    finish_reason: str  # "stop" | "length"
-    # (weight version, first token, end token) spans over the response, as a vLLM server stamps them (partial
-    # rollouts: a request paused for a weight update continues under the next version); () when not recorded
-    weight_spans: tuple[tuple[str, int, int], ...] = ()
 
 
 # Warnings vLLM 0.32 prints at every weight sync in this setting, none of them a fault:
@@ -152,7 +133,7 @@ class VLLMEngine:
         assert self.llm is None, "vLLM engine already started"
         from vllm import LLM
 
-        from hybrid_rl.engine import vllm_transfer
+        from hybrid_rl.colocated import vllm_transfer
 
         vllm_compat.warn_if_not_pinned()
         vllm_transfer.register()
@@ -353,22 +334,13 @@ class VLLMEngine:
         (`max_loras=1`), so the previous version goes when this one comes."""
         from vllm.lora.request import LoRARequest
 
-        from hybrid_rl.engine.reshard import WeightSyncError
+        from hybrid_rl.weightsync.reshard import WeightSyncError
 
         request = LoRARequest(f"policy-v{version}", version + 1, path)
         engine = self.llm.llm_engine
         if not engine.add_lora(request) or request.lora_int_id not in engine.list_loras():
             raise WeightSyncError(f"vLLM did not load adapter version {version} from {path}")
         self._adapter = request
-
-
-def lora_slot_rank(rank: int) -> int:
-    """The smallest of vLLM's allowed `max_lora_rank` values (vllm/config/lora.py) that holds `rank`."""
-    allowed = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-    fit = [r for r in allowed if r >= rank]
-    if not fit:
-        raise ValueError(f"model.lora.rank={rank}: vLLM serves adapters up to rank {allowed[-1]}")
-    return fit[0]
 
 
 def batch_seed(seeds: list[int], n: int) -> int:

@@ -97,7 +97,7 @@ def check_architecture(architecture: str) -> None:
         known = ", ".join(sorted(ARCHITECTURES))
         raise ValueError(
             f"model architecture {architecture!r} has no weight layout for resharding into vLLM; "
-            f"supported: {known}. Add its rules to hybrid_rl/engine/layout.py::ARCHITECTURES."
+            f"supported: {known}. Add its rules to hybrid_rl/weightsync/layout.py::ARCHITECTURES."
         )
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from hybrid_rl.engine.layout import Layout, TPSlice
+from hybrid_rl.weightsync.layout import Layout, TPSlice
 
 
 class WeightSyncError(RuntimeError):

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid_rl.engine.layout import TPSlice
-from hybrid_rl.engine.vllm_landing import LandingEngine, register_backend
-from hybrid_rl.engine.vllm_weights import load_inplace, load_packed, model_params, staged
+from hybrid_rl.weightsync.layout import TPSlice
+from hybrid_rl.weightsync.vllm_landing import LandingEngine, register_backend
+from hybrid_rl.weightsync.vllm_weights import load_inplace, load_packed, model_params, staged
 
 BACKEND = "hybrid_rl_inprocess"
 PATHS = ("inplace", "packed", "reload")

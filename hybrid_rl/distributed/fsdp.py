@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from hybrid_rl.dist import gloo_comms
+from hybrid_rl.distributed import gloo_comms
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -66,7 +66,7 @@ def local_rows(p: torch.Tensor) -> tuple[int, int]:
     """Rows [a, b) of dim 0 that this rank's shard of `p` holds; a plain tensor holds them all.
 
     FSDP2 shards dim 0 with torch.chunk semantics: chunks of ceil(rows / world), the last ones
-    short or empty (as `engine/reshard.fsdp_row_ranges`).
+    short or empty (as `weightsync/reshard.fsdp_row_ranges`).
     """
     if not is_sharded(p):
         return 0, p.shape[0]

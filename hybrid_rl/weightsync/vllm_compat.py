@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from hybrid_rl.engine.reshard import band_start
+from hybrid_rl.weightsync.reshard import band_start
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def warn_if_not_pinned() -> None:
     import vllm
 
     if not vllm.__version__.startswith(PINNED + "."):
-        log.warning("vLLM %s: hybrid_rl/engine/vllm_compat.py is written for vLLM %s; run "
+        log.warning("vLLM %s: hybrid_rl/weightsync/vllm_compat.py is written for vLLM %s; run "
                     "tests/unit/engine/test_vllm_compat.py to see what changed", vllm.__version__, PINNED)
 
 
@@ -344,3 +344,12 @@ def _check_packed_layout() -> list[str]:
     if not torch.equal(mine, torch.ops._C.convert_weight_packed(w)):
         out.append("4. convert_weight_packed's bf16 layout is no longer [N/32, K/2, 32, 2]")
     return out
+
+
+def lora_slot_rank(rank: int) -> int:
+    """The smallest of vLLM's allowed `max_lora_rank` values (vllm/config/lora.py) that holds `rank`."""
+    allowed = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+    fit = [r for r in allowed if r >= rank]
+    if not fit:
+        raise ValueError(f"model.lora.rank={rank}: vLLM serves adapters up to rank {allowed[-1]}")
+    return fit[0]

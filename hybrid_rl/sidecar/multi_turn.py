@@ -30,16 +30,15 @@ from dataclasses import replace
 import torch
 
 from hybrid_rl.data import PromptRecord
-from hybrid_rl.engine.vllm_engine import Generation, Sampling
 from hybrid_rl.rollout.agentic import AgentSetup, keep_survivors, opened, stats_of
 from hybrid_rl.rollout.base import Arrival, RolloutError, SyncReport, agent_row, prompt_of, row_fields
 from hybrid_rl.rollout.environment import open_environment, trajectory_fields
 from hybrid_rl.rollout.multi_turn import TURN_SEED_STRIDE
-from hybrid_rl.rollout.sampler import request_seed, sample_of
-from hybrid_rl.rollout.sidecar import SidecarRollout, token_versions_of
+from hybrid_rl.rollout.sampling import request_seed, sample_of
 from hybrid_rl.rollout.tools.batcher import ToolBatcher
-from hybrid_rl.sidecar.completions import Request, Router, drain_arrivals
-from hybrid_rl.types import Rollout
+from hybrid_rl.sidecar.completions import Router, drain_arrivals
+from hybrid_rl.sidecar.rollout import SidecarRollout, token_versions_of
+from hybrid_rl.types import Generation, Request, Rollout, Sampling
 
 log = logging.getLogger(__name__)
 _WAIT_S = 0.02

@@ -38,9 +38,15 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from hybrid_rl.engine.layout import TPSlice
-from hybrid_rl.engine.reshard import HEAD, WeightSyncError, take_columns
-from hybrid_rl.engine.vllm_compat import PACKED_ATTR, derived_linear, pack_rows_into, packed_linear_dense, unpack_rows
+from hybrid_rl.weightsync.layout import TPSlice
+from hybrid_rl.weightsync.reshard import HEAD, WeightSyncError, take_columns
+from hybrid_rl.weightsync.vllm_compat import (
+    PACKED_ATTR,
+    derived_linear,
+    pack_rows_into,
+    packed_linear_dense,
+    unpack_rows,
+)
 
 # The paths that write each tensor at its rows of vLLM's weight (`ts.dest_offset`) and cast it as they copy (`copy_`,
 # `pack_rows_into`): the resharder hands them the trainer's weights uncast at world 1 and the received pieces

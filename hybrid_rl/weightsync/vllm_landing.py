@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransferEngineFactory
 
-from hybrid_rl.engine.vllm_weights import refresh_tied, tied_modules
+from hybrid_rl.weightsync.vllm_weights import refresh_tied, tied_modules
 
 
 def register_backend(name: str, module: str, class_name: str) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import requests
 
-from hybrid_rl.dist.mesh import free_port
+from hybrid_rl.distributed.mesh import free_port
 
 
 class EtcdProcess:

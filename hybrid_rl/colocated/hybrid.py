@@ -22,27 +22,29 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
 
 import torch
 
-from hybrid_rl.dist.collectives import all_gather_object
-from hybrid_rl.dist.fsdp import hf_name, is_sharded, local_tensor
-from hybrid_rl.dist.mesh import ParallelDims
-from hybrid_rl.dist.offload import (
+from hybrid_rl.colocated.lora_sync import AdapterSync
+from hybrid_rl.colocated.vllm_engine import VLLMEngine
+from hybrid_rl.distributed.collectives import all_gather_object
+from hybrid_rl.distributed.fsdp import is_sharded
+from hybrid_rl.distributed.mesh import ParallelDims
+from hybrid_rl.distributed.offload import (
     OffloadManager,
     grad_tensors,
     optimizer_state_to_come,
     optimizer_tensors,
     param_tensors,
 )
-from hybrid_rl.engine.layout import Layout
-from hybrid_rl.engine.lora_sync import AdapterSync
-from hybrid_rl.engine.reshard import (
+from hybrid_rl.types import Generation, Sampling
+from hybrid_rl.utils import memory
+from hybrid_rl.weightsync.layout import Layout
+from hybrid_rl.weightsync.reshard import (
     ReshardPlan,
     SourceParam,
     SyncStats,
@@ -55,9 +57,8 @@ from hybrid_rl.engine.reshard import (
     target_label,
     verify_targets,
 )
-from hybrid_rl.engine.vllm_engine import Generation, Sampling, VLLMEngine
-from hybrid_rl.engine.vllm_weights import ROW_PATHS
-from hybrid_rl.utils import memory
+from hybrid_rl.weightsync.source import ModuleWeights, WeightSource
+from hybrid_rl.weightsync.vllm_weights import ROW_PATHS
 
 log = logging.getLogger(__name__)
 
@@ -91,30 +92,6 @@ class SwitchReport:
     bytes_received: int = 0
     buckets: int = 0
     peak_buffer_bytes: int = 0
-
-
-class WeightSource(Protocol):
-    """What the policy offers to sync: (HF name, this rank's dim-0 shard, full shape) per weight; the shard may be
-    a function that computes it when its bucket is sent (`reshard.SourceParam`)."""
-
-    def weights(self) -> Iterable[tuple[str, torch.Tensor | Callable[[], torch.Tensor], tuple[int, ...]]]: ...
-
-    def changed_names(self) -> set[str] | None:
-        """Weights that can change between syncs (None: all). The rest is sent once."""
-
-
-class ModuleWeights:
-    """Every parameter of an FSDP (or plain) module, as trained."""
-
-    def __init__(self, module: torch.nn.Module):
-        self.module = module
-
-    def weights(self) -> Iterator[tuple[str, torch.Tensor, tuple[int, ...]]]:
-        for name, p in self.module.named_parameters():
-            yield hf_name(name), local_tensor(p).detach(), tuple(p.shape)
-
-    def changed_names(self) -> None:
-        return None
 
 
 class HybridEngine:

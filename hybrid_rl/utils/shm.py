@@ -1,0 +1,19 @@
+"""Shared memory on Linux: where it lives, and which files live processes map."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SHM_DIR = Path("/dev/shm")
+
+
+def mapped_paths(pids: list[str] | None = None) -> set[str]:
+    """Files mapped by the given processes (default: every process whose maps this user can read)."""
+    paths: set[str] = set()
+    for pid in pids if pids is not None else [p.name for p in Path("/proc").iterdir() if p.name.isdigit()]:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                paths.update(line.split(None, 5)[-1].strip() for line in f if line.count(" ") >= 5)
+        except OSError:
+            continue
+    return paths
