@@ -12,13 +12,11 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from hybrid_rl.errors import ConfigError  # noqa: F401 - raised here; its home is hybrid_rl.errors
+
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf"
 RECIPES_DIR = REPO / "recipes"
-
-
-class ConfigError(ValueError):
-    """A bad configuration value: the message names the key and the allowed values."""
 
 
 @dataclass
@@ -597,3 +595,8 @@ def _validate_truncation(r: RolloutConfig) -> None:
                           "sampler's log-probs would be renormalised over the top-p/top-k set while the trainer's are "
                           "over the whole vocabulary, which biases every importance ratio; sample with "
                           "rollout.top_p=1.0 and rollout.top_k=-1 (shape the distribution with rollout.temperature)")
+
+
+def allowed_values(key: str) -> tuple[str, ...]:
+    """The allowed values of `key`, from the one place that lists them (() when any value of its type goes)."""
+    return tuple(CHOICES.get(key, ()))

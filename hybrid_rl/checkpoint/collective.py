@@ -16,13 +16,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
 from hybrid_rl.distributed import collectives
+from hybrid_rl.errors import CheckpointError  # noqa: F401 - raised here; its home is hybrid_rl.errors
 
 # DCP reports failures as CheckpointException, which derives from BaseException, not Exception.
 CAUGHT = (Exception, CheckpointException)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read; the message names the path and the cause."""
 
 
 def is_distributed(world: int) -> bool:

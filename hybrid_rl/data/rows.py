@@ -16,12 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hybrid_rl.errors import DatasetError  # noqa: F401 - raised here; its home is hybrid_rl.errors
+
 JSON_LINES_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
-
-
-class DatasetError(ValueError):
-    """A data file or one of its rows is not what the loader expects; the message names the file and line."""
 
 
 @dataclass(frozen=True)

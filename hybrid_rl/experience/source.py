@@ -25,6 +25,7 @@ import torch
 
 from hybrid_rl.data import PromptLoader
 from hybrid_rl.distributed.mesh import ParallelDims
+from hybrid_rl.errors import TrainingError  # noqa: F401 - raised here; its home is hybrid_rl.errors
 from hybrid_rl.experience import dynamic
 from hybrid_rl.experience.buffer import refill_seeds
 from hybrid_rl.experience.scoring import Pending, Ready, Scorer
@@ -34,10 +35,6 @@ from hybrid_rl.types import Rollout, Scores
 from hybrid_rl.utils.timer import PhaseTimer
 
 Session = Callable[[int], AbstractContextManager[object]]  # policy version -> a rollout session bringing it
-
-
-class TrainingError(RuntimeError):
-    """The run cannot go on (e.g. repeated non-finite steps); the last good checkpoint is intact."""
 
 
 @dataclass

@@ -20,12 +20,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from hybrid_rl.data import PromptRecord
+from hybrid_rl.errors import RolloutError  # noqa: F401 - raised here; its home is hybrid_rl.errors
 from hybrid_rl.types import Generation, Request, Rollout
-
-
-class RolloutError(RuntimeError):
-    """The rollout backend cannot go on (servers lost, coordination lost past its timeout): raised on every rank
-    alike, so the run stops cleanly; the checkpoints written so far are intact."""
 
 
 @dataclass(frozen=True)

@@ -30,15 +30,8 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
+from hybrid_rl.errors import WeightSyncError  # noqa: F401 - raised here; its home is hybrid_rl.errors
 from hybrid_rl.weightsync.layout import Layout, TPSlice
-
-
-class WeightSyncError(RuntimeError):
-    """Weights did not land in vLLM as sent: never generate from stale or corrupt weights.
-
-    Raised on every rank with the same message (the ranks agree on the verdict first)."""
-
-    agreed = True  # every rank raises it with the same message: the entry point prints it once
 
 
 @dataclass(frozen=True)

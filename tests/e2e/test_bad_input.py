@@ -70,3 +70,15 @@ def test_tp_that_does_not_divide_the_world_is_rejected_before_any_work(tiny_mode
 def test_unknown_recipe_lists_the_known_ones():
     r = _train("--config-name=grpoo")
     assert r.returncode == 2 and "known recipes: dapo, dpo, dr_grpo, grpo" in r.stderr
+
+
+@pytest.mark.slow
+def test_bad_config_at_four_ranks_is_said_once(tiny_models, bad_files, tmp_path):
+    """Every rank finds the same bad key; only rank 0 says so (torchrun then adds its own failure summary)."""
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m",
+                        "hybrid_rl.train", "--config-name=grpo", f"model.path={tiny_models['qwen2']}",
+                        f"data.train_files=[{bad_files['ok']}]", "trainer.epochs=3"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert r.returncode != 0 and len(errors) == 1 and "trainer.epochs: no such key" in errors[0], out[-3000:]
