@@ -1,4 +1,5 @@
-"""The README's commands are tests: every command in its ```bash blocks runs here, as a user would copy it, with
+"""The manual's commands are tests: every command in the ```bash blocks of README.md and docs/ runs here, in that
+order (README first, then docs/ by path), as a user would copy it, with
 small substitutions (a tiny model for the model folder, 4 CPU ranks for 8 GPUs, a few steps for 200), or is named
 below with the test that runs it. A README edit that breaks a command, or adds one this file does not know, fails.
 
@@ -32,6 +33,8 @@ import qwen_shapes  # noqa: E402 - Qwen2.5's published configs, as the benchmark
 pytestmark = pytest.mark.slow
 
 README = REPO / "README.md"
+# The README, then every docs page: a command moved from one to the other keeps being run.
+MANUAL = [README, *sorted((REPO / "docs").rglob("*.md"))]
 CPU_WORLD = 4  # the README's 8 GPUs become 4 CPU ranks (2 cores: more would only be slower)
 # Commands the README shows that this file does not run, and the test that does (or why none can).
 COVERED_ELSEWHERE = {
@@ -40,6 +43,7 @@ COVERED_ELSEWHERE = {
     "make install-sandbox": "runs first in `make test` (install-all); decisions: tests/unit/rewards/test_install_sandbox.py",
     "make test": "this suite",
     "make test-fast": "a subset of this suite",
+    "make bench": "tests/e2e/test_benchmarks_smoke.py runs every benchmark script in its smoke mode",
     "make demo": "tests/e2e/test_demo.py (40 steps); TASK=tools: tests/e2e/test_tools_demo.py (5 steps)",
     "make lint": "not run by `make test` (ruff + import-linter; the layer rules: tests/unit/*/test_import_rule.py)",
     "make test-gpu": "needs a CUDA GPU, which CI lacks: tests/gpu, run on an H200 on 2026-11-27 (README, \"What has and "
@@ -56,10 +60,10 @@ REPLACE = {"trainer.total_steps": "2", "trainer.save_every": "1"}
 
 
 def readme_commands(text: str | None = None) -> list[str]:
-    """Every command of the README's ```bash blocks, continuation lines joined, comments dropped."""
-    text = README.read_text() if text is None else text
+    """Every command of the manual's ```bash blocks, continuation lines joined, comments dropped."""
+    texts = [p.read_text() for p in MANUAL] if text is None else [text]
     out = []
-    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+    for block in [b for t in texts for b in re.findall(r"^```bash\n(.*?)^```", t, flags=re.S | re.M)]:
         for line in block.replace("\\\n", " ").splitlines():
             line = line.split(" #")[0].strip() if not line.lstrip().startswith("#") else ""
             if line:
@@ -178,7 +182,7 @@ class User:
         handler = {"hf download": self.hf_download, "python hybrid_rl.data.gsm8k": self.gsm8k,
                    "python hybrid_rl.demo.arithmetic": self.arithmetic,
                    "python hybrid_rl.plan": self.plan, "torchrun hybrid_rl.train": self.train,
-                   "python hybrid_rl.pod": self.check_config}.get(what)
+                   "python hybrid_rl.pod": self.check_config, "python hybrid_rl.train": self.help}.get(what)
         assert handler is not None, f"the README shows a command this test does not know: {line}"
         if flag(argv, "--nnodes"):
             return self.nodes(env, argv)
@@ -209,6 +213,11 @@ class User:
         rows = [json.loads(x) for x in (self.cwd / argv[-1] / "train.jsonl").read_text().splitlines()]
         assert rows and all(row["prompt"][0]["role"] == "user" for row in rows)
         return r.stdout.strip()
+
+    def help(self, argv: list[str]) -> str:
+        r = run(executable(argv), self.cwd, 120)
+        assert r.returncode == 0 and "sidecar" in r.stdout, r.stdout + r.stderr
+        return r.stdout.splitlines()[0]
 
     def model_for_plan(self, argv: list[str]) -> list[str]:
         return with_overrides(argv, {"model.path": str(shape_folder(self.cwd, override(argv, "model.path")))})
@@ -307,7 +316,7 @@ def test_every_readme_command_is_known():
     commands = readme_commands()
     assert any(program(shlex.split(c)) == "torchrun hybrid_rl.train" for c in commands)
     known = {"hf download", "python hybrid_rl.data.gsm8k", "python hybrid_rl.plan", "torchrun hybrid_rl.train",
-             "python hybrid_rl.pod", "python hybrid_rl.demo.arithmetic", *COVERED_ELSEWHERE}
+             "python hybrid_rl.pod", "python hybrid_rl.demo.arithmetic", "python hybrid_rl.train", *COVERED_ELSEWHERE}
     for c in commands:
         argv = split_env(shlex.split(c))[1]
         assert program(argv) in known or argv[0] in known, f"README command with no test: {c}"
