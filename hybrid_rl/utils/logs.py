@@ -1,9 +1,36 @@
-"""Logging of the entry points: INFO on rank 0, warnings elsewhere; the libraries' chatter at WARNING."""
+"""Logging of the entry points: INFO on rank 0, warnings elsewhere; the libraries' chatter at WARNING, and what is
+neither ours nor actionable dropped."""
 
 from __future__ import annotations
 
 import logging
 import os
+
+# (logger, start of the message): printed at import by libraries we use, about things no user can act on.
+NOT_ACTIONABLE = (
+    # torchao's wheel carries CUDA kernels (mxfp8, cutlass) that a CPU or pre-Hopper install cannot load; nothing of
+    # ours uses them (8-bit AdamW runs on its Python/compiled path).
+    ("torchao", "Failed to load "),
+    # torchao registers its enums with torch's pytree, which torch 2.13 deprecates for Enum subclasses.
+    ("torch.utils._pytree", "%s is an Enum subclass"),
+)
+
+
+class _Drop(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def quiet_foreign_noise() -> None:
+    """Drop the `NOT_ACTIONABLE` messages (idempotent: a logger gets each filter once)."""
+    for name, prefix in NOT_ACTIONABLE:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Drop) and f.prefix == prefix for f in logger.filters):
+            logger.addFilter(_Drop(prefix))
 
 
 def setup_logging() -> None:
@@ -12,3 +39,4 @@ def setup_logging() -> None:
                         datefmt="%H:%M:%S")
     for noisy in ("vllm", "transformers", "torch", "httpx", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    quiet_foreign_noise()
