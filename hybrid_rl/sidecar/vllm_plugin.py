@@ -2,7 +2,7 @@
 
 vLLM loads general plugins in every process it starts (API server, engine core, workers), so a stock
 vLLM server knows the checkpoint engine's weight-transfer backend without any patch to vLLM. The
-entry point needs installed package metadata: `make install` writes it (`scripts/write_dist_info.py`).
+entry point needs installed package metadata: `make install` installs the project (`pip install -e .`).
 Registration is by module path, so the backend's own module is imported only when vLLM builds it.
 """
 
