@@ -39,7 +39,8 @@ def supervised_warmup(model_dir: str | Path, train_file: str | Path, out_dir: st
             answers = [tok(warmup_target(r, rng)).input_ids + [tok.eos_token_id] for r in batch]
             packed = pack([p + a for p, a in zip(prompts, answers, strict=True)])
             idx = packed.response_index([len(p) for p in prompts], [len(a) for a in answers])
-            logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits[0]
+            logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
+                           packed_seq_lens=tuple(packed.seq_lens)).logits[0]
             loss = torch.nn.functional.cross_entropy(logits[idx.logit_positions],
                                                      packed.input_ids[0, idx.target_positions])
             loss.backward()

@@ -32,26 +32,37 @@ _ALL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDP
                  SDPBackend.MATH]
 
 
-def _sequence_bounds(position_ids: torch.Tensor) -> list[int]:
-    """Start offsets of the sequences of one packed row, plus its length."""
-    starts = (position_ids[0] == 0).nonzero().flatten().tolist()
-    return starts + [position_ids.shape[1]]
+def _sequence_lengths(kwargs: dict, position_ids: torch.Tensor | None, total: int) -> list[int] | None:
+    """The lengths of the sequences of one packed row of `total` tokens, or None when the row is not packed input.
+
+    The trainer's forward passes them as Python ints (`packed_seq_lens`, from the packing), so the attention of every
+    layer reads no device tensor. Without them, from `cu_seq_lens_q` (one device read per layer), else from where
+    `position_ids` restart at 0 (two)."""
+    lengths = kwargs.get("packed_seq_lens")
+    if lengths is not None:
+        return list(lengths) if sum(lengths) == total else None
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is not None:
+        bounds = cu.tolist()
+        return [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)] if bounds[-1] == total else None
+    if position_ids is None or int(position_ids[0, 0]) != 0:
+        return None
+    starts = (position_ids[0] == 0).nonzero().flatten().tolist() + [total]
+    return [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)]
 
 
 def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """`query` [1, heads, T, d], `key`/`value` [1, kv_heads, T, d] -> ([1, T, heads, d], None)."""
-    position_ids = kwargs.get("position_ids")
-    packed = (position_ids is not None and query.shape[0] == 1 and query.shape[2] == key.shape[2] > 1
-              and int(position_ids[0, 0]) == 0)
-    if not packed:
+    lengths = None
+    if query.shape[0] == 1 and query.shape[2] == key.shape[2] > 1:
+        lengths = _sequence_lengths(kwargs, kwargs.get("position_ids"), query.shape[2])
+    kwargs.pop("packed_seq_lens", None)
+    if lengths is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    bounds = _sequence_bounds(position_ids)
-    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     gqa = query.shape[1] != key.shape[1]
     # `split`, not a slice per sequence: a slice's backward writes its gradient into a zero tensor of the whole
-    # packed length, so n sequences cost n full-size fills and adds per layer (0.5 s of a 25M update of 32
-    # sequences, measured); split's backward is one concatenation.
+    # packed length, so n sequences cost n full-size fills and adds per layer; split's backward is one concatenation.
     out = []
     for q, k, v in zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2), strict=True):
         with sdpa_kernel(_backends(query.device, q.shape[2])):
@@ -66,7 +77,7 @@ def _backends(device: torch.device, length: int) -> list[SDPBackend]:
     On CPU a short sequence (RL prompts and responses are often under a hundred tokens) goes to the math
     kernel. The fused flash kernel's fixed cost per call (buffers allocated and zeroed per call) made its
     backward 7 ms a call for a 65-token sequence of 14 heads inside the trainer: 2.8 s of a 0.5B update of 16
-    such sequences (24 layers); with the math kernel the update took 4 s less (benchmarks/README.md). Measured
+    such sequences (24 layers); with the math kernel the update took 4 s less (benchmarks/results/notes_202611.md). Measured
     alone, fwd + bwd of 2048 tokens of 14 heads: math 2.0x faster than flash at 64 tokens a sequence, 1.35x at
     128, even at 256, slower beyond. The math kernel keeps each sequence's `heads x L x L` float32 scores
     and float32 q, k, v for backward (the memory plan counts them: `model/activations.py`).

@@ -71,10 +71,12 @@ def _filler() -> MicroBatch:
 def _forward(model, mb: MicroBatch, **kwargs):
     """The model on one packed row. The sequence boundaries go in as transformers' flash-attention kwargs: given
     them, its varlen path uses them as they are instead of recomputing them from `position_ids` in every layer
-    (a `.max().item()` host sync each time); SDPA and eager attention ignore them."""
+    (a `.max().item()` host sync each time); and as Python ints for the packed SDPA of installs without flash-attn
+    (`model/attention.py`), which then reads no device tensor either. Other attentions ignore what is not theirs."""
     p = mb.packed
     return model(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False, cu_seq_lens_q=p.cu_seqlens,
-                 cu_seq_lens_k=p.cu_seqlens, max_length_q=p.max_seqlen, max_length_k=p.max_seqlen, **kwargs)
+                 cu_seq_lens_k=p.cu_seqlens, max_length_q=p.max_seqlen, max_length_k=p.max_seqlen,
+                 packed_seq_lens=tuple(p.seq_lens), **kwargs)
 
 
 def policy_logprobs(model, mb: MicroBatch, *, temperature: float, with_entropy: bool = False):

@@ -95,3 +95,22 @@ def test_the_packed_forward_gets_the_sequence_boundaries(tiny_models, monkeypatc
     assert kw["cu_seq_lens_q"].dtype == torch.int32 and kw["cu_seq_lens_q"].tolist()[-1] == mb.packed.input_ids.shape[1]
     assert kw["max_length_q"] == kw["max_length_k"] == mb.packed.max_seqlen == max(mb.packed.seq_lens)
     assert isinstance(kw["max_length_q"], int)  # a Python int: flash-attn reads it without a device sync
+
+
+def test_packed_sdpa_reads_no_device_tensor_per_layer(tmp_path, monkeypatch):
+    """Without flash-attn every layer runs the packed SDPA (`model/attention.py`): given the sequence lengths as
+    Python ints by the forward, it reads no device tensor, so a deeper model costs no more host reads."""
+    from hybrid_rl.model.attention import register
+    from hybrid_rl.model.tiny import TinySpec, build_tiny_model
+
+    reads = []
+    for layers in (2, 6):
+        folder = build_tiny_model(tmp_path / f"l{layers}", TinySpec(layers=layers))
+        module = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=register())
+        mb = micro_batches(random_samples(6, seed=3), 10_000)[0]
+        assert len(mb.packed.seq_lens) == 6
+        with monkeypatch.context() as m:
+            spy = Spy(m, torch.nn.Module())  # counts every read: none is inside a spied forward
+            policy_logprobs(module, mb, temperature=1.0)
+        reads.append(spy.count)
+    assert reads[0] == reads[1], f"host reads grew with the layers: {reads}"
