@@ -59,7 +59,20 @@ def load_config(path: str):
     from transformers import AutoConfig
 
     check_model_dir(path)
-    return AutoConfig.from_pretrained(path)
+    hf = AutoConfig.from_pretrained(path)
+    check_unquantized(hf, path)
+    return hf
+
+
+def check_unquantized(hf_config, path: str) -> None:
+    """Refuse a quantized checkpoint (FP8, AWQ, GPTQ, bitsandbytes, ...): its weights are not the trainable tensors
+    the loader, the resharder and vLLM's unquantized landing expect. An FP8 weight is a float dtype, so it would pass
+    every later check and be trained and synced as if it were the model's weights."""
+    q = getattr(hf_config, "quantization_config", None)
+    if q:
+        method = (q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)) or "unknown"
+        raise ValueError(f"model.path={path!r} is a quantized checkpoint (quantization_config: {method}); training "
+                         "needs the unquantized weights: point model.path at the original (bf16/fp16/fp32) model")
 
 
 def load_critic(path: str, *, device: torch.device | str = "cpu"):

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -29,7 +30,12 @@ def bad_files(tmp_path_factory, tiny_models) -> dict[str, str]:
     gpt2 = d / "gpt2"
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
-    return {k: str(v) for k, v in {"dir": d, "gpt2": gpt2, **{p.stem: p for p in d.glob("*.jsonl")}}.items()}
+    fp8 = d / "fp8"  # the tiny model's config with an FP8 quantization_config, as quantized hub checkpoints carry
+    fp8.mkdir()
+    config = json.loads((Path(tiny_models["qwen2"]) / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (fp8 / "config.json").write_text(json.dumps(config))
+    return {k: str(v) for k, v in {"dir": d, "gpt2": gpt2, "fp8": fp8, **{p.stem: p for p in d.glob("*.jsonl")}}.items()}
 
 
 CASES = {
@@ -39,6 +45,7 @@ CASES = {
     "empty prompt": (["data.train_files=[{empty_prompt}]"], "empty_prompt.jsonl line 2"),
     "model folder that does not exist": (["model.path=/nonexistent/model"], "model.path='/nonexistent/model'"),
     "unknown architecture": (["model.path={gpt2}"], "GPT2LMHeadModel"),
+    "quantized checkpoint": (["model.path={fp8}"], "quantized checkpoint (quantization_config: fp8)"),
     "unknown key": (["trainer.epochs=3"], "trainer.epochs: no such key"),
     "wrong type": (["trainer.total_steps=many"], "trainer.total_steps=many: expected int"),
     "value not allowed": (["algorithm.advantage=magic"], "choose one of: gae, grpo, rloo, reinforce_pp"),
