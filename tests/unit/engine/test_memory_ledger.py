@@ -20,18 +20,12 @@ from hybrid_rl.colocated.hybrid import HybridEngine, SwitchOptions
 from hybrid_rl.colocated.vllm_engine import EngineSpec, VLLMEngine
 from hybrid_rl.distributed.mesh import ParallelDims
 from hybrid_rl.distributed.offload import OffloadManager, optimizer_state_to_come
-from hybrid_rl.model.memory_plan import (
-    GIB,
-    DeviceSpec,
-    ModelSpec,
-    PlanInputs,
-    RolloutSpec,
-    cuda_resident_overhead_bytes,
-    estimate,
-    plan_sync_reserve,
-    vllm_weight_bytes,
-)
-from hybrid_rl.model.param_count import ArchDims, model_params
+from hybrid_rl.planner.estimate import estimate
+from hybrid_rl.planner.inputs import DeviceSpec, ModelSpec, PlanInputs, RolloutSpec
+from hybrid_rl.planner.param_count import ArchDims, model_params
+from hybrid_rl.planner.trainer_memory import cuda_resident_overhead_bytes
+from hybrid_rl.planner.units import GIB
+from hybrid_rl.planner.vllm_memory import plan_sync_reserve, vllm_weight_bytes
 from hybrid_rl.weightsync.layout import Layout, ModelDims
 
 TOTAL = 80 * GIB
