@@ -200,7 +200,7 @@ def sized_model(size: str) -> Path:
 def param_counts(model_dir: str | Path) -> dict[str, int]:
     """Parameter counts from config.json: total, embedding, and N = non-embedding + lm_head (the FLOPs count)."""
     from hybrid_rl.model.loading import load_config
-    from hybrid_rl.model.param_count import model_params
+    from hybrid_rl.planner.param_count import model_params
 
     params = model_params(load_config(str(model_dir)))
     total = sum(p.numel for p in params)

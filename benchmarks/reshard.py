@@ -119,7 +119,7 @@ def _engine(model: str, *, tp: int, dtype: str, verify: bool | None = None, prob
     from hybrid_rl.distributed.mesh import device, fsdp_mesh, init_distributed
     from hybrid_rl.distributed.offload import OffloadManager
     from hybrid_rl.model.loading import DTYPES, load_causal_lm
-    from hybrid_rl.model.memory_plan import sync_reserve_bytes
+    from hybrid_rl.planner.vllm_memory import sync_reserve_bytes
     from hybrid_rl.weightsync.layout import Layout, ModelDims
 
     r, o = RolloutConfig(), OffloadConfig()

@@ -12,7 +12,7 @@ weight sync, so it is not part of this peak). Each rank reads, inside itself:
 * peak: its RSS high-water mark during `build()` (VmHWM, reset just before);
 * share: the bytes of its own shards of every model `build()` returned (actor, reference, ...);
 * one layer: the largest decoder block, unsharded, in float32 (the planner's block size);
-* the memory planner's `startup` phase for this configuration (`hybrid_rl.planner.plan_for`).
+* the memory planner's `startup` phase for this configuration (`hybrid_rl.plan_inputs.plan_for`).
 
 Target, per rank: peak <= bare + share + one layer, at every world size.
 
@@ -50,7 +50,7 @@ def worker(recipe: str, overrides: list[str]) -> None:
     from hybrid_rl.config import load_config
     from hybrid_rl.distributed.fsdp import local_tensor
     from hybrid_rl.distributed.mesh import init_distributed
-    from hybrid_rl.planner import plan_for
+    from hybrid_rl.plan_inputs import plan_for
     from hybrid_rl.utils import memory
 
     logging.basicConfig(level=logging.WARNING)

@@ -37,10 +37,11 @@ from hybrid_rl.model.handle import Model
 from hybrid_rl.model.loading import DTYPES, empty_model, enable_activation_checkpointing, load_config, load_tokenizer
 from hybrid_rl.model.lora import BaseWeights, LoraWeights, apply_lora, is_lora
 from hybrid_rl.model.materialize import materialize
-from hybrid_rl.model.memory_plan import MemoryPlan, auto_gpu_memory_utilization, plan_sync_reserve, sync_reserve_bytes
 from hybrid_rl.model.optimizers import build_optimizer
-from hybrid_rl.model.param_count import Head
-from hybrid_rl.planner import detect_device, plan_for, training_records
+from hybrid_rl.plan_inputs import detect_device, plan_for, training_records
+from hybrid_rl.planner.result import MemoryPlan
+from hybrid_rl.planner.table import render, verdict
+from hybrid_rl.planner.vllm_memory import auto_gpu_memory_utilization, plan_sync_reserve, sync_reserve_bytes
 from hybrid_rl.rewards import RewardPool, Rubric, RubricItem, resolve_reward
 from hybrid_rl.rollout.agentic import AgentSetup
 from hybrid_rl.rollout.base import RolloutWorker
@@ -62,6 +63,7 @@ from hybrid_rl.sidecar.server_adapter import AdapterPublisher
 from hybrid_rl.sidecar.shm_ring import ShmSpaceError, check_space
 from hybrid_rl.sidecar.sidecar_server import Sidecar
 from hybrid_rl.sidecar.vllm_server import ServerError, ServerSpec, check_python, port_free
+from hybrid_rl.types import Head
 from hybrid_rl.utils.schedule import lr_multiplier
 from hybrid_rl.weightsync.layout import Layout, ModelDims, check_architecture
 from hybrid_rl.weightsync.source import ModuleWeights
@@ -134,9 +136,9 @@ def _check_memory(cfg: Config, dims: ParallelDims, prompt_lengths: list[int]) ->
     device = dataclasses.replace(device, total_bytes=int(all_reduce_min([float(device.total_bytes)])[0]))
     plan = plan_for(cfg, dims.world, device=device, prompt_lengths=prompt_lengths)
     if dims.is_main:
-        print(plan.table(), flush=True)
+        print(render(plan), flush=True)
     if not plan.fits and cfg.trainer.memory_check == "error":
-        raise ConfigError(f"the memory plan above does not fit (trainer.memory_check=error): {plan.verdict()}\n"
+        raise ConfigError(f"the memory plan above does not fit (trainer.memory_check=error): {verdict(plan)}\n"
                           "Apply the settings it lists, or start anyway with trainer.memory_check=warn.")
     return plan
 

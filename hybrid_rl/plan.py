@@ -26,7 +26,8 @@ import os
 import sys
 
 from hybrid_rl.config import ConfigError, split_command_line
-from hybrid_rl.planner import detect_device, plan_for, prompt_lengths
+from hybrid_rl.plan_inputs import detect_device, plan_for, prompt_lengths
+from hybrid_rl.planner.table import render
 
 EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT = 0, 1, 2
 FLAGS = ("--world", "--device-gib", "--device", "--local-ranks", "--attention")
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
-    print(plan.table(), flush=True)
+    print(render(plan), flush=True)
     return EXIT_FITS if plan.fits else EXIT_DOES_NOT_FIT
 
 

@@ -37,7 +37,8 @@ from hybrid_rl.experience.scoring import Pending, Ready, Scorer
 from hybrid_rl.experience.sources import SourceSettings, TrainingError, open_source
 from hybrid_rl.metrics import MetricsLogger
 from hybrid_rl.model.lora import adapter_disabled, is_lora, merged_stream, save_adapter
-from hybrid_rl.model.phase_peaks import PhasePeaks, PlanWatch, peak_reading
+from hybrid_rl.planner.table import render
+from hybrid_rl.planner.watch import PhasePeaks, PlanWatch, peak_reading
 from hybrid_rl.types import Rollout, TrainBatch
 from hybrid_rl.updates import UpdateSettings, update_actor, update_critic
 from hybrid_rl.utils.timer import PhaseTimer
@@ -100,7 +101,7 @@ class Trainer:
             metrics = self.step(step)
             self.metrics.log(step, metrics)
             if step == min(start + 2, t.total_steps):  # measured peaks beside the prediction, once AdamW's state exists
-                self._say(self.plan.table(measured=_measured(metrics)))
+                self._say(render(self.plan, measured=_measured(metrics)))
             stopping = bool(all_reduce_max([float(self._stop)])[0])
             if stopping or step == t.total_steps or (t.save_every and step % t.save_every == 0):
                 self.save(step)

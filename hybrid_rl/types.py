@@ -13,9 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
+
+# What a model ends in: causal LM (the policy, the reference), critic (token classification), reward model (sequence
+# classification); loading builds it, the memory planner counts its parameters.
+Head = Literal["lm", "value", "score"]
+# On CPU, `model/attention.py` runs sequences up to this long through SDPA's math kernel (faster there than the fused
+# kernel: see its `_backends`), whose saved tensors the memory plan counts (`planner/activations.py`).
+MATH_MAX_LEN = 128
 
 
 @dataclass(frozen=True, eq=False)

@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from hybrid_rl.colocated.cpu_shm import ShmLedger
-from hybrid_rl.model.memory_plan import GIB, auto_gpu_memory_utilization
+from hybrid_rl.planner.units import GIB
+from hybrid_rl.planner.vllm_memory import auto_gpu_memory_utilization
 from hybrid_rl.types import Generation, Sampling
 from hybrid_rl.weightsync import vllm_compat
 from hybrid_rl.weightsync.layout import TPSlice
@@ -196,7 +197,7 @@ class VLLMEngine:
         return kwargs
 
     def gpu_utilization(self, pending_bytes: int = 0) -> float:
-        """The configured share, or (auto) the rule the memory planner applies (`memory_plan.vllm_utilization`):
+        """The configured share, or (auto) the rule the memory planner applies (`planner/vllm_memory.vllm_utilization`):
         the memory free when vLLM first starts, less what the trainer will hold at every later rollout but
         does not hold yet (`pending_bytes`: AdamW's state before the first step), less the sync's reserve.
 

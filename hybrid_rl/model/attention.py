@@ -25,7 +25,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from hybrid_rl.model.activations import MATH_MAX_LEN
+from hybrid_rl.types import MATH_MAX_LEN
 
 PACKED_SDPA = "hybrid_rl_packed_sdpa"
 _ALL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
@@ -80,7 +80,7 @@ def _backends(device: torch.device, length: int) -> list[SDPBackend]:
     such sequences (24 layers); with the math kernel the update took 4 s less (benchmarks/results/notes_202611.md). Measured
     alone, fwd + bwd of 2048 tokens of 14 heads: math 2.0x faster than flash at 64 tokens a sequence, 1.35x at
     128, even at 256, slower beyond. The math kernel keeps each sequence's `heads x L x L` float32 scores
-    and float32 q, k, v for backward (the memory plan counts them: `model/activations.py`).
+    and float32 q, k, v for backward (the memory plan counts them: `planner/activations.py`).
     """
     if device.type == "cpu" and length <= MATH_MAX_LEN:
         return [SDPBackend.MATH]

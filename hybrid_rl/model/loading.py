@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from hybrid_rl.model.param_count import Head
+from hybrid_rl.types import Head
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

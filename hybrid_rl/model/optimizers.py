@@ -11,7 +11,7 @@ torchao compiles its per-tensor update with `torch.compile`; on a GPU that is th
 first step would compile one kernel per tensor shape, so there the same function runs over flat slices of a fixed
 size (`_eager_on_cpu`: bounded temporaries, one compiled kernel for every full slice, the tails eager).
 
-The planner counts `state_bytes` of each trainable tensor's unpadded local shard (`memory_plan.shard_bytes`).
+The planner counts `state_bytes` of each trainable tensor's unpadded local shard (`planner/shards.shard_bytes`).
 """
 
 from __future__ import annotations

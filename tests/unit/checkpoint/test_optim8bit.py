@@ -11,9 +11,9 @@ import torch
 from hybrid_rl.checkpoint import Checkpointer
 from hybrid_rl.distributed.fsdp import local_tensor
 from hybrid_rl.distributed.offload import OffloadManager, optimizer_tensors, plain_tensors
-from hybrid_rl.model.memory_plan import shard_bytes
 from hybrid_rl.model.optimizers import build_optimizer
-from hybrid_rl.model.param_count import model_params
+from hybrid_rl.planner.param_count import model_params
+from hybrid_rl.planner.shards import shard_bytes
 
 from .harness import batch, bitwise_equal, spawn
 

@@ -143,7 +143,7 @@ def test_inplace_sync_into_vllms_own_parameter_classes_equals_vllms_loader(tp, r
                 continue
             assert torch.equal(ours[name], p), (tp, t, name)
         # Bounded by the bucket: the send and receive buffers of one bucket, or of the largest vLLM module
-        # when that is larger (a fused qkv / gate_up travels whole), as `memory_plan.sync_transient_bytes` counts.
+        # when that is larger (a fused qkv / gate_up travels whole), as `planner/vllm_memory.sync_transient_bytes` counts.
         modules: dict[str, int] = {}
         for ts in plan.slices:
             modules[ts.module] = modules.get(ts.module, 0) + ts.numel * 4

@@ -11,8 +11,7 @@ from torch.nn.attention import SDPBackend
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from hybrid_rl.data import pack
-from hybrid_rl.model.activations import MATH_MAX_LEN
-from hybrid_rl.model.attention import _backends, register
+from hybrid_rl.model.attention import MATH_MAX_LEN, _backends, register
 
 LENGTHS = (5, 1, MATH_MAX_LEN, MATH_MAX_LEN + 40, 1, 30)
 

@@ -1,6 +1,6 @@
 """The memory plan of a run's configuration: reads the models' config.json only (no weights, no data).
 
-`plan_for(cfg, world)` turns a validated `Config` into `model.memory_plan.PlanInputs` as `build.py`
+`plan_for(cfg, world)` turns a validated `Config` into `planner.inputs.PlanInputs` as `build.py`
 would set the run up (LoRA, reference, critic, reward model, offload, rollout release) and returns
 the `MemoryPlan`. Used by `python -m hybrid_rl.plan` and by the trainer, which prints the plan at
 start and logs each phase's measured peak beside it.
@@ -13,17 +13,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hybrid_rl.config import Config, ConfigError, resolve_rollout
-from hybrid_rl.model.memory_plan import (
-    GIB,
-    DeviceSpec,
-    MemoryPlan,
-    ModelSpec,
-    OffloadSpec,
-    PlanInputs,
-    RolloutSpec,
-    estimate,
-)
-from hybrid_rl.model.param_count import ArchDims, Head, lora_params, model_params
+from hybrid_rl.planner.estimate import estimate
+from hybrid_rl.planner.inputs import DeviceSpec, ModelSpec, OffloadSpec, PlanInputs, RolloutSpec
+from hybrid_rl.planner.param_count import ArchDims, lora_params, model_params
+from hybrid_rl.planner.result import MemoryPlan
+from hybrid_rl.planner.units import GIB
+from hybrid_rl.types import Head
 from hybrid_rl.utils import memory
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

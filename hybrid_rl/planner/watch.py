@@ -13,9 +13,8 @@ from contextlib import contextmanager
 
 import torch
 
+from hybrid_rl.planner.units import GIB
 from hybrid_rl.utils import memory
-
-GIB = 2**30
 
 
 def peak_reading() -> int:

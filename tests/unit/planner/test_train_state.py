@@ -12,8 +12,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hybrid_rl.distributed.mesh import free_port
-from hybrid_rl.model.memory_plan import shard_bytes
-from hybrid_rl.model.param_count import lora_params, model_params
+from hybrid_rl.planner.param_count import lora_params, model_params
+from hybrid_rl.planner.shards import shard_bytes
 
 from .conftest import ARCHS
 

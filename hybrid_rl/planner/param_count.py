@@ -7,7 +7,7 @@ Hugging Face modelling code: embeddings, q/k/v/o with GQA and the biases the arc
 (Qwen2: q/k/v; Llama/Qwen3: all four when `attention_bias`), the MLP (`mlp_bias` for Llama), the
 norms, Qwen3's per-head q/k norms and an untied `lm_head` (a tied one is the embedding, counted
 once, as `named_parameters()` does). Any other architecture is instantiated on the meta device and
-its parameters listed. `tests/unit/plan/` compares both paths with the real modules.
+its parameters listed. `tests/unit/planner/` compares both paths with the real modules.
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Literal
 
-Head = Literal["lm", "value", "score"]  # causal LM, critic (token classification), reward model (sequence cls.)
+from hybrid_rl.types import Head
 
 _BLOCK = re.compile(r"\.(?:layers|h|blocks)\.(\d+)\.")  # Llama-style, GPT-2-style, others
 

@@ -7,8 +7,8 @@ from transformers import AutoModelForCausalLM, GPT2Config, MistralConfig
 from hybrid_rl.config import LoraConfig
 from hybrid_rl.model.loading import load_causal_lm, load_config, load_critic, load_reward_model
 from hybrid_rl.model.lora import apply_lora
-from hybrid_rl.model.memory_plan import shard_bytes
-from hybrid_rl.model.param_count import lora_params, meta_params, model_params
+from hybrid_rl.planner.param_count import lora_params, meta_params, model_params
+from hybrid_rl.planner.shards import shard_bytes
 
 from .conftest import ARCHS
 

@@ -7,13 +7,8 @@ device there; blank when the item does not exist in that phase.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from hybrid_rl.model.memory_advice import fmt, unlisted
-from hybrid_rl.model.memory_plan import GIB
-
-if TYPE_CHECKING:
-    from hybrid_rl.model.memory_plan import MemoryPlan
+from hybrid_rl.planner.result import MemoryPlan
+from hybrid_rl.planner.units import GIB, fmt
 
 LABEL = 46
 MIN_CELL = 10
@@ -92,3 +87,13 @@ def verdict(plan: MemoryPlan) -> str:
     else:
         lines.append("  no setting this planner knows lowers it: use more ranks or larger devices")
     return f"DOES NOT FIT in {fmt(device)} per rank:\n" + "\n".join(lines)
+
+
+def unlisted(kind: str) -> str:
+    """What the plan leaves out, so a measured peak above it is not a surprise."""
+    if kind == "cuda":
+        return ("CUDA context, NCCL communicators, what vLLM keeps asleep and fragmentation are typical figures "
+                "(not measured on a GPU), hence the safety margin; check them against a "
+                "run's first-step table (measured peak row) and vLLM's log (CUDA graph pool)")
+    return ("measured on CPU as each rank's peak RSS; not counted: small allocations glibc keeps after frees "
+            "(hybrid_rl sets malloc to return every freed buffer of 1 MiB or more at once)")

@@ -28,12 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from hybrid_rl.model.param_count import ArchDims
+from hybrid_rl.planner.param_count import ArchDims
 
 Attention = Literal["sdpa", "flash"]
-# On CPU, `model/attention.py` runs sequences up to this long through SDPA's math kernel (faster there than the
-# fused kernel: see its `_backends`), whose saved tensors `layer_saved_per_token` counts.
-MATH_MAX_LEN = 128
 LOGITS_CHUNK = 1024  # `logits_to_logprobs`' default chunk
 
 
@@ -63,7 +60,7 @@ def _norm(n: int, rows: int, b: int) -> int:
 def layer_saved_per_token(d: ArchDims, tokens: int, b: int, attention: Attention, math_len: int = 0) -> int:
     """Bytes one decoder block saves for backward, per token.
 
-    `math_len`: sequences up to this long run SDPA's math kernel (`model/attention.py`, CPU), which keeps float32
+    `math_len`: sequences up to this long run SDPA's math kernel (`model/attention.py`'s `MATH_MAX_LEN`, CPU), which keeps float32
     copies of q, k and v at every query head and two float32 score rows per head; counted for every token.
     """
     h, q = d.hidden_size, d.num_heads * d.head_dim

@@ -10,26 +10,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
-from hybrid_rl.model.memory_plan import (
-    GIB,
-    OFFLOADABLE,
-    Fix,
-    MemoryPlan,
-    Phase,
-    PlanInputs,
-    estimate,
-    frees_device,
-    host_offload_bytes,
-    kv_cache_bytes,
-    plan_sync_reserve,
-    vllm_utilization,
-)
-
-
-def fmt(n: float) -> str:
-    """Bytes as GiB (or MiB below 1 GiB): '12.30 GiB', '45.6 MiB'."""
-    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / 2**20:.1f} MiB"
-
+from hybrid_rl.planner.activations import train_activations
+from hybrid_rl.planner.inputs import OFFLOADABLE, PlanInputs, frees_device
+from hybrid_rl.planner.phases import step_phases
+from hybrid_rl.planner.result import Fix, MemoryPlan, Phase
+from hybrid_rl.planner.trainer_memory import host_offload_bytes
+from hybrid_rl.planner.units import GIB, fmt
+from hybrid_rl.planner.vllm_memory import kv_cache_bytes, plan_sync_reserve, vllm_utilization
 
 # What each kind of change costs in speed, cheapest first (the order fixes are tried and listed in).
 COST = {
@@ -106,7 +93,7 @@ def _with(x: PlanInputs, **changes) -> PlanInputs:
 
 
 def _peak(x: PlanInputs) -> int:
-    return max(p.total for p in estimate(x, with_fixes=False).phases)
+    return max(p.total for p in step_phases(x))
 
 
 def fixes_for(plan: MemoryPlan) -> list[Fix]:
@@ -130,7 +117,7 @@ def fixes_for(plan: MemoryPlan) -> list[Fix]:
         fitting = [o for o in options if o[1] <= device]
         rank, new_peak, setting, kind, x = min(fitting, key=lambda o: (o[0], o[1])) if fitting else \
             min(options, key=lambda o: o[1])
-        phase = max(estimate(x, with_fixes=False).phases, key=lambda p: p.total).name
+        phase = max(step_phases(x), key=lambda p: p.total).name
         cost = COST[kind][1].format(target="cpu" if device_kind(plan) == "cuda" else "disk",
                                     release="sleep" if device_kind(plan) == "cuda" else "restart")
         key = setting.split("=")[0]
@@ -173,8 +160,6 @@ def notes_for(plan: MemoryPlan, first_rollout: Phase | None) -> Iterator[str]:
 
 
 def _activation_note(x: PlanInputs) -> Iterator[str]:
-    from hybrid_rl.model.activations import train_activations
-
     a = x.actor
     plain, ckpt = (train_activations(a.dims, x.update_tokens, b=x.compute_bytes, attention=x.attention,
                                      checkpointing=c, entropy=x.entropy, responses=x.update_responses,
@@ -202,14 +187,4 @@ def _kv_note(x: PlanInputs) -> Iterator[str]:
     if r.max_model_len and capacity < r.max_model_len:
         line += f"; fewer than one sequence of max_model_len={r.max_model_len}: vLLM will refuse to start"
     yield line
-
-
-def unlisted(kind: str) -> str:
-    """What the plan leaves out, so a measured peak above it is not a surprise."""
-    if kind == "cuda":
-        return ("CUDA context, NCCL communicators, what vLLM keeps asleep and fragmentation are typical figures "
-                "(not measured on a GPU), hence the safety margin; check them against a "
-                "run's first-step table (measured peak row) and vLLM's log (CUDA graph pool)")
-    return ("measured on CPU as each rank's peak RSS; not counted: small allocations glibc keeps after frees "
-            "(hybrid_rl sets malloc to return every freed buffer of 1 MiB or more at once)")
 

@@ -1,8 +1,10 @@
 """The planner proposes 8-bit optimizer states when they make the update phase fit, and counts them in the plan."""
 
 from hybrid_rl.config import load_config
-from hybrid_rl.model.memory_plan import FRAGMENTATION, GIB, DeviceSpec
-from hybrid_rl.planner import plan_for
+from hybrid_rl.plan_inputs import plan_for
+from hybrid_rl.planner.inputs import DeviceSpec
+from hybrid_rl.planner.phases import FRAGMENTATION
+from hybrid_rl.planner.units import GIB
 
 
 def _plan(path: str, optimizer: str, gib: float):

@@ -9,16 +9,13 @@ import pytest
 from transformers import Qwen2Config
 
 from hybrid_rl.config import load_config
-from hybrid_rl.model.memory_plan import (
-    GIB,
-    NCCL_COMMUNICATOR_BYTES,
-    SAFETY_MARGIN,
-    DeviceSpec,
-    host_offload_bytes,
-    vllm_kept_asleep_bytes,
-)
 from hybrid_rl.plan import EXIT_FITS, main
-from hybrid_rl.planner import plan_for
+from hybrid_rl.plan_inputs import plan_for
+from hybrid_rl.planner.inputs import DeviceSpec
+from hybrid_rl.planner.result import SAFETY_MARGIN
+from hybrid_rl.planner.trainer_memory import NCCL_COMMUNICATOR_BYTES, host_offload_bytes
+from hybrid_rl.planner.units import GIB
+from hybrid_rl.planner.vllm_memory import vllm_kept_asleep_bytes
 from tests.conftest import REPO
 
 # Published config.json values of Qwen2.5-7B-Instruct and Qwen2.5-32B-Instruct.

@@ -3,8 +3,8 @@
 import pytest
 
 from hybrid_rl.config import load_config
-from hybrid_rl.model.memory_plan import DeviceSpec
-from hybrid_rl.planner import plan_for
+from hybrid_rl.plan_inputs import plan_for
+from hybrid_rl.planner.inputs import DeviceSpec
 
 
 def _off(plan, phase: str, component: str) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """`PlanWatch`: a phase measured above its plan is said once, naming the phase and both figures; within the slack,
 or with the watch off (CPU), nothing is said."""
 
-from hybrid_rl.model.phase_peaks import OVER_PLAN_SLACK, PlanWatch
+from hybrid_rl.planner.watch import OVER_PLAN_SLACK, PlanWatch
 
 
 def test_a_phase_above_its_plan_is_said_once_with_both_figures():

@@ -5,12 +5,12 @@ trainer is predicted to hold at the first sync."""
 import pytest
 
 from hybrid_rl.config import load_config
-from hybrid_rl.model.memory_plan import (
-    GIB,
-    DeviceSpec,
-    _trainer_items,
+from hybrid_rl.plan_inputs import plan_for
+from hybrid_rl.planner.inputs import DeviceSpec
+from hybrid_rl.planner.trainer_memory import cuda_resident_overhead_bytes, trainer_items
+from hybrid_rl.planner.units import GIB
+from hybrid_rl.planner.vllm_memory import (
     auto_gpu_memory_utilization,
-    cuda_resident_overhead_bytes,
     kv_cache_bytes,
     plan_sync_reserve,
     sync_reserve_bytes,
@@ -18,7 +18,6 @@ from hybrid_rl.model.memory_plan import (
     vllm_utilization,
     vllm_weight_bytes,
 )
-from hybrid_rl.planner import plan_for
 
 
 def _cfg(path: str, *overrides: str):
@@ -38,7 +37,7 @@ def test_planner_gives_vllm_what_the_trainer_leaves_at_the_first_sync(tiny_model
     plan = plan_for(_cfg(tiny_models["mid"], "rollout.bucket_mb=16"), 2, device=device)
     x = plan.inputs
     assert x.rollout.gpu_memory_utilization is None and x.rollout.release == "sleep"
-    held = sum(i.on_device for i in _trainer_items(x, "sync", first_step=True))
+    held = sum(i.on_device for i in trainer_items(x, "sync", first_step=True))
     assert held > 0  # actor shards + AdamW + the reference and critic, resident until their first pass
     held += cuda_resident_overhead_bytes(x)  # and the CUDA context and NCCL, which vLLM's start-up check sees as used
     share = vllm_utilization(x)

@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from hybrid_rl.model.activations import MATH_MAX_LEN, forward_activations, train_activations
 from hybrid_rl.model.forward import micro_batches, policy_logprobs, token_values
 from hybrid_rl.model.loading import enable_activation_checkpointing, load_causal_lm, load_config, load_critic
-from hybrid_rl.model.param_count import ArchDims
-from hybrid_rl.types import Sample
+from hybrid_rl.planner.activations import forward_activations, train_activations
+from hybrid_rl.planner.param_count import ArchDims
+from hybrid_rl.types import MATH_MAX_LEN, Sample
 
 LOW, HIGH = 0.90, 1.40  # predicted / measured
 # One packed micro-batch: ~2k tokens of sequences longer than MATH_MAX_LEN, or ~1.9k of sequences up to it (on CPU
@@ -82,8 +82,8 @@ def test_activation_estimate_bounds_the_measured_peak(tiny_models, name, dtype, 
 
 def test_the_cpu_plan_counts_the_math_kernel_for_short_sequences_and_the_gpu_plan_does_not(tiny_models):
     from hybrid_rl.config import load_config as load_recipe
-    from hybrid_rl.model.memory_plan import DeviceSpec
-    from hybrid_rl.planner import plan_for
+    from hybrid_rl.plan_inputs import plan_for
+    from hybrid_rl.planner.inputs import DeviceSpec
 
     def update_activations(max_new_tokens: int, device: str) -> tuple[int, int, int]:
         cfg = load_recipe("grpo", [f"model.path={tiny_models['qwen2']}", "data.train_files=[/x.jsonl]",

@@ -4,8 +4,9 @@ import pytest
 
 from hybrid_rl.config import ConfigError, load_config
 from hybrid_rl.model.materialize import READ_CHUNK_BYTES
-from hybrid_rl.model.memory_plan import DeviceSpec, PlanInputs, shard_bytes
-from hybrid_rl.planner import plan_for
+from hybrid_rl.plan_inputs import plan_for
+from hybrid_rl.planner.inputs import DeviceSpec, PlanInputs
+from hybrid_rl.planner.shards import shard_bytes
 
 DEVICE = DeviceSpec("cuda", 80 * 2**30)
 

@@ -1,8 +1,9 @@
 """The planner counts merged LoRA sync's float32 merge and proposes adapter sync where dropping it makes a run fit."""
 
 from hybrid_rl.config import load_config
-from hybrid_rl.model.memory_plan import GIB, DeviceSpec
-from hybrid_rl.planner import plan_for
+from hybrid_rl.plan_inputs import plan_for
+from hybrid_rl.planner.inputs import DeviceSpec
+from hybrid_rl.planner.units import GIB
 
 
 def _plan(path: str, sync: str, gib: float):
