@@ -15,7 +15,7 @@ peak fits the device and, if not, the settings that together make it fit, cheape
 size (e.g. `--device cuda --device-gib 80` for an H100 from any machine); without it, CUDA device
 0's memory, or on CPU the host memory available now (MemAvailable: other processes' memory excluded) /
 --local-ranks (default: the world size). --attention: defaults to
-what the run would use here (flash-attn on CUDA where installed, else SDPA).
+what the run would use with this install (flash-attn where it imports, else SDPA per sequence).
 
 Exit codes: 0 fits, 1 does not fit, 2 bad configuration or input.
 """

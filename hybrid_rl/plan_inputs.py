@@ -162,12 +162,17 @@ def _offload(cfg: Config) -> dict[str, str]:
 
 
 def _attention(choice: str, device: DeviceSpec) -> str:
+    """The attention the run will have: flash-attn only where this install can import it (no prebuilt wheel matches
+    torch 2.13, so a CUDA install may well lack it: docs/install.md), else the per-sequence SDPA. A GPU run planned
+    from another machine is planned with this machine's install; `--attention flash` plans one that has it."""
     if choice != "auto":
         return choice
+    import importlib.util
+
     import torch
 
     if device.kind == "cuda" and not torch.cuda.is_available():
-        return "flash"  # planning a GPU run from elsewhere: the CUDA install includes flash-attn
+        return "flash" if importlib.util.find_spec("flash_attn") is not None else "sdpa"
     from hybrid_rl.model.loading import attn_implementation
 
     return "flash" if attn_implementation() == "flash_attention_2" else "sdpa"
