@@ -7,7 +7,9 @@ names the key and what is allowed. Nothing below this module sees a `DictConfig`
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,9 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     path: str = "???"  # a local Hugging Face model folder
-    dtype: str = "bfloat16"  # compute dtype of FSDP mixed precision (trained models' master weights stay float32)
+    # compute dtype of FSDP mixed precision (trained models' master weights stay float32). auto: bfloat16 on GPUs and on
+    # CPUs with bf16 instructions (AVX512-BF16 or AMX), float32 on other CPUs, where bf16 is emulated and slower
+    dtype: str = "auto"
     # Stored dtype of the frozen models' shards (reference, reward model). auto = model.dtype: they compute in
     # model.dtype anyway, so storing them in it changes no number and halves them under bf16 (the GPU default).
     frozen_dtype: str = "auto"  # auto | float32 | bfloat16 | float16
@@ -85,7 +89,8 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    dtype: str = "bfloat16"  # vLLM weights; synced weights are cast to it before they move
+    # vLLM weights; synced weights are cast to it before they move. auto: as model.dtype's auto
+    dtype: str = "auto"
     max_model_len: int = 0  # 0 = max_prompt_tokens + max_new_tokens
     kv_cache_gb: float = 0.0  # 0 = auto: CUDA sizes it from gpu_memory_utilization; 0.5 GiB per rank on CPU
     gpu_memory_utilization: float = 0.0  # CUDA: vLLM's share of the GPU; 0 = auto (see `resolve_rollout`)
@@ -291,8 +296,9 @@ def register() -> None:
     ConfigStore.instance().store(name="base", node=Config)
 
 
-def load_config(config_name: str, overrides: list[str]) -> Config:
-    """Compose `config_name` (a recipe in recipes/ or a config in conf/) with `key=value` overrides."""
+def load_config(config_name: str, overrides: list[str], *, platform: str | None = None) -> Config:
+    """Compose `config_name` (a recipe in recipes/ or a config in conf/) with `key=value` overrides, and resolve its
+    `auto` dtypes for `platform` (`cuda` | `cpu`; None: this machine's)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
@@ -316,7 +322,37 @@ def load_config(config_name: str, overrides: list[str]) -> Config:
         raise ConfigError(_hydra_message(e)) from None
     obj = _drop_hydra(obj)
     validate(obj)
+    resolve_dtypes(obj, platform or local_platform())
     return obj
+
+
+def local_platform() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def cpu_has_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """AVX512-BF16 or AMX: the CPU computes in bf16 natively (else oneDNN emulates it, slower than float32)."""
+    try:
+        flags = Path(cpuinfo).read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtypes(cfg: Config, platform: str, *, has_bf16: bool | None = None) -> None:
+    """`model.dtype` / `rollout.dtype` = auto -> bfloat16 on GPUs and bf16-capable CPUs, float32 elsewhere (said once,
+    on this process's log)."""
+    pick = "bfloat16" if platform == "cuda" or (cpu_has_bf16() if has_bf16 is None else has_bf16) else "float32"
+    resolved = [k for k, group in (("model.dtype", cfg.model), ("rollout.dtype", cfg.rollout)) if group.dtype == "auto"]
+    for group in (cfg.model, cfg.rollout):
+        if group.dtype == "auto":
+            group.dtype = pick
+    if resolved and pick == "float32" and int(os.environ.get("RANK", 0)) == 0:
+        logging.getLogger(__name__).warning(
+            "%s=auto: float32, since this CPU has no bf16 instructions (AVX512-BF16 or AMX) and would emulate bf16, "
+            "several times slower; set %s=bfloat16 to have it anyway", " and ".join(resolved), resolved[0])
 
 
 def check_override(override: str) -> None:
@@ -389,9 +425,9 @@ def _drop_hydra(obj: Any) -> Config:
 # Validation: every allowed value in one place, checked before anything heavy starts.
 
 CHOICES = {
-    "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "model.frozen_dtype": ("auto", "float32", "bfloat16", "float16"),
-    "rollout.dtype": ("float32", "bfloat16", "float16"),
+    "rollout.dtype": ("auto", "float32", "bfloat16", "float16"),
     "rollout.release": ("auto", "keep", "sleep", "restart"),
     "rollout.mode": ("colocated", "sidecar"),
     "rollout.multi_turn.template": ("auto", "chatml", "qwen3", "llama3", "mistral"),

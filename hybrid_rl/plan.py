@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         if kind not in ("auto", "cuda", "cpu") or attention not in ("auto", "sdpa", "flash"):
             raise ConfigError("--device must be auto, cuda or cpu; --attention auto, sdpa or flash")
         device = detect_device(kind, gib=_number(flags, "--device-gib", float, None), local_ranks=local)
-        cfg = load_config(name, overrides)
+        cfg = load_config(name, overrides, platform=device.kind)
         plan = plan_for(cfg, world, device=device, attention=attention, prompt_lengths=prompt_lengths(cfg))
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
