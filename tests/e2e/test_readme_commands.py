@@ -35,11 +35,13 @@ README = REPO / "README.md"
 CPU_WORLD = 4  # the README's 8 GPUs become 4 CPU ranks (2 cores: more would only be slower)
 # Commands the README shows that this file does not run, and the test that does (or why none can).
 COVERED_ELSEWHERE = {
-    "make install": "runs first in `make test` itself; its decisions: tests/unit/test_install_scripts.py",
-    "make install-sidecar": "runs first in `make test` (install-all); decisions: tests/unit/test_install_scripts.py",
-    "make install-sandbox": "runs first in `make test` (install-all); decisions: tests/unit/rewards/test_install_sandbox.py",
+    "make install": "runs first in `make test` itself; its decisions: tests/integration/test_install_scripts.py",
+    "make install-sidecar": "runs first in `make test` (install-all); decisions: "
+                            "tests/integration/test_install_scripts.py",
+    "make install-sandbox": "runs first in `make test` (install-all); decisions: "
+                            "tests/integration/rewards/test_install_sandbox.py",
     "make test": "this suite",
-    "make test-fast": "a subset of this suite",
+    "make test-fast": "tests/unit, a subset of this suite",
     "make demo": "tests/e2e/test_demo.py (40 steps); TASK=tools: tests/e2e/test_tools_demo.py (5 steps)",
     "make lint": "not run by `make test` (ruff + import-linter; the layer rules: tests/unit/*/test_import_rule.py)",
     "make test-gpu": "needs a CUDA GPU, which CI lacks: tests/gpu, run on an H200 on 2026-11-27 (README, \"What has and "

@@ -14,8 +14,7 @@ from hybrid_rl.distributed.offload import OffloadManager, optimizer_tensors, pla
 from hybrid_rl.model.memory_plan import shard_bytes
 from hybrid_rl.model.optimizers import build_optimizer
 from hybrid_rl.model.param_count import model_params
-
-from .harness import batch, bitwise_equal, spawn
+from tests.integration.checkpoint.harness import batch, bitwise_equal, spawn
 
 
 def _sharded(model_dir: str, world: int):
