@@ -5,7 +5,7 @@ import subprocess
 import sys
 import time
 
-from tests.unit.rewards.test_pool import _alive
+from tests.integration.rewards.test_pool import _alive
 
 
 def test_workers_exit_when_their_parent_is_killed(tmp_path):
