@@ -1,5 +1,7 @@
-"""The product's sharded estimators are the contract's functions (`ADVANTAGES`), on a batch split over ranks."""
+"""The product's sharded estimators (built from the contract's `ADVANTAGES`) on a batch split over two ranks give
+the whole batch's advantages, worked out by hand."""
 
+import math
 import threading
 
 import pytest
@@ -8,7 +10,6 @@ from torch.testing import assert_close
 
 from hybrid_rl.algos import ADVANTAGES
 from hybrid_rl.algos.estimators import ESTIMATORS, AdvantageInputs, AdvantageSettings, get_estimator
-from hybrid_rl.algos.shaping import token_rewards
 
 SCORES = torch.tensor([1.0, 0.0, 2.0, 5.0, 3.0, 1.0])  # [N]
 GROUPS = torch.tensor([0, 0, 0, 1, 1, 1])
@@ -36,15 +37,33 @@ class TwoRankSum:
         return reduce
 
 
-def _whole_batch_contract(name: str) -> torch.Tensor:
-    """What the contract function gives on the whole batch (hand-worked in test_advantages.py)."""
-    fn = ADVANTAGES[name]
+def _by_hand(name: str) -> torch.Tensor:
+    """The whole batch's advantages `[N, T]`, worked out here without the library.
+
+    Group estimators, per group (0: scores [1, 0, 2], 1: [5, 3, 1]): GRPO (s - mean) / unbiased std = [0, -1, 1] and
+    [1, 0, -1]; RLOO s minus the mean of the others = [0, -1.5, 1.5] and [3, 0, -3]. Token estimators: the score on
+    each row's last token, the recursion in plain Python, then whitened over all 14 response tokens of the batch."""
     if name in ("grpo", "rloo"):
-        return fn(SCORES, GROUPS, torch.ones(6, 1)) * MASK
-    rewards = token_rewards(SCORES, MASK, None, 0.0)
-    if name == "gae":
-        return fn(rewards, VALUES, MASK, SETTINGS.gamma, SETTINGS.lam)[0]
-    return fn(rewards, MASK, SETTINGS.gamma)[0]
+        per_sample = {"grpo": [0.0, -1.0, 1.0, 1.0, 0.0, -1.0], "rloo": [0.0, -1.5, 1.5, 3.0, 0.0, -3.0]}[name]
+        return torch.tensor(per_sample)[:, None] * MASK
+    gamma, lam = SETTINGS.gamma, SETTINGS.lam
+    rows = []
+    for score, mask, values in zip(SCORES.tolist(), MASK.tolist(), VALUES.tolist(), strict=True):
+        n = int(sum(mask))
+        rewards = [0.0] * (n - 1) + [score]
+        out, later, next_value = [0.0] * n, 0.0, 0.0
+        for t in reversed(range(n)):
+            if name == "reinforce_pp":
+                later = rewards[t] + gamma * later
+            else:  # gae: delta_t + gamma * lam * A_{t+1}
+                later = rewards[t] + gamma * next_value - values[t] + gamma * lam * later
+                next_value = values[t]
+            out[t] = later
+        rows.append(out)
+    flat = [x for row in rows for x in row]
+    mean = sum(flat) / len(flat)
+    std = math.sqrt(sum((x - mean) ** 2 for x in flat) / (len(flat) - 1) + 1e-8)
+    return torch.tensor([[(x - mean) / std for x in row] + [0.0] * (3 - len(row)) for row in rows])
 
 
 def test_every_contract_estimator_has_a_sharded_adapter_and_no_other():
@@ -54,7 +73,7 @@ def test_every_contract_estimator_has_a_sharded_adapter_and_no_other():
 
 
 @pytest.mark.parametrize("name", ["gae", "grpo", "rloo", "reinforce_pp"])
-def test_two_shares_together_give_the_contract_functions_whole_batch_advantages(name):
+def test_two_shares_together_give_the_whole_batchs_advantages_by_hand(name):
     """Each rank sees every score but only its rows' tokens; token estimators whiten with the whole batch's moments."""
     reduce, out = TwoRankSum(), [None, None]
 
@@ -68,7 +87,7 @@ def test_two_shares_together_give_the_contract_functions_whole_batch_advantages(
         t.start()
     for t in threads:
         t.join(timeout=30)
-    whole = _whole_batch_contract(name)
+    whole = _by_hand(name)
     for r in (0, 1):
         assert_close(out[r], whole[SHARES[r]])
     # one share whitened alone (no reduce) would not be the whole batch's: the moments do matter for token estimators
