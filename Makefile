@@ -38,11 +38,12 @@ help:
 	@echo "make install-sandbox  + bubblewrap, for the code reward's sandbox (SANDBOX=optional goes on without)"
 	@echo "make install-all      all three (what make test runs first)"
 	@echo "make test      install-all if needed, then run the whole test suite (what CI runs)"
-	@echo "make test-fast only the single-process tests (no torchrun)"
+	@echo "make test-fast tests/unit: single-process, CPU, about a minute (needs only make install)"
 	@echo "make test-gpu  the training side on one CUDA device (tests/gpu; needs a GPU, not vLLM)"
 	@echo "make demo      GRPO on a tiny model with the hybrid engine, 2 CPU ranks (ALGO=ppo for PPO, TASK=tools for the tools demo)"
 	@echo "make bench     quick versions of all benchmarks -> benchmarks/results/"
-	@echo "make lint      ruff + import-linter layer contracts"
+	@echo "make lint      ruff check + import-linter layer contracts"
+	@echo "make fmt       ruff check --fix (the code is formatted by hand to ruff check's rules: no ruff format)"
 
 # The base install: what colocated mode needs. etcd and bubblewrap are the named steps below; a last line says
 # which of them are missing and the command for each.
@@ -87,8 +88,10 @@ install-all: install-sidecar install-sandbox
 test: install-all
 	$(BIN)/python -m pytest tests -n 2 --dist loadgroup $(PYTEST_ARGS)
 
-test-fast: install-all
-	$(BIN)/python -m pytest tests -m "not slow" $(PYTEST_ARGS)
+# tests/unit: one process each, no torchrun, vLLM server, etcd or sandbox install (tests that start processes live in
+# tests/integration, tests/engine, tests/sidecar and tests/e2e).
+test-fast: install
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
 # The training side on one CUDA device (tests/gpu; vLLM not needed: README, "What has and has not run on a GPU").
 # Needs a GPU: CI has none and does not run it.
@@ -99,9 +102,10 @@ lint: install
 	$(BIN)/ruff check hybrid_rl tests benchmarks
 	$(BIN)/lint-imports
 
+# The code is formatted by hand to ruff check's rules (`ruff format` would rewrite most files): fmt applies the fixes
+# ruff check can make.
 fmt: install
 	$(BIN)/ruff check --fix hybrid_rl tests benchmarks
-	$(BIN)/ruff format hybrid_rl tests benchmarks
 
 demo: install $(if $(filter sidecar,$(MODE)),install-sidecar) $(if $(filter tools,$(TASK)),install-sandbox)
 	$(BIN)/python -m hybrid_rl.demo --task $(TASK) --algo $(ALGO) --nproc $(NPROC) --mode $(MODE) --max-staleness $(STALENESS)

@@ -4,7 +4,7 @@
 #
 #   scripts/install_check.sh       (`make install` runs it last)
 #
-# Uses `command -v` only (tests/unit/test_install_scripts.py runs it on a PATH without etcd or bwrap).
+# Uses `command -v` only (tests/integration/test_install_scripts.py runs it on a PATH without etcd or bwrap).
 set -u
 missing=0
 if ! command -v etcd >/dev/null 2>&1; then

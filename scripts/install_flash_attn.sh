@@ -12,7 +12,7 @@
 #      dependencies (wheel, packaging, ninja, psutil) installed first: --no-build-isolation needs them in the venv;
 #   4. otherwise: skip, naming the wheel that does not exist and what to install.
 # Never fails the install: without flash-attn, packed micro-batches use per-sequence SDPA (see COST below).
-# Uses `curl` and PYTHON only (tests/unit/test_install_scripts.py runs it with stand-ins for both and for nvcc).
+# Uses `curl` and PYTHON only (tests/integration/test_install_scripts.py runs it with stand-ins for both and for nvcc).
 set -u
 python=${1:?usage: install_flash_attn.sh PYTHON}
 version=${FLASH_ATTN_VERSION:-2.8.3}

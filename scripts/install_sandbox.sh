@@ -9,7 +9,7 @@
 # cannot be installed, or does not work, the code reward would refuse to run untrusted code and the sandbox
 # tests of `make test` would fail: this script says why and what to do, and exits 1. `optional` makes that a
 # warning (exit 0), for a user who accepts both.
-# Uses bash builtins and `id`, `apt-get`, `sudo` only (tests/unit/rewards/test_install_sandbox.py runs it on
+# Uses bash builtins and `id`, `apt-get`, `sudo` only (tests/integration/rewards/test_install_sandbox.py runs it on
 # a PATH of stand-ins for those).
 set -u
 python=${1:?usage: install_sandbox.sh PYTHON [required|optional]}

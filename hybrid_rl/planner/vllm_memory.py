@@ -179,7 +179,7 @@ def sync_transient_bytes(x: PlanInputs) -> int:
     A bucket holds at least its largest vLLM module. While a bucket moves, its send and receive buffers are
     alive (2 buckets); then the received buffer and the assembled slices (2 buckets); the consumer still
     holds the previous bucket's last slice when the next one starts (1 module). The in-place path (CUDA:
-    vLLM's own parameter classes, tests/unit/engine/test_inplace_vllm_layers.py) copies each slice straight
+    vLLM's own parameter classes, tests/unit/weightsync/test_inplace_vllm_layers.py) copies each slice straight
     into vLLM's parameter, so nothing else is alive. On the CPU reload path vLLM's loader also holds its
     own copies of the module it is processing (2 x the largest: the original layout it rebuilds and the
     repacked result) beside the staged full-shape tensor.

@@ -5,7 +5,7 @@ reset_prefix_cache, apply_model, collective_rpc) and the weight-transfer API
 (`weight_transfer_config` with a backend registered in `WeightTransferEngineFactory`; the worker's
 init / start / update / finish calls). What remains below has no public equivalent in 0.32, and each
 entry says why it is needed. `problems()` inspects exactly these internals and names what changed:
-tests/unit/engine/test_vllm_compat.py runs it, and the engine warns at start when vLLM is not 0.32.
+tests/unit/weightsync/test_vllm_compat.py runs it, and the engine warns at start when vLLM is not 0.32.
 
 The module imports vLLM only inside functions, so importing it costs nothing where vLLM is absent.
 """
@@ -35,7 +35,7 @@ def warn_if_not_pinned() -> None:
 
     if not vllm.__version__.startswith(PINNED + "."):
         log.warning("vLLM %s: hybrid_rl/weightsync/vllm_compat.py is written for vLLM %s; run "
-                    "tests/unit/engine/test_vllm_compat.py to see what changed", vllm.__version__, PINNED)
+                    "tests/unit/weightsync/test_vllm_compat.py to see what changed", vllm.__version__, PINNED)
 
 
 # 1. Shut an in-process engine down without destroying torch's default process group.

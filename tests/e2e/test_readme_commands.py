@@ -38,11 +38,13 @@ MANUAL = [README, *sorted((REPO / "docs").rglob("*.md"))]
 CPU_WORLD = 4  # the README's 8 GPUs become 4 CPU ranks (2 cores: more would only be slower)
 # Commands the README shows that this file does not run, and the test that does (or why none can).
 COVERED_ELSEWHERE = {
-    "make install": "runs first in `make test` itself; its decisions: tests/unit/test_install_scripts.py",
-    "make install-sidecar": "runs first in `make test` (install-all); decisions: tests/unit/test_install_scripts.py",
-    "make install-sandbox": "runs first in `make test` (install-all); decisions: tests/unit/rewards/test_install_sandbox.py",
+    "make install": "runs first in `make test` itself; its decisions: tests/integration/test_install_scripts.py",
+    "make install-sidecar": "runs first in `make test` (install-all); decisions: "
+                            "tests/integration/test_install_scripts.py",
+    "make install-sandbox": "runs first in `make test` (install-all); decisions: "
+                            "tests/integration/rewards/test_install_sandbox.py",
     "make test": "this suite",
-    "make test-fast": "a subset of this suite",
+    "make test-fast": "tests/unit, a subset of this suite",
     "make bench": "tests/e2e/test_benchmarks_smoke.py runs every benchmark script in its smoke mode",
     "make demo": "tests/e2e/test_demo.py (40 steps); TASK=tools: tests/e2e/test_tools_demo.py (5 steps)",
     "make lint": "not run by `make test` (ruff + import-linter; the layer rules: tests/unit/*/test_import_rule.py)",

@@ -7,7 +7,7 @@ installed on the GPU machine (its CUDA wheel is too large to carry there), so it
 vLLM 0.32 holds on CUDA for Qwen2 and is synced through: dense bf16 parameters under vLLM's fused names
 (`qkv_proj`, `gate_up_proj`), the head tied to the embedding module, landed by `vllm_weights.load_inplace` and read
 by `vllm_weights.readback`, as `vllm_transfer.InProcessTransfer` and `VLLMEngine.readback` call them. The same
-landing into vLLM's own parameter classes is tested on CPU (`tests/unit/engine/test_inplace_vllm_layers.py`).
+landing into vLLM's own parameter classes is tested on CPU (`tests/unit/weightsync/test_inplace_vllm_layers.py`).
 
 What runs on CUDA here and nowhere else: the sync's slices as views of CUDA DTensor shards, the cast-as-copied
 landing on the device, `block_checksum` with its weight vectors cached on the device, the engine's collective

@@ -14,8 +14,7 @@ from hybrid_rl.distributed.offload import OffloadManager, optimizer_tensors, pla
 from hybrid_rl.model.optimizers import build_optimizer
 from hybrid_rl.planner.param_count import model_params
 from hybrid_rl.planner.shards import shard_bytes
-
-from .harness import batch, bitwise_equal, spawn
+from tests.integration.checkpoint.harness import batch, bitwise_equal, spawn
 
 
 def _sharded(model_dir: str, world: int):

@@ -6,13 +6,13 @@ streaming worker: each request's episode is given as its trajectories' lengths (
 scored trajectory is the last, whose first id is the episode's score.
 """
 
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-from hybrid_rl.algos import grpo, rloo
 from hybrid_rl.algos.estimators import AdvantageSettings
 from hybrid_rl.data import PromptRecord
 from hybrid_rl.distributed.mesh import ParallelDims
@@ -161,12 +161,16 @@ def test_every_trajectory_is_a_sample_at_consecutive_uids_with_its_episodes_scor
 def test_group_advantages_are_per_episode_and_shared_by_its_trajectories():
     exp = _source(EPISODES).next_batch(1)
     episode_scores = torch.tensor([1.0, 0, 1, 0, 3, 1, 2])
-    episode_groups = torch.tensor([0, 0, 0, 0, 1, 1, 1])
     episode_of = exp.rollout.index.episodes
-    for name, fn in (("grpo", grpo), ("rloo", rloo)):
+    # By hand, one row per episode. Group 0 [1, 0, 1, 0]: mean 1/2, unbiased std 1/sqrt(3); group 1 [3, 1, 2]:
+    # mean 2, std 1. GRPO: (s - mean) / std; RLOO: s minus the mean of the group's other episodes.
+    half_sqrt3 = math.sqrt(3) / 2
+    by_hand = {"grpo": [half_sqrt3, -half_sqrt3, half_sqrt3, -half_sqrt3, 1.0, -1.0, 0.0],
+               "rloo": [2 / 3, -2 / 3, 2 / 3, -2 / 3, 1.5, -1.5, 0.0]}
+    for name, hand in by_hand.items():
         mine, batch = _advantages(exp, name)
         assert [s.part for s in mine.samples] == exp.rollout.index.parts[mine.rows].tolist()  # through the exchange
-        expected = fn(episode_scores, episode_groups, torch.ones(7, 1))[:, 0]
+        expected = torch.tensor(hand)
         got = batch.advantages[:, 0]  # every response token of a row has the row's advantage
         assert torch.allclose(got, expected[episode_of[mine.rows]]), name
         assert torch.equal(batch.scores, episode_scores[episode_of[mine.rows]])

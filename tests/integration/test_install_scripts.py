@@ -125,3 +125,14 @@ def test_make_install_is_the_colocated_base_and_make_test_adds_etcd_and_the_sand
     full = _make_n(tmp_path, "test", cuda=cuda)
     assert "install_etcd.sh" in full and "install_sandbox.sh" in full and "pytest tests" in full
     assert "install_etcd.sh" in _make_n(tmp_path, "install-sidecar", cuda=cuda)
+
+
+def test_make_test_fast_needs_only_the_base_install_and_runs_tests_unit(tmp_path):
+    fast = _make_n(tmp_path, "test-fast", cuda=False)
+    assert "install_etcd.sh" not in fast and "install_sandbox.sh" not in fast and "install_check.sh" in fast
+    assert "-m pytest tests/unit" in fast and "-n 2" not in fast
+
+
+def test_make_fmt_fixes_what_ruff_check_can_and_does_not_reformat(tmp_path):
+    fmt = _make_n(tmp_path, "fmt", cuda=False)
+    assert "ruff check --fix hybrid_rl tests benchmarks" in fmt and "ruff format" not in fmt

@@ -28,7 +28,7 @@ Snapshot = dict[str, torch.Tensor]
 def spawn(scenario: Callable[..., None], *args: Any, world: int = 2) -> dict:
     """Run `scenario(rank, world, results, *args)` on `world` gloo ranks; return {rank: what it recorded}.
 
-    The ranks are forked, not spawned as in engine/test_reshard.py: a spawned rank re-imports torch
+    The ranks are forked, not spawned as in weightsync/test_reshard.py: a spawned rank re-imports torch
     and transformers (~5-10 s per rank on 2 shared cores), a forked one inherits them. Fork is safe
     here because the parent holds no process group, no accelerator context and (after stopping
     tqdm's monitor) no other thread; should another thread be running, this falls back to spawn.

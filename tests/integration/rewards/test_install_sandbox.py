@@ -110,7 +110,8 @@ def test_bubblewrap_that_cannot_create_namespaces_stops_the_install(tmp_path):
 
 
 def test_sandbox_tests_fail_rather_than_skip_where_bubblewrap_is_missing(tmp_path):
-    files = [f"tests/unit/rewards/{name}" for name in ("test_sandbox_attacks.py", "test_code.py", "test_base.py")]
+    files = [f"tests/integration/rewards/{name}"
+             for name in ("test_sandbox_attacks.py", "test_code_sandbox.py", "test_code_reward_sandbox.py")]
     env = {"PATH": str(tmp_path), "PYTHONPATH": str(REPO)}  # an empty folder: no bwrap
 
     def pytest_(*args: str) -> subprocess.CompletedProcess[str]:

@@ -20,7 +20,7 @@ from hybrid_rl.weightsync.vllm_weights import (
     storage_ptrs,
     sync_path,
 )
-from tests.unit.engine.test_reshard import DIMS, full_weights
+from tests.unit.weightsync.test_reshard import DIMS, full_weights
 
 
 class StandIn(torch.nn.Module):
