@@ -3,10 +3,11 @@
 Each turn sends the still-active trajectories' ids to the engine (one request each, its remaining response budget,
 or `max_turn_tokens` if less, as its token limit), appends the sampled ids and log-probs, parses the tool calls of the turn's text, runs all the
 batch's calls at once in the tool runner, and appends each result as the chat template's suffix
-(`chat_template.ToolSuffix`). A trajectory ends when a turn has no tool call, at `max_turns` model turns, when its
-tool calls reach `max_tool_calls`, when its response budget is spent (a tool result that would not fit ends it
+(`chat_template.ToolSuffix`). A trajectory ends when a turn has no tool call (calls written inside the family's
+reasoning block do not count), at `max_turns` model turns, when its response budget is spent (a tool result that would not fit ends it
 before being appended: never cut mid-token), or when a tool's infrastructure fails (then it is marked, and the
-rollout drops it).
+rollout drops it). Calls past `max_tool_calls` are answered with the limit's error message, not run; a turn cut
+by `max_turn_tokens` is parsed as any other and marks the trajectory truncated.
 
 Colocated at TP > 1 the ranks of a vLLM group hold the same trajectories and must send identical requests: each
 trajectory's calls run on one of them (a `ToolShare` says which), and the group exchanges the answers, the tool
@@ -140,11 +141,14 @@ class ToolLoop:
         if g.finish_reason == "length" and len(t.response_ids) >= lim.max_response_tokens:
             t.truncated, t.done = True, True
             return None
+        if g.finish_reason == "length":
+            t.truncated = True  # cut by max_turn_tokens: parsed as any other turn, but marked
         ended = bool(g.token_ids) and int(g.token_ids[-1]) == self.suffix.end_of_turn_id
         # special tokens kept (Mistral's [TOOL_CALLS] is one), the end-of-turn token not
         text = self.tokenizer.decode(list(g.token_ids)[: -1 if ended else None], skip_special_tokens=False)
-        calls = self.parser(text)
-        if not calls or t.turns >= lim.max_turns or lim.max_tool_calls - t.tool_calls <= 0:
+        calls = self.parser(self.suffix.family.answer_text(text))  # a call inside the reasoning is a thought
+        # past max_tool_calls the calls are still answered (with the limit's error), so the model learns the limit
+        if not calls or t.turns >= lim.max_turns:
             t.done = True
             return None
         return calls, ended
@@ -188,8 +192,9 @@ class ToolLoop:
             if any(r.status == INFRA for r in answered):
                 out[i] = ToolAnswer(tuple(answered), ())
                 continue
-            messages = [{"role": "tool", "name": c.name or "invalid", "content": self._cut(r.text)}
-                        for c, r in zip(calls, answered, strict=True)]
+            first = trajectories[i].tool_calls
+            messages = [self.suffix.tool_message(c, self._cut(r.text), first + k)
+                        for k, (c, r) in enumerate(zip(calls, answered, strict=True))]
             out[i] = ToolAnswer(tuple(answered), tuple(self.suffix.ids(messages, ended=ended)))
         return out
 

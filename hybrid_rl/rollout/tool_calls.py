@@ -20,6 +20,7 @@ class ToolCall:
     name: str
     arguments: dict[str, Any] = field(default_factory=dict)
     error: str = ""  # set: the call could not be read (malformed); name may be empty
+    id: str = ""  # the id the model wrote for the call, in formats that have one (Mistral's)
 
 
 def _from_json(text: str, args_key: str = "arguments") -> ToolCall:
@@ -27,6 +28,10 @@ def _from_json(text: str, args_key: str = "arguments") -> ToolCall:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         return ToolCall("", error=f"the tool call is not valid JSON ({e.msg} at char {e.pos}): {text[:200]!r}")
+    return _from_object(obj, text, args_key)
+
+
+def _from_object(obj: Any, text: str, args_key: str = "arguments") -> ToolCall:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return ToolCall("", error='a tool call must be a JSON object with a "name" string, got ' + repr(text[:200]))
     args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
@@ -37,7 +42,7 @@ def _from_json(text: str, args_key: str = "arguments") -> ToolCall:
             pass
     if not isinstance(args, dict):
         return ToolCall(obj["name"], error=f'the "{args_key}" of a tool call must be a JSON object, got {args!r:.200}')
-    return ToolCall(obj["name"], args)
+    return ToolCall(obj["name"], args, id=str(obj.get("id") or ""))
 
 
 _HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
@@ -48,12 +53,28 @@ def hermes(text: str) -> list[ToolCall]:
     return [_from_json(m.strip()) for m in _HERMES.findall(text)]
 
 
+_DECODER = json.JSONDecoder()
+
+
 def llama3_json(text: str) -> list[ToolCall]:
-    """Llama 3.x (JSON tool calling): the whole turn is `{"name": ..., "parameters": {...}}` (or several, `;`-separated)."""
-    body = text.removeprefix("<|python_tag|>").strip()
+    """Llama 3.x (JSON tool calling): the whole turn is `{"name": ..., "parameters": {...}}`, or several such objects
+    separated by `;`. Each object is decoded whole (`raw_decode`), so a `;` inside a string is the string's."""
+    body = text.strip().removeprefix("<|python_tag|>").strip()
     if not body.startswith("{"):
         return []
-    return [_from_json(part.strip(), "parameters") for part in body.split(";") if part.strip()]
+    calls, at = [], 0
+    while at < len(body):
+        try:
+            obj, end = _DECODER.raw_decode(body, at)
+        except json.JSONDecodeError as e:
+            calls.append(ToolCall("", error=f"the tool call is not valid JSON ({e.msg} at char {e.pos - at}): "
+                                            f"{body[at:at + 200]!r}"))
+            break
+        calls.append(_from_object(obj, body[at:end], "parameters"))
+        at = end
+        while at < len(body) and body[at] in " \t\n;":
+            at += 1
+    return calls
 
 
 def mistral(text: str) -> list[ToolCall]:
@@ -67,7 +88,7 @@ def mistral(text: str) -> list[ToolCall]:
         return [ToolCall("", error=f"the tool calls are not a valid JSON list ({e.msg}): {body[:200]!r}")]
     if not isinstance(items, list):
         items = [items]
-    return [_from_json(json.dumps(i)) for i in items]
+    return [_from_object(i, json.dumps(i)) for i in items]
 
 
 # rollout.multi_turn.parser (or the template family's default) -> parser

@@ -11,15 +11,19 @@ At most one call per worker is in flight, so each call's clock starts when it is
   run again alone, and one that kills its worker alone is an infrastructure failure;
 * output is cut to `max_chars` inside the worker.
 
-Environment methods (per-trajectory state) run in threads of this process under the same time limit.
+Environment methods (per-trajectory state) run in threads of this process under the same time limit; a thread
+cannot be killed, so a method still running at `timeout_s + grace_s` (blocked in C code, where the limit cannot
+reach it) is answered as an infrastructure failure and left behind in its daemon thread: its trajectory is dropped,
+its instance never used again, and the rollout goes on.
 """
 
 from __future__ import annotations
 
 import collections
 import multiprocessing
+import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
@@ -57,7 +61,6 @@ class ToolRunner:
         self._ctx = multiprocessing.get_context(start_method)
         self._startup_timeout_s = startup_timeout_s
         self._executor: ProcessPoolExecutor | None = None
-        self._threads = ThreadPoolExecutor(self.workers * 4, thread_name_prefix="env-tool")
         self.restarts = 0
 
     # -- workers ---------------------------------------------------------------------------------
@@ -82,7 +85,6 @@ class ToolRunner:
 
     def close(self) -> None:
         self._restart()
-        self._threads.shutdown(wait=False, cancel_futures=True)
 
     # -- calls -----------------------------------------------------------------------------------
 
@@ -94,7 +96,7 @@ class ToolRunner:
             if r.call.error:
                 results[i] = ToolResult(f"Error: {r.call.error}", ERROR)
             elif r.env is not None and r.call.name in self.env_methods:
-                envs[i] = self._threads.submit(self._env_call, r.env, r.call)
+                envs[i] = self._start_env_call(r.env, r.call)
             elif r.call.name in self.tools:
                 functions.append(i)
             else:
@@ -102,9 +104,25 @@ class ToolRunner:
                 results[i] = ToolResult(f"Error: unknown tool {r.call.name!r}; the tools are {known}", ERROR)
         if functions:
             self._run_functions(requests, functions, results)
-        for i, f in envs.items():
-            results[i] = f.result()
+        for i, (f, started) in envs.items():
+            left = started + self.timeout_s + self.grace_s - time.monotonic()
+            try:
+                results[i] = f.result(timeout=max(0.0, left))
+            except TimeoutError:
+                results[i] = ToolResult(f"Error: the tool did not return within {self.timeout_s:g}s and was "
+                                        "abandoned", INFRA, time.monotonic() - started)
         return results  # type: ignore[return-value]
+
+    def _start_env_call(self, env: Any, call: ToolCall) -> tuple[Future, float]:
+        """The call running in a daemon thread of its own (one stuck for good must not hold a pool's thread, nor
+        the interpreter at exit); (its future, when it started)."""
+        f: Future = Future()
+
+        def target() -> None:
+            f.set_result(self._env_call(env, call))
+
+        threading.Thread(target=target, daemon=True, name=f"env-tool-{call.name}").start()
+        return f, time.monotonic()
 
     def _env_call(self, env: Any, call: ToolCall) -> ToolResult:
         start = time.monotonic()

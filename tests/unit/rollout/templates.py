@@ -27,9 +27,12 @@ SMOLLM2 = (
     "{%- for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
 
-# Qwen3: as Qwen2.5, but the reasoning is taken out of an assistant turn's content, and shown again only while the
-# turn is the last message or when given as reasoning_content.
+# Qwen3: as Qwen2.5, but the reasoning is taken out of an assistant turn's content, and shown again only for turns
+# after the last user message, while the turn is the last message or when given as reasoning_content.
 QWEN3 = _TOOLS_BLOCK + (
+    "{%- set ns = namespace(last_query=-1) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
     "{%- for m in messages %}"
     "{%- if m.role == 'tool' %}"
     "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{ '<|im_start|>user' }}{%- endif %}"
@@ -39,7 +42,8 @@ QWEN3 = _TOOLS_BLOCK + (
     "{%- if '</think>' in c %}{%- set r = c.split('</think>')[0].split('<think>')[-1].strip('\\n') %}"
     "{%- set c = c.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
     "{{ '<|im_start|>assistant\\n' }}"
-    "{%- if loop.last or r %}{{ '<think>\\n' + r + '\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- if loop.index0 > ns.last_query and (loop.last or r) %}{{ '<think>\\n' + r + '\\n</think>\\n\\n' }}"
+    "{%- endif %}"
     "{{ c + '<|im_end|>\\n' }}"
     "{%- else %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
     "{%- endfor %}"
@@ -55,14 +59,18 @@ LLAMA3 = (
     "{%- if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
 
 # Mistral (v3 tokenizer): [INST] ... [/INST], the tools before the last user message, the assistant's turn ends with
-# </s>, tool results in [TOOL_RESULTS].
+# </s>, tool results in [TOOL_RESULTS] with their call's id, which must be 9 alphanumeric characters (the real
+# template raises otherwise).
 MISTRAL = (
     "{{ '<s>' }}{%- set users = messages | selectattr('role', 'equalto', 'user') | list %}"
     "{%- for m in messages %}"
     "{%- if m.role == 'user' %}{%- if tools and m == users | last %}{{ '[AVAILABLE_TOOLS] ' + (tools | tojson) + "
     "'[/AVAILABLE_TOOLS]' }}{%- endif %}{{ '[INST] ' + m.content + '[/INST]' }}"
     "{%- elif m.role == 'assistant' %}{{ m.content + '</s>' }}"
-    "{%- elif m.role == 'tool' %}{{ '[TOOL_RESULTS] ' + ({'content': m.content} | tojson) + '[/TOOL_RESULTS]' }}"
+    "{%- elif m.role == 'tool' %}"
+    "{%- if m.tool_call_id is not defined or m.tool_call_id | length != 9 or not m.tool_call_id.isalnum() %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{%- endif %}"
+    "{{ '[TOOL_RESULTS] ' + ({'content': m.content, 'call_id': m.tool_call_id} | tojson) + '[/TOOL_RESULTS]' }}"
     "{%- endif %}{%- endfor %}")
 
 # A template that is not append-only: the system line changes once a tool has answered.

@@ -10,7 +10,7 @@ import torch
 
 from hybrid_rl.rollout.chat_template import FAMILIES, TemplateError, ToolSuffix, detect_family
 from hybrid_rl.rollout.multi_turn import ToolLoop, TurnLimits
-from hybrid_rl.rollout.tool_calls import get_parser
+from hybrid_rl.rollout.tool_calls import ToolCall, get_parser
 from hybrid_rl.rollout.tools import ToolRunner, resolve_tools
 from hybrid_rl.rollout.trajectory import Trajectory
 from hybrid_rl.types import Generation
@@ -87,7 +87,8 @@ def test_trained_ids_are_the_engines_and_the_mask_is_the_models_tokens(name, run
     text = tok.decode(full)
     call_message = {"role": "assistant", "content": CALL_TEXT[family.name]}
     rendered = tok.apply_chat_template([{"role": "user", "content": "what is 2 + 3?"}, call_message,
-                                        {"role": "tool", "name": "calc", "content": "5"},
+                                        {"role": "tool", "name": "calc", "content": "5",
+                                         "tool_call_id": family.call_id(ToolCall("calc"), 0)},
                                         {"role": "assistant", "content": final}], tools=SCHEMAS,
                                        tokenize=False)
     assert text + family.after_turn == rendered
@@ -114,13 +115,12 @@ def test_boundary_tokens_the_model_did_not_sample_are_context():
 
 def test_a_template_that_rewrites_the_prefix_is_refused_clearly():
     tok = tokenizer_for("rewrites")
-    suffix = ToolSuffix(tok, FAMILIES["chatml"], SCHEMAS)
     with pytest.raises(TemplateError, match="not append-only.*'No tools yet.*becomes 'Tools were used"):
-        suffix.ids([{"role": "tool", "content": "5"}], ended=True)
+        ToolSuffix(tok, FAMILIES["chatml"], SCHEMAS)  # the probe tool exchange at start-up finds it
     # Qwen3 with a base turn without reasoning: the template drops the think block once the turn is not last.
     bare = FAMILIES["chatml"]
     with pytest.raises(TemplateError, match="not append-only"):
-        ToolSuffix(tokenizer_for("qwen3"), bare, SCHEMAS).text([{"role": "tool", "content": "5"}])
+        ToolSuffix(tokenizer_for("qwen3"), bare, SCHEMAS)
 
 
 def test_a_template_of_another_family_is_refused_at_start():
