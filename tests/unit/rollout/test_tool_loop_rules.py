@@ -19,31 +19,24 @@ from hybrid_rl.rollout.chat_template import FAMILIES, TemplateError, ToolSuffix,
 from hybrid_rl.rollout.exchange import gather_index
 from hybrid_rl.rollout.multi_turn import ToolLoop, TurnLimits
 from hybrid_rl.rollout.tool_calls import ToolCall, get_parser
-from hybrid_rl.rollout.tools import ToolRequest, ToolRunner, resolve_tools
+from hybrid_rl.rollout.tools import ToolRequest, ToolRunner
 from hybrid_rl.rollout.tools._worker import INFRA, OK
 from hybrid_rl.rollout.trajectory import Trajectory
 from hybrid_rl.types import Generation, Scores
+from tests.unit.rollout.conftest import CALC
 from tests.unit.rollout.templates import CALL_TEXT, SMOLLM2, tokenizer_for
 
-TOOLS = resolve_tools(["tests.unit.rollout.templates:calc"])
-SCHEMAS = [t.schema for t in TOOLS]
-
-
-@pytest.fixture(scope="module")
-def runner():
-    r = ToolRunner(TOOLS, workers=1, timeout_s=5.0)
-    yield r
-    r.close()
+SCHEMAS = [t.schema for t in CALC]
 
 
 def _enc(tok, text):
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def _play(tok, turns, runner, limits):
+def _play(tok, turns, calc_runner, limits):
     """Turn k of the single trajectory answers with `turns[k]` (ids); finish 'length' when the budget cut it."""
     family = detect_family(tok.chat_template)
-    loop = ToolLoop(tok, ToolSuffix(tok, family, SCHEMAS), get_parser(family.parser), runner, limits)
+    loop = ToolLoop(tok, ToolSuffix(tok, family, SCHEMAS), get_parser(family.parser), calc_runner, limits)
     prompt = tok.apply_chat_template([{"role": "user", "content": "2 + 3?"}], tools=SCHEMAS,
                                      add_generation_prompt=True, tokenize=False)
     traj, seen = Trajectory(_enc(tok, prompt)), []
@@ -57,11 +50,11 @@ def _play(tok, turns, runner, limits):
     return traj, seen
 
 
-def test_mistral_tool_messages_carry_an_id_its_template_accepts(runner):
+def test_mistral_tool_messages_carry_an_id_its_template_accepts(calc_runner):
     tok = tokenizer_for("mistral")
     eot = tok.convert_tokens_to_ids("</s>")
     turn1 = _enc(tok, CALL_TEXT["mistral"]) + [eot]
-    traj, seen = _play(tok, [turn1, _enc(tok, "5") + [eot]], runner, TurnLimits(3, 3, 64, 512))
+    traj, seen = _play(tok, [turn1, _enc(tok, "5") + [eot]], calc_runner, TurnLimits(3, 3, 64, 512))
     assert traj.turns == 2 and traj.log[0]["status"] == "ok" and not traj.infra_failed
     context = tok.decode(traj.response_ids[len(turn1): len(traj.response_ids) - 2])
     assert '"call_id": "call00000"' in context and '"content": "5"' in context
@@ -93,33 +86,33 @@ def test_llama3_json_calls_keep_semicolons_inside_strings():
     assert bad[0] == ToolCall("a", {}) and len(bad) == 2 and bad[1].error
 
 
-def test_a_qwen3_call_inside_the_thinking_block_is_not_executed(runner):
+def test_a_qwen3_call_inside_the_thinking_block_is_not_executed(calc_runner):
     tok = tokenizer_for("qwen3")
     eot = tok.convert_tokens_to_ids("<|im_end|>")
     thought = ('<think>\nmaybe <tool_call>\n{"name": "calc", "arguments": {"a": 2, "b": 3}}\n</tool_call>\n'
                '</think>\n\nIt is 5.')
-    traj, seen = _play(tok, [_enc(tok, thought) + [eot]], runner, TurnLimits(3, 3, 64, 512))
+    traj, seen = _play(tok, [_enc(tok, thought) + [eot]], calc_runner, TurnLimits(3, 3, 64, 512))
     assert traj.turns == 1 and traj.tool_calls == 0 and traj.log == [] and len(seen) == 1
     # a turn that never closed its thinking block calls nothing either
     assert get_parser("hermes")("no call") == []
     assert FAMILIES["qwen3"].answer_text("<think>\n<tool_call>{}</tool_call>") == ""
 
 
-def test_a_call_past_the_limit_in_a_later_turn_is_answered_with_the_limit_error(runner):
+def test_a_call_past_the_limit_in_a_later_turn_is_answered_with_the_limit_error(calc_runner):
     tok = tokenizer_for("qwen2.5")
     eot = tok.convert_tokens_to_ids("<|im_end|>")
     call = _enc(tok, CALL_TEXT["chatml"]) + [eot]
-    traj, seen = _play(tok, [call, call, _enc(tok, "5") + [eot]], runner, TurnLimits(4, 1, 64, 512))
+    traj, seen = _play(tok, [call, call, _enc(tok, "5") + [eot]], calc_runner, TurnLimits(4, 1, 64, 512))
     assert traj.turns == 3 and len(seen) == 3 and not traj.truncated
     assert [c["status"] for c in traj.log] == ["ok", "error"]
     assert "limit of 1 tool calls" in traj.log[1]["result"]
 
 
-def test_a_turn_cut_by_max_turn_tokens_is_marked_truncated(runner):
+def test_a_turn_cut_by_max_turn_tokens_is_marked_truncated(calc_runner):
     tok = tokenizer_for("qwen2.5")
     eot = tok.convert_tokens_to_ids("<|im_end|>")
     long = _enc(tok, "a long answer that goes on and on")
-    traj, _ = _play(tok, [long, _enc(tok, "5") + [eot]], runner, TurnLimits(3, 3, 64, 512, max_turn_tokens=4))
+    traj, _ = _play(tok, [long, _enc(tok, "5") + [eot]], calc_runner, TurnLimits(3, 3, 64, 512, max_turn_tokens=4))
     assert traj.truncated and traj.turns == 1 and len(traj.response_ids) == 4
 
 

@@ -11,20 +11,12 @@ import torch
 from hybrid_rl.rollout.chat_template import FAMILIES, TemplateError, ToolSuffix, detect_family
 from hybrid_rl.rollout.multi_turn import ToolLoop, TurnLimits
 from hybrid_rl.rollout.tool_calls import ToolCall, get_parser
-from hybrid_rl.rollout.tools import ToolRunner, resolve_tools
 from hybrid_rl.rollout.trajectory import Trajectory
 from hybrid_rl.types import Generation
+from tests.unit.rollout.conftest import CALC
 from tests.unit.rollout.templates import CALL_TEXT, FAMILY_OF, tokenizer_for
 
-TOOLS = resolve_tools(["tests.unit.rollout.templates:calc"])
-SCHEMAS = [t.schema for t in TOOLS]
-
-
-@pytest.fixture(scope="module")
-def runner():
-    r = ToolRunner(TOOLS, workers=1, timeout_s=5.0)
-    yield r
-    r.close()
+SCHEMAS = [t.schema for t in CALC]
 
 
 class Scripted:
@@ -46,10 +38,10 @@ def _enc(tok, text):
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def _play(tok, turns, runner, *, budget=512, max_turns=4):
+def _play(tok, turns, calc_runner, *, budget=512, max_turns=4):
     family = detect_family(tok.chat_template)
     suffix = ToolSuffix(tok, family, SCHEMAS)
-    loop = ToolLoop(tok, suffix, get_parser(family.parser), runner, TurnLimits(max_turns, 4, 64, budget))
+    loop = ToolLoop(tok, suffix, get_parser(family.parser), calc_runner, TurnLimits(max_turns, 4, 64, budget))
     prompt = tok.apply_chat_template([{"role": "user", "content": "what is 2 + 3?"}], tools=SCHEMAS,
                                      add_generation_prompt=True, tokenize=False)
     traj = Trajectory(_enc(tok, prompt))
@@ -59,7 +51,7 @@ def _play(tok, turns, runner, *, budget=512, max_turns=4):
 
 
 @pytest.mark.parametrize("name", ["qwen2.5", "smollm2", "qwen3", "llama3", "mistral"])
-def test_trained_ids_are_the_engines_and_the_mask_is_the_models_tokens(name, runner):
+def test_trained_ids_are_the_engines_and_the_mask_is_the_models_tokens(name, calc_runner):
     tok = tokenizer_for(name)
     family = FAMILIES[FAMILY_OF[name]]
     assert detect_family(tok.chat_template) == family
@@ -67,7 +59,7 @@ def test_trained_ids_are_the_engines_and_the_mask_is_the_models_tokens(name, run
     turn1 = _enc(tok, CALL_TEXT[family.name]) + [eot]
     final = ("<think>\nit is 5\n</think>\n\n" if family.name == "qwen3" else "") + "The answer is 5."
     turn2 = _enc(tok, final) + [eot]
-    traj, engine, suffix = _play(tok, [turn1, turn2], runner)
+    traj, engine, suffix = _play(tok, [turn1, turn2], calc_runner)
 
     sample = traj.to_sample(0, 0, 0, {})
     full = torch.cat([sample.prompt_ids, sample.response_ids]).tolist()
@@ -128,15 +120,15 @@ def test_a_template_of_another_family_is_refused_at_start():
         ToolSuffix(tokenizer_for("qwen2.5"), FAMILIES["llama3"], SCHEMAS)
 
 
-def test_budget_ends_a_trajectory_before_a_tool_result_that_does_not_fit(runner):
+def test_budget_ends_a_trajectory_before_a_tool_result_that_does_not_fit(calc_runner):
     tok = tokenizer_for("qwen2.5")
     eot = tok.convert_tokens_to_ids("<|im_end|>")
     turn1 = _enc(tok, CALL_TEXT["chatml"]) + [eot]
-    traj, engine, _ = _play(tok, [turn1, _enc(tok, "5") + [eot]], runner, budget=len(turn1) + 5)
+    traj, engine, _ = _play(tok, [turn1, _enc(tok, "5") + [eot]], calc_runner, budget=len(turn1) + 5)
     assert traj.truncated and traj.response_ids == turn1 and all(traj.loss_mask) and len(engine.seen) == 1
 
 
-def test_a_turn_cut_by_the_budget_ends_the_trajectory(runner):
+def test_a_turn_cut_by_the_budget_ends_the_trajectory(calc_runner):
     tok = tokenizer_for("qwen2.5")
-    traj, engine, _ = _play(tok, [_enc(tok, "a long answer without end")], runner, budget=3)
+    traj, engine, _ = _play(tok, [_enc(tok, "a long answer without end")], calc_runner, budget=3)
     assert traj.truncated and len(traj.response_ids) == 3 and traj.turns == 1
