@@ -91,9 +91,29 @@ def mistral(text: str) -> list[ToolCall]:
     return [_from_object(i, json.dumps(i)) for i in items]
 
 
-# rollout.multi_turn.parser (or the template family's default) -> parser
-PARSERS: dict[str, Callable[[str], list[ToolCall]]] = {"hermes": hermes, "llama3_json": llama3_json,
-                                                        "mistral": mistral}
+@dataclass(frozen=True)
+class CallFormat:
+    """A family's way of writing calls: how to read them, and the turn's text without them (what an OpenAI answer
+    gives as the message's `content` beside its parsed `tool_calls`)."""
+
+    parse: Callable[[str], list[ToolCall]]
+    content: Callable[[str], str]
+
+
+# rollout.multi_turn.parser (or the template family's default) -> its call format
+FORMATS: dict[str, CallFormat] = {
+    "hermes": CallFormat(hermes, lambda text: _HERMES.sub("", text).strip()),
+    "llama3_json": CallFormat(llama3_json, lambda text: ""),  # the whole turn is the calls
+    "mistral": CallFormat(mistral, lambda text: text.split("[TOOL_CALLS]", 1)[0].strip()),
+}
+PARSERS: dict[str, Callable[[str], list[ToolCall]]] = {name: f.parse for name, f in FORMATS.items()}
+
+
+def get_format(name: str) -> CallFormat:
+    """A built-in call format by name (`TemplateFamily.parser`)."""
+    if name not in FORMATS:
+        raise ValueError(f"unknown tool-call format {name!r}: expected one of {sorted(FORMATS)}")
+    return FORMATS[name]
 
 
 def get_parser(name: str) -> Callable[[str], list[ToolCall]]:
