@@ -110,7 +110,10 @@ def build(cfg: Config) -> Components:
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"the tokenizer in model.path={cfg.model.path!r} has no EOS token: generation cannot stop")
     # With tools, prompts are rendered with their schemas (the chat template's `tools=`), as the model will see them.
-    loader, val_records = _datasets(cfg, with_tools(tokenizer, tool_schemas(cfg)) if uses_tools(cfg) else tokenizer)
+    prompts_tokenizer = tokenizer
+    if uses_tools(cfg):  # plain-string prompts refused unless an environment's reset may give the prompts
+        prompts_tokenizer = with_tools(tokenizer, tool_schemas(cfg), raw_prompts=bool(cfg.rollout.environment))
+    loader, val_records = _datasets(cfg, prompts_tokenizer)
     plan = _check_memory(cfg, dims, [len(r.prompt_ids) for r in loader.dataset])
     rewards = None if cfg.algorithm.offline_pairs else _rewards(cfg)
 

@@ -167,23 +167,34 @@ class ToolSuffix:
         return head + self.boundary_ids + self._encode(self.text(messages))
 
 
+RAW_PROMPTS_WITH_TOOLS = (
+    "rollout.tools is set but the dataset's prompts are plain strings, which reach the model as they are: without "
+    "the chat template, so without the tools' schemas and the format to call them in. Set "
+    "data.apply_chat_template=true (each prompt becomes one user message) or give the prompts as lists of chat "
+    "messages.")
+
+
 class _WithTools:
     """A tokenizer whose chat template always gets the tools (`with_tools`); everything else is the tokenizer's."""
 
-    def __init__(self, tokenizer, tools: list[dict]):
-        self._tokenizer, self._tools = tokenizer, tools
+    def __init__(self, tokenizer, tools: list[dict], raw_prompts: bool):
+        self._tokenizer, self._tools, self._raw_prompts = tokenizer, tools, raw_prompts
 
     def __getattr__(self, name: str):
         return getattr(self._tokenizer, name)
 
     def __call__(self, *args, **kwargs):
+        # the data layer tokenizes raw (untemplated) prompt text, and only that, with the tokenizer's special tokens
+        if kwargs.get("add_special_tokens", True) and not self._raw_prompts:
+            raise TemplateError(RAW_PROMPTS_WITH_TOOLS)
         return self._tokenizer(*args, **kwargs)
 
     def apply_chat_template(self, conversation, **kwargs):
         return self._tokenizer.apply_chat_template(conversation, tools=self._tools, **kwargs)
 
 
-def with_tools(tokenizer, tools: list[dict]):
+def with_tools(tokenizer, tools: list[dict], *, raw_prompts: bool = False):
     """`tokenizer`, rendering every chat prompt with `tools=` (the data layer renders the prompts; it need not know
-    about tools)."""
-    return _WithTools(tokenizer, tools)
+    about tools). Plain-string prompts, which no template renders, are refused with one clear error unless
+    `raw_prompts` (an environment whose `reset` returns the prompts)."""
+    return _WithTools(tokenizer, tools, raw_prompts)

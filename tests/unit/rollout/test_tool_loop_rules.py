@@ -168,3 +168,18 @@ def test_overlong_shaping_counts_the_models_tokens_not_tool_or_template_tokens()
                       rm_weight=0.0)
     total = outcome_scores(Scores(torch.zeros(2)), PassOutputs(), share, s)
     assert total.tolist() == pytest.approx([0.0, -0.75])
+
+
+def test_plain_string_prompts_with_tools_get_one_clear_error(tmp_path):
+    from hybrid_rl.data import load_prompt_dataset
+    from hybrid_rl.rollout.chat_template import with_tools
+
+    f = tmp_path / "rows.jsonl"
+    f.write_text('{"prompt": "What is 2 + 3?"}\n')
+    tok = with_tools(tokenizer_for("qwen2.5"), SCHEMAS)
+    with pytest.raises(TemplateError, match="prompts are plain strings.*data.apply_chat_template=true"):
+        load_prompt_dataset([str(f)], tok, max_prompt_tokens=4096)
+    templated = load_prompt_dataset([str(f)], tok, max_prompt_tokens=4096, apply_chat_template=True)
+    assert '"name": "calc"' in next(iter(templated)).prompt_text  # rendered with the tools' schemas
+    env_given = with_tools(tokenizer_for("qwen2.5"), SCHEMAS, raw_prompts=True)  # an environment's reset may give them
+    assert len(load_prompt_dataset([str(f)], env_given, max_prompt_tokens=4096)) == 1
