@@ -1,6 +1,6 @@
 """Run a turn's tool calls in parallel, each bounded: a hang, a crash or a flood costs that call only.
 
-Function tools (`rollout.tools`, the built-in `python`) run in worker processes started once (spawned, as the
+Function tools (`rollout.tools`, the built-in `python`, an MCP server's tools) run in worker processes started once (spawned, as the
 reward pool's, with its helpers: a hidden `__main__`, workers that leave with the trainer, a kill-and-reap stop).
 At most one call per worker is in flight, so each call's clock starts when it is sent:
 
@@ -33,6 +33,7 @@ from hybrid_rl.rewards.pool import _main_module_hidden, _stop_workers
 from hybrid_rl.rollout.tool_calls import ToolCall
 from hybrid_rl.rollout.tools import _worker
 from hybrid_rl.rollout.tools._worker import ERROR, INFRA, OK, TIMEOUT, as_text, middle_cut
+from hybrid_rl.rollout.tools.mcp_tools import is_mcp
 from hybrid_rl.rollout.tools.spec import ToolInfraError, ToolSpec
 
 _POLL_S = 0.02
@@ -67,7 +68,9 @@ class ToolRunner:
 
     def _pool(self) -> ProcessPoolExecutor:
         if self._executor is None:
-            ex = ProcessPoolExecutor(self.workers, mp_context=self._ctx, initializer=_worker.init)
+            mcp_servers = tuple(sorted({t.path for t in self.tools.values() if is_mcp(t.path)}))
+            ex = ProcessPoolExecutor(self.workers, mp_context=self._ctx, initializer=_worker.init,
+                                     initargs=(mcp_servers,))
             with _main_module_hidden():
                 probes = [ex.submit(_worker.ready) for _ in range(self.workers)]
             done, pending = wait(probes, timeout=self._startup_timeout_s)
@@ -179,4 +182,4 @@ class ToolRunner:
 
     def _send(self, pool: ProcessPoolExecutor, r: ToolRequest) -> Future:
         return pool.submit(_worker.call, self.tools[r.call.name].path, dict(r.call.arguments), self.timeout_s,
-                           self.max_chars)
+                           self.max_chars, r.call.name)

@@ -3,7 +3,7 @@
 A tool is a plain function with type hints and a Google-style docstring (`Args:`): transformers' `get_json_schema`
 turns it into the schema the chat template shows the model, and an untyped or undocumented argument is refused at
 start-up (not when the model first calls it). `rollout.tools=[my_pkg.tools:calc, python]`: `python` is the built-in
-sandboxed executor (`builtin.py`).
+sandboxed executor (`builtin.py`); `mcp:<command or URL>` adds every tool of an MCP server (`mcp_tools.py`).
 
 An environment (`rollout.environment=my_pkg.env:Shop`) is a class built with no arguments, one instance per
 trajectory: `reset(**row)` gets the dataset row's fields and may return the prompt (a string, one user message, or
@@ -32,7 +32,7 @@ _ENV_RESERVED = {"reset", "reward"}
 @dataclass(frozen=True)
 class ToolSpec:
     name: str
-    path: str  # "pkg.module:function": what a worker process imports and calls
+    path: str  # "pkg.module:function": what a worker process imports and calls; or "mcp:<server>" it connects to
     schema: dict  # {"type": "function", "function": {...}}
 
 
@@ -63,8 +63,13 @@ def schema_of(fn, what: str) -> dict:
 
 def resolve_tools(names: list[str]) -> list[ToolSpec]:
     """`rollout.tools` -> specs, in order; a name used twice is refused."""
+    from hybrid_rl.rollout.tools.mcp_tools import is_mcp, list_tools
+
     out = []
     for name in names:
+        if is_mcp(name):
+            out += list_tools(name)
+            continue
         path = BUILTINS.get(name, name)
         fn = load_object(path, "rollout.tools entry")
         if not callable(fn):
