@@ -82,6 +82,13 @@ FAMILIES: dict[str, TemplateFamily] = {
     "llama3": TemplateFamily("llama3", "<|eot_id|>", "", "llama3_json"),
     "mistral": TemplateFamily("mistral", "</s>", "", "mistral", call_id_format="call{k:05d}",
                               call_id_pattern=r"[A-Za-z0-9]{9}"),
+    # Mistral's tokenizer v11+ templates: calls as [TOOL_CALLS]name[ARGS]{...}
+    "mistral_args": TemplateFamily("mistral_args", "</s>", "", "mistral_args", call_id_format="call{k:05d}",
+                                   call_id_pattern=r"[A-Za-z0-9]{9}"),
+    # Qwen3-Coder: ChatML, calls as XML (<function=name><parameter=key>value</parameter></function>)
+    "qwen3_coder": TemplateFamily("qwen3_coder", "<|im_end|>", "\n", "qwen3_coder"),
+    # Llama 4: <|header_start|> ... <|eot|>, pythonic calls
+    "llama4": TemplateFamily("llama4", "<|eot|>", "", "pythonic"),
 }
 
 
@@ -89,13 +96,18 @@ def detect_family(chat_template: str | None) -> TemplateFamily:
     """The family of a chat template, from the markers it writes (the order matters: Qwen3 is ChatML + <think>)."""
     t = chat_template or ""
     if "<|im_start|>" in t:
+        if "<function=" in t:
+            return FAMILIES["qwen3_coder"]
         return FAMILIES["qwen3" if "<think>" in t else "chatml"]
+    if "<|header_start|>" in t:
+        return FAMILIES["llama4"]
     if "<|start_header_id|>" in t:
         return FAMILIES["llama3"]
     if "[INST]" in t:
-        return FAMILIES["mistral"]
-    raise TemplateError("cannot tell the chat template's family (no <|im_start|>, <|start_header_id|> or [INST] in "
-                        f"it); set rollout.multi_turn.template to one of {sorted(FAMILIES)}")
+        return FAMILIES["mistral_args" if "[ARGS]" in t else "mistral"]
+    raise TemplateError("cannot tell the chat template's family (no <|im_start|>, <|header_start|>, "
+                        "<|start_header_id|> or [INST] in it); set rollout.multi_turn.template to one of "
+                        f"{sorted(FAMILIES)}")
 
 
 def family_of(name: str, chat_template: str | None) -> TemplateFamily:

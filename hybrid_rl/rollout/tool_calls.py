@@ -7,6 +7,7 @@ it as malformed, so the model learns the format instead of the trajectory dying.
 
 from __future__ import annotations
 
+import ast
 import importlib
 import json
 import re
@@ -91,6 +92,78 @@ def mistral(text: str) -> list[ToolCall]:
     return [_from_object(i, json.dumps(i)) for i in items]
 
 
+_ARGS_CALL = re.compile(r"\s*([^\[\]\s]+)\s*(?:\[CALL_ID\]\s*([A-Za-z0-9]+)\s*)?\[ARGS\](.*)", re.DOTALL)
+
+
+def mistral_args(text: str) -> list[ToolCall]:
+    """Mistral's newer format (tokenizer v11+: Mistral Small 3.2, Magistral, Devstral): each call is
+    `[TOOL_CALLS]name[ARGS]{...}`, with `[CALL_ID]id` before `[ARGS]` in v11."""
+    if "[TOOL_CALLS]" not in text:
+        return []
+    calls = []
+    for part in text.split("[TOOL_CALLS]")[1:]:
+        m = _ARGS_CALL.match(part)
+        if m is None:
+            calls.append(ToolCall("", error=f"a tool call must be name[ARGS]{{...}}, got {part[:200]!r}"))
+            continue
+        name, call_id, args = m.groups()
+        call = _from_object({"name": name, "arguments": args.strip()}, part)
+        calls.append(ToolCall(call.name, call.arguments, call.error, call_id or ""))
+    return calls
+
+
+_XML_FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)(?:</function>|$)", re.DOTALL)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
+
+
+def _xml_value(text: str) -> Any:
+    """A parameter's value: JSON when it reads as JSON (numbers, booleans, objects, lists), else the text."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def qwen3_coder(text: str) -> list[ToolCall]:
+    """Qwen3-Coder's XML calls: `<tool_call><function=name><parameter=key>value</parameter>...</function></tool_call>`
+    (values as written: text, or JSON for numbers and structures)."""
+    calls = []
+    for block in _HERMES.findall(text):
+        m = _XML_FUNCTION.search(block)
+        if m is None:
+            calls.append(ToolCall("", error=f"a tool call must hold <function=name>...</function>, got {block[:200]!r}"))
+            continue
+        calls.append(ToolCall(m.group(1), {k: _xml_value(v) for k, v in _XML_PARAMETER.findall(m.group(2))}))
+    return calls
+
+
+_PYTHONIC_START = re.compile(r"\[\s*[A-Za-z_]\w*\(")
+
+
+def pythonic(text: str) -> list[ToolCall]:
+    """Pythonic calls (Llama 4, Llama 3.2's pythonic template): the turn is a Python list of calls with keyword
+    arguments of literal values, `[calc(a=2, b=3), lookup(key="x")]`."""
+    body = text.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>").strip()
+    if not _PYTHONIC_START.match(body):
+        return []
+    try:
+        tree = ast.parse(body, mode="eval").body
+    except SyntaxError as e:
+        return [ToolCall("", error=f"the tool calls are not a valid Python list of calls ({e.msg}): {body[:200]!r}")]
+    if not isinstance(tree, ast.List):
+        return []
+    calls = []
+    for node in tree.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            calls.append(ToolCall("", error=f"each call must be name(key=value, ...), got {ast.unparse(node)[:200]!r}"))
+            continue
+        try:
+            calls.append(ToolCall(node.func.id, {k.arg: ast.literal_eval(k.value) for k in node.keywords}))
+        except ValueError:
+            calls.append(ToolCall(node.func.id, error=f"the arguments of {node.func.id} must be literal values"))
+    return calls
+
+
 @dataclass(frozen=True)
 class CallFormat:
     """A family's way of writing calls: how to read them, and the turn's text without them (what an OpenAI answer
@@ -105,6 +178,9 @@ FORMATS: dict[str, CallFormat] = {
     "hermes": CallFormat(hermes, lambda text: _HERMES.sub("", text).strip()),
     "llama3_json": CallFormat(llama3_json, lambda text: ""),  # the whole turn is the calls
     "mistral": CallFormat(mistral, lambda text: text.split("[TOOL_CALLS]", 1)[0].strip()),
+    "mistral_args": CallFormat(mistral_args, lambda text: text.split("[TOOL_CALLS]", 1)[0].strip()),
+    "qwen3_coder": CallFormat(qwen3_coder, lambda text: _HERMES.sub("", text).strip()),
+    "pythonic": CallFormat(pythonic, lambda text: ""),  # the whole turn is the calls
 }
 PARSERS: dict[str, Callable[[str], list[ToolCall]]] = {name: f.parse for name, f in FORMATS.items()}
 

@@ -60,3 +60,8 @@ def openai_agent(base_url: str, row: dict) -> float:
     client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
     client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Again."}], max_tokens=4)
     return float(len(reply) % 2)
+
+
+def always_add(text: str) -> list[ToolCall]:
+    """Every turn calls the MCP test server's `add` (`tests/unit/rollout/mcp_server.py`)."""
+    return [ToolCall("add", {"a": len(text), "b": 7})]

@@ -183,3 +183,26 @@ def test_plain_string_prompts_with_tools_get_one_clear_error(tmp_path):
     assert '"name": "calc"' in next(iter(templated)).prompt_text  # rendered with the tools' schemas
     env_given = with_tools(tokenizer_for("qwen2.5"), SCHEMAS, raw_prompts=True)  # an environment's reset may give them
     assert len(load_prompt_dataset([str(f)], env_given, max_prompt_tokens=4096)) == 1
+
+
+def test_the_newer_call_formats_read_calls_and_report_malformed_ones():
+    xml = get_parser("qwen3_coder")("Sure.\n<tool_call>\n<function=python>\n<parameter=code>\nx = 1; print(x)\n"
+                                    "</parameter>\n<parameter=n>\n3\n</parameter>\n</function>\n</tool_call>")
+    assert xml == [ToolCall("python", {"code": "x = 1; print(x)", "n": 3})]
+    assert get_parser("qwen3_coder")("<tool_call>nothing</tool_call>")[0].error
+    py = get_parser("pythonic")('[calc(a=2, b=3), lookup(key="a;b")]')
+    assert py == [ToolCall("calc", {"a": 2, "b": 3}), ToolCall("lookup", {"key": "a;b"})]
+    assert get_parser("pythonic")("The list is [1, 2].") == []
+    assert get_parser("pythonic")("[calc(2)]")[0].error and get_parser("pythonic")("[calc(a=x)]")[0].error
+    args = get_parser("mistral_args")('[TOOL_CALLS]calc[ARGS]{"a": 2}[TOOL_CALLS]calc[CALL_ID]Ab3dE6gH9[ARGS]{"b": 1}')
+    assert args == [ToolCall("calc", {"a": 2}), ToolCall("calc", {"b": 1}, id="Ab3dE6gH9")]
+    assert get_parser("mistral_args")("[TOOL_CALLS]calc{}")[0].error
+
+
+@pytest.mark.parametrize(("name", "family"), [("qwen3-coder", "qwen3_coder"), ("llama4", "llama4"),
+                                              ("mistral-v3", "mistral"), ("mistral-v7", "mistral"),
+                                              ("mistral-v11", "mistral_args"), ("mistral-v13", "mistral_args")])
+def test_each_family_is_detected_and_its_probe_exchange_renders(name, family):
+    tok = tokenizer_for(name)
+    assert detect_family(tok.chat_template) == FAMILIES[family]
+    ToolSuffix(tok, FAMILIES[family], SCHEMAS)  # renders the probe tool exchange through the template

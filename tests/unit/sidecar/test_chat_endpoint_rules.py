@@ -58,7 +58,8 @@ def _post(url, **body):
     return requests.post(f"{url}/chat/completions", json={"model": "policy", **body}, timeout=30)
 
 
-@pytest.mark.parametrize(("name", "family", "eot"), [("qwen3", "qwen3", "<|im_end|>"), ("mistral", "mistral", "</s>")])
+@pytest.mark.parametrize(("name", "family", "eot"), [("qwen3", "qwen3", "<|im_end|>"), ("mistral", "mistral", "</s>"),
+                                                     ("mistral-v3", "mistral", "</s>")])
 def test_a_user_follow_up_is_rendered_whole_not_refused(endpoint_for, name, family, eot):
     ep, server, tok, url = endpoint_for(name, family, eot, ["first answer", "second answer"])
     messages = [{"role": "user", "content": "hi"}]
@@ -100,14 +101,17 @@ def test_chat_template_kwargs_reach_the_template(endpoint_for):
     assert tok.decode(server.prompts[0]).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
-@pytest.mark.parametrize(("name", "family", "eot"), [("qwen2.5", "chatml", "<|im_end|>"), ("mistral", "mistral", "</s>"),
-                                                     ("llama3", "llama3", "<|eot_id|>")])
+@pytest.mark.parametrize(("name", "family", "eot"), [
+    ("qwen2.5", "chatml", "<|im_end|>"), ("mistral-v3", "mistral", "</s>"), ("llama3", "llama3", "<|eot_id|>"),
+    ("qwen3-coder", "qwen3_coder", "<|im_end|>"), ("llama4", "llama4", "<|eot|>"),
+    ("mistral-v13", "mistral_args", "</s>")])
 def test_tool_calls_come_back_parsed_in_the_openai_format(endpoint_for, name, family, eot):
-    ep, _, _, url = endpoint_for(name, family, eot, ["Let me add. " * (family == "chatml") + CALL_TEXT[family]])
+    prose = family in ("chatml", "qwen3_coder")  # formats where text may come before the calls
+    ep, _, _, url = endpoint_for(name, family, eot, ["Let me add. " * prose + CALL_TEXT[family]])
     r = _post(url, messages=[{"role": "user", "content": "2+3?"}], tools=[TOOL])
     choice = r.json()["choices"][0]
     (call,) = choice["message"]["tool_calls"]
     assert call["type"] == "function" and call["function"]["name"] == "calc"
     assert json.loads(call["function"]["arguments"]) == {"a": 2, "b": 3}
     assert call["id"] == FAMILIES[family].call_id_format.format(k=0) and choice["finish_reason"] == "tool_calls"
-    assert choice["message"]["content"] == ("Let me add." if family == "chatml" else "")
+    assert choice["message"]["content"] == ("Let me add." if prose else "")
