@@ -270,7 +270,7 @@ def agent_setup(cfg: Config, tokenizer) -> AgentSetup:
         parser = get_parser(family.parser if m.parser == "auto" else m.parser)
     except (ValueError, TemplateError) as e:
         raise ConfigError(str(e)) from None
-    runner = ToolRunner(tools, env.methods if env else (), workers=m.tool_workers,
+    runner = ToolRunner(tools, env.handlers if env else (), workers=m.tool_workers,
                         timeout_s=m.tool_timeout_s, max_chars=m.max_tool_response_tokens * 16)
     limits = TurnLimits(m.max_turns, m.max_tool_calls, m.max_tool_response_tokens, r.max_new_tokens, m.max_turn_tokens)
     return AgentSetup(ToolLoop(tokenizer, suffix, parser, runner, limits), runner, suffix, env,

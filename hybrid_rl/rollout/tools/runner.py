@@ -34,7 +34,7 @@ from hybrid_rl.rollout.tool_calls import ToolCall
 from hybrid_rl.rollout.tools import _worker
 from hybrid_rl.rollout.tools._worker import ERROR, INFRA, OK, TIMEOUT, as_text, middle_cut
 from hybrid_rl.rollout.tools.mcp_tools import is_mcp
-from hybrid_rl.rollout.tools.spec import ToolInfraError, ToolSpec
+from hybrid_rl.rollout.tools.spec import RESPOND, EnvReply, ToolInfraError, ToolSpec
 
 _POLL_S = 0.02
 
@@ -50,6 +50,8 @@ class ToolResult:
     text: str
     status: str  # ok | error | timeout | infra
     seconds: float = 0.0
+    reward: float = 0.0  # an environment's reward for this step (`EnvReply`)
+    role: str = "tool"  # who answers: "tool", "user" (an environment speaking as the user), "end" (respond: None)
 
 
 class ToolRunner:
@@ -135,6 +137,13 @@ class ToolRunner:
             if limit.expired:
                 return ToolResult(f"Error: the tool timed out after {self.timeout_s:g}s", TIMEOUT,
                                   time.monotonic() - start)
+            if isinstance(out, EnvReply):
+                return ToolResult(middle_cut(out.content, self.max_chars), OK, time.monotonic() - start,
+                                  float(out.reward), "user" if call.name == RESPOND else out.role)
+            if call.name == RESPOND:  # the user simulator: a message as the user, or None to end the dialogue
+                role = "end" if out is None else "user"
+                return ToolResult(middle_cut(as_text(out or ""), self.max_chars), OK, time.monotonic() - start,
+                                  role=role)
             status, text = OK, as_text(out)
         except ToolInfraError as e:
             status, text = INFRA, str(e)
