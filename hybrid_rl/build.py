@@ -266,7 +266,7 @@ def agent_setup(cfg: Config, tokenizer) -> AgentSetup:
         env = load_environment(r.environment) if r.environment else None
         family = family_of(m.template, getattr(tokenizer, "chat_template", None))
         schemas = [t.schema for t in tools] + (list(env.schemas) if env else [])
-        suffix = ToolSuffix(tokenizer, family, schemas)
+        suffix = ToolSuffix(tokenizer, family, schemas, user_turns=bool(env and env.has_respond))
         parser = get_parser(family.parser if m.parser == "auto" else m.parser)
     except (ValueError, TemplateError) as e:
         raise ConfigError(str(e)) from None

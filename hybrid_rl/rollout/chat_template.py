@@ -123,7 +123,7 @@ class ToolSuffix:
     generation prompt. Built once per run (it renders and checks the base conversation)."""
 
     def __init__(self, tokenizer, family: TemplateFamily, tools: Sequence[dict] | None = None,
-                 template_kwargs: Mapping[str, Any] | None = None):
+                 template_kwargs: Mapping[str, Any] | None = None, *, user_turns: bool = False):
         self.tokenizer, self.family, self.tools = tokenizer, family, list(tools) if tools else None
         self.template_kwargs = dict(template_kwargs or {})  # e.g. Qwen3's enable_thinking
         self.base_text = self._render(family.base, generation_prompt=False)
@@ -135,6 +135,11 @@ class ToolSuffix:
         self.end_of_turn_id = self._single_id(family.end_of_turn)
         self.boundary_ids = self._encode(family.after_turn)
         self.text([self.tool_message(ToolCall("probe"), "ok", 0)])  # the tool exchange the loop will render
+        if user_turns:  # an environment's user simulator: a user message after a model turn must append too
+            try:
+                self.text([{"role": "user", "content": "ok"}])
+            except TemplateError as e:
+                raise TemplateError(f"the environment answers as the user (respond), but {e}") from None
 
     def tool_message(self, call: ToolCall, content: str, k: int) -> dict[str, Any]:
         """The tool message answering `call`, the trajectory's `k`-th call (0-based)."""

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from hybrid_rl.rollout.chat_template import FAMILIES, ToolSuffix
+from hybrid_rl.rollout.chat_template import FAMILIES, TemplateError, ToolSuffix
 from hybrid_rl.rollout.environment import open_environment, trajectory_fields
 from hybrid_rl.rollout.multi_turn import ToolLoop, TurnLimits
 from hybrid_rl.rollout.tool_calls import hermes
@@ -69,3 +69,9 @@ def test_rewards_per_turn_without_reward_count_and_the_model_cannot_call_respond
     assert trajectory_fields(spec, env, traj)["env_reward"] == pytest.approx(0.25)
     dialogue = load_environment("tests.unit.rollout.env_dialogue:Dialogue")
     assert dialogue.has_respond and "respond" not in dialogue.methods and "respond" in dialogue.handlers
+
+
+def test_a_template_that_rewrites_earlier_turns_after_a_user_message_is_refused_at_start_with_a_user_simulator():
+    ToolSuffix(tokenizer_for("qwen2.5"), FAMILIES["chatml"], user_turns=True)  # ChatML appends a user turn
+    with pytest.raises(TemplateError, match="answers as the user.*not append-only"):
+        ToolSuffix(tokenizer_for("qwen3"), FAMILIES["qwen3"], user_turns=True)  # drops the earlier reasoning
