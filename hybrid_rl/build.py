@@ -112,7 +112,10 @@ def build(cfg: Config) -> Components:
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"the tokenizer in model.path={cfg.model.path!r} has no EOS token: generation cannot stop")
     # With tools, prompts are rendered with their schemas (the chat template's `tools=`), as the model will see them.
-    loader, val_records = _datasets(cfg, with_tools(tokenizer, tool_schemas(cfg)) if uses_tools(cfg) else tokenizer)
+    prompts_tokenizer = tokenizer
+    if uses_tools(cfg):  # plain-string prompts refused unless an environment's reset may give the prompts
+        prompts_tokenizer = with_tools(tokenizer, tool_schemas(cfg), raw_prompts=bool(cfg.rollout.environment))
+    loader, val_records = _datasets(cfg, prompts_tokenizer)
     plan = _check_memory(cfg, dims, [len(r.prompt_ids) for r in loader.dataset])
     rewards = None if cfg.algorithm.offline_pairs else _rewards(cfg)
 
@@ -265,11 +268,11 @@ def agent_setup(cfg: Config, tokenizer) -> AgentSetup:
         env = load_environment(r.environment) if r.environment else None
         family = family_of(m.template, getattr(tokenizer, "chat_template", None))
         schemas = [t.schema for t in tools] + (list(env.schemas) if env else [])
-        suffix = ToolSuffix(tokenizer, family, schemas)
+        suffix = ToolSuffix(tokenizer, family, schemas, user_turns=bool(env and env.has_respond))
         parser = get_parser(family.parser if m.parser == "auto" else m.parser)
     except (ValueError, TemplateError) as e:
         raise ConfigError(str(e)) from None
-    runner = ToolRunner(tools, env.methods if env else (), workers=m.tool_workers,
+    runner = ToolRunner(tools, env.handlers if env else (), workers=m.tool_workers,
                         timeout_s=m.tool_timeout_s, max_chars=m.max_tool_response_tokens * 16)
     limits = TurnLimits(m.max_turns, m.max_tool_calls, m.max_tool_response_tokens, r.max_new_tokens, m.max_turn_tokens)
     return AgentSetup(ToolLoop(tokenizer, suffix, parser, runner, limits), runner, suffix, env,

@@ -74,6 +74,9 @@ class BatchIndex:
     groups: torch.Tensor  # [N] int64
     truncated: torch.Tensor  # [N] bool
     parts: torch.Tensor | None = None  # [N] int64: each sample's `Sample.part` (None: every sample is its own episode)
+    # [N] int64: the tokens the model sampled (a multi-turn response less its tool and template tokens); None: all of
+    # the response
+    model_lens: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -102,7 +105,13 @@ class BatchIndex:
     def select(self, uids: torch.Tensor) -> BatchIndex:
         """The rows `uids` (whole episodes: an episode cut in two would no longer start at part 0)."""
         return BatchIndex(self.prompt_lens[uids], self.response_lens[uids], self.groups[uids], self.truncated[uids],
-                          None if self.parts is None else self.parts[uids])
+                          None if self.parts is None else self.parts[uids],
+                          None if self.model_lens is None else self.model_lens[uids])
+
+    @property
+    def own_lens(self) -> torch.Tensor:
+        """[N] int64: the tokens each response's model sampled (what length shaping judges)."""
+        return self.response_lens if self.model_lens is None else self.model_lens
 
 
 @dataclass(frozen=True)

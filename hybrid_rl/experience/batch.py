@@ -52,7 +52,8 @@ def outcome_scores(scores: Scores, passes: PassOutputs, share: Share, s: BatchSe
     if passes.rm_scores is not None:
         total = total + s.rm_weight * global_rows(passes.rm_scores, share.rows, share.index.size)
     if s.overlong_buffer:
-        total = total + overlong_penalty(share.index.response_lens, s.max_new_tokens, s.overlong_buffer,
+        # the model's own tokens: a multi-turn response's tool results and template tokens are not its length
+        total = total + overlong_penalty(share.index.own_lens, s.max_new_tokens, s.overlong_buffer,
                                          s.overlong_penalty)
     if (episodes := share.index.episodes) is not None:
         last, inverse = episode_rows(episodes)

@@ -33,7 +33,8 @@ def merge_rounds(rounds: list[tuple[Rollout, Scores, torch.Tensor]], limit: int)
     index = BatchIndex(*(torch.cat([getattr(i, f) for i in indices]) for f in
                          ("prompt_lens", "response_lens", "groups", "truncated")),
                        _parts([i.parts if i.parts is not None else torch.zeros(i.size, dtype=torch.int64)
-                               for i in indices]))
+                               for i in indices]),
+                       None if all(i.model_lens is None for i in indices) else torch.cat([i.own_lens for i in indices]))
     total = _concat(scores)
     size = _whole_groups(index.groups, limit)
     keep_first = torch.arange(index.size) < size

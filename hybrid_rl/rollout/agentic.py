@@ -56,11 +56,12 @@ def stats_of(t: Trajectory) -> dict[str, float]:
     return {"n": 1.0, "turns": t.turns, "tool_calls": t.tool_calls, "calling": float(t.tool_calls > 0),
             "malformed": t.malformed_calls, "errors": t.tool_errors, "timeouts": t.tool_timeouts,
             "infra": float(t.infra_failed), "truncated": float(t.truncated), "model_tokens": model,
-            "context_tokens": len(t.response_ids) - model}
+            "context_tokens": len(t.response_ids) - model, "user_turns": t.user_turns,
+            "turn_reward": sum(t.turn_rewards)}
 
 
 _KEYS = ("n", "turns", "tool_calls", "calling", "malformed", "errors", "timeouts", "infra", "truncated", "model_tokens",
-         "context_tokens", "tool_s", "generate_s", "trajectories")
+         "context_tokens", "tool_s", "generate_s", "trajectories", "user_turns", "turn_reward")
 
 
 def trajectory_metrics(stats: list[dict[str, float]], wall: tuple[float, float] | None = None) -> dict[str, float]:
@@ -84,6 +85,9 @@ def trajectory_metrics(stats: list[dict[str, float]], wall: tuple[float, float] 
             "rollout/model_tokens_mean": sums["model_tokens"] / n,
             "rollout/context_tokens_mean": sums["context_tokens"] / n, "timing/tool_s": tool_s,
             "rollout/tool_time_share": tool_s / loop_s if loop_s > 0 else 0.0,
+            # environments: user-simulator turns and per-turn rewards (summed over each trajectory)
+            **({"rollout/user_turns_mean": sums["user_turns"] / n} if sums["user_turns"] else {}),
+            **({"rollout/turn_reward_mean": sums["turn_reward"] / n} if sums["turn_reward"] else {}),
             # black-box agents: the trajectories each episode was stitched into (each one a trained sample)
             **({"rollout/trajectories_per_episode": sums["trajectories"] / n} if sums["trajectories"] else {})}
 

@@ -4,7 +4,7 @@
 (the row's, or those of the prompt `reset` returned, rendered with the tools). An environment that cannot start
 (its constructor, `reset` or the rendering of its prompt raises) is an infrastructure failure of that trajectory
 (dropped from the step, counted), not a crash of the run. `trajectory_fields`: what the reward may judge at the end,
-the calls made and the environment's `reward()`.
+the calls made, the per-turn rewards and the environment's reward (its `reward()` plus their sum).
 
 The instance lives where its trajectory's tools run (`tools.runner.ToolRunner` calls its methods): in sidecar mode
 the trajectory's thread; colocated, the rank that owns the trajectory (at TP > 1 its sample's holder in its group).
@@ -63,13 +63,16 @@ def _failed(prompt_ids: Sequence[int], why: str) -> Opening:
 
 
 def trajectory_fields(spec: Environment | None, env: Any, t: Trajectory) -> dict[str, Any]:
-    """The reward's extra fields: the calls made (`tool_calls`) and, with an environment that has one, its
-    `reward()` (`env_reward`, read once the trajectory ended; 0 if it raises)."""
-    out: dict[str, Any] = {"tool_calls": list(t.log)}
+    """The reward's extra fields: the calls made (`tool_calls`), the steps' rewards per model turn (`turn_rewards`)
+    and, with an environment that rewards, `env_reward`: its `reward()` (read once the trajectory ended; 0 if it
+    raises or has none) plus the sum of the per-turn rewards."""
+    out: dict[str, Any] = {"tool_calls": list(t.log), "turn_rewards": list(t.turn_rewards)}
     if env is not None and spec is not None and spec.has_reward and not t.infra_failed:
-        try:
-            out["env_reward"] = float(env.reward())
-        except Exception as e:  # noqa: BLE001 - the environment is user code: its failure scores 0, loudly
-            log.warning("the environment's reward() failed: %s: %s", type(e).__name__, e)
-            out["env_reward"] = 0.0
+        final = 0.0
+        if callable(getattr(env, "reward", None)):
+            try:
+                final = float(env.reward())
+            except Exception as e:  # noqa: BLE001 - the environment is user code: its failure scores 0, loudly
+                log.warning("the environment's reward() failed: %s: %s", type(e).__name__, e)
+        out["env_reward"] = final + sum(t.turn_rewards)  # the outcome plus every step's reward
     return out

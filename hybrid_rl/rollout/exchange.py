@@ -2,8 +2,8 @@
 
 After generation every sample is held by one rank. Two things then travel:
 
-* `gather_index`: one small int64 row per sample (uid, lengths, group, truncated, part) to every rank, so
-  that balancing, group statistics and metrics need no tokens (one all-gather).
+* `gather_index`: one small int64 row per sample (uid, lengths, model tokens, group, truncated, part) to every
+  rank, so that balancing, group statistics and metrics need no tokens (one all-gather).
 * `send_to_owners`: each sample's tokens, rollout log-probs, token versions and loss mask to the rank that trains
   on it (three all-to-alls: headers, token ids with the versions and mask behind them, log-probs), never to the
   others.
@@ -23,13 +23,14 @@ from hybrid_rl.distributed.collectives import all_gather_rows, all_to_all_rows
 from hybrid_rl.types import BatchIndex, Sample
 
 # Header columns of one sample on the wire.
-_UID, _PROMPT, _RESPONSE, _TRUNCATED, _GROUP, _RECORD, _LOGPROBS, _VERSIONS, _MASK, _PART = range(10)
-_COLUMNS = 10
+_UID, _PROMPT, _RESPONSE, _TRUNCATED, _GROUP, _RECORD, _LOGPROBS, _VERSIONS, _MASK, _PART, _MODEL = range(11)
+_COLUMNS = 11
 
 
 def _headers(samples: Sequence[Sample]) -> torch.Tensor:
     rows = [(s.uid, s.prompt_len, s.response_len, int(s.truncated), s.group, s.record_index,
-             int(s.rollout_logprobs.shape[0]), int(s.token_versions.shape[0]), int(s.loss_mask.shape[0]), s.part)
+             int(s.rollout_logprobs.shape[0]), int(s.token_versions.shape[0]), int(s.loss_mask.shape[0]), s.part,
+             int(s.loss_mask.sum()) if s.loss_mask.numel() else s.response_len)
             for s in samples]
     return torch.tensor(rows, dtype=torch.int64).view(-1, _COLUMNS)
 
@@ -43,9 +44,10 @@ def gather_index(held: Sequence[Sample], size: int) -> BatchIndex:
                            f"expected each of 0..{size - 1} exactly once")
     order = torch.argsort(uid)
     rows = rows[order]
-    parts = rows[:, _PART]
+    parts, model = rows[:, _PART], rows[:, _MODEL]
     return BatchIndex(rows[:, _PROMPT], rows[:, _RESPONSE], rows[:, _GROUP], rows[:, _TRUNCATED].bool(),
-                      parts if bool(parts.any()) else None)
+                      parts if bool(parts.any()) else None,
+                      None if torch.equal(model, rows[:, _RESPONSE]) else model)
 
 
 def send_to_owners(held: Sequence[Sample], owner: torch.Tensor, world: int,

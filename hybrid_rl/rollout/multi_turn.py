@@ -3,10 +3,15 @@
 Each turn sends the still-active trajectories' ids to the engine (one request each, its remaining response budget,
 or `max_turn_tokens` if less, as its token limit), appends the sampled ids and log-probs, parses the tool calls of the turn's text, runs all the
 batch's calls at once in the tool runner, and appends each result as the chat template's suffix
-(`chat_template.ToolSuffix`). A trajectory ends when a turn has no tool call, at `max_turns` model turns, when its
-tool calls reach `max_tool_calls`, when its response budget is spent (a tool result that would not fit ends it
+(`chat_template.ToolSuffix`). A trajectory ends when a turn has no tool call (calls written inside the family's
+reasoning block do not count), at `max_turns` model turns, when its response budget is spent (a tool result that would not fit ends it
 before being appended: never cut mid-token), or when a tool's infrastructure fails (then it is marked, and the
-rollout drops it).
+rollout drops it). Calls past `max_tool_calls` are answered with the limit's error message, not run; a turn cut
+by `max_turn_tokens` is parsed as any other and marks the trajectory truncated.
+
+With an environment that has a user simulator (`respond`), a model turn without calls is answered by it as the
+user's next message (None ends the dialogue); an environment's method may return an `EnvReply` with a reward for
+that step (kept per model turn, `Trajectory.turn_rewards`) or speaking as the user.
 
 Colocated at TP > 1 the ranks of a vLLM group hold the same trajectories and must send identical requests: each
 trajectory's calls run on one of them (a `ToolShare` says which), and the group exchanges the answers, the tool
@@ -26,6 +31,7 @@ from hybrid_rl.rollout.chat_template import ToolSuffix
 from hybrid_rl.rollout.tool_calls import ToolCall
 from hybrid_rl.rollout.tools._worker import ERROR, INFRA, TIMEOUT
 from hybrid_rl.rollout.tools.runner import ToolRequest, ToolResult, ToolRunner
+from hybrid_rl.rollout.tools.spec import RESPOND
 from hybrid_rl.rollout.trajectory import Trajectory
 from hybrid_rl.types import Generation
 
@@ -34,6 +40,7 @@ Generate = Callable[[list[list[int]], list[int], list[int]], list[Generation]]
 
 TRUNCATION_MARKER = "\n...[{n} tokens truncated]...\n"
 TURN_SEED_STRIDE = 1_000_003  # turn t of a trajectory draws with seed + t * stride
+USER_TURN = "user-turn"  # the id of the loop's own call to an environment's user simulator (`respond`)
 
 
 @dataclass(frozen=True)
@@ -103,6 +110,8 @@ class ToolLoop:
     def __init__(self, tokenizer, suffix: ToolSuffix, parser: Callable[[str], list[ToolCall]], runner: ToolRunner,
                  limits: TurnLimits):
         self.tokenizer, self.suffix, self.parser, self.runner, self.limits = tokenizer, suffix, parser, runner, limits
+        # an environment with a user simulator answers model turns without calls (`respond`)
+        self.user_turns = RESPOND in runner.env_methods
 
     def run(self, trajectories: Sequence[Trajectory], envs: Sequence[object | None], generate: Generate,
             seeds: Sequence[int], share: ToolShare | None = None) -> LoopStats:
@@ -140,14 +149,18 @@ class ToolLoop:
         if g.finish_reason == "length" and len(t.response_ids) >= lim.max_response_tokens:
             t.truncated, t.done = True, True
             return None
+        if g.finish_reason == "length":
+            t.truncated = True  # cut by max_turn_tokens: parsed as any other turn, but marked
         ended = bool(g.token_ids) and int(g.token_ids[-1]) == self.suffix.end_of_turn_id
         # special tokens kept (Mistral's [TOOL_CALLS] is one), the end-of-turn token not
         text = self.tokenizer.decode(list(g.token_ids)[: -1 if ended else None], skip_special_tokens=False)
-        calls = self.parser(text)
-        if not calls or t.turns >= lim.max_turns or lim.max_tool_calls - t.tool_calls <= 0:
+        answer = self.suffix.family.answer_text(text)
+        calls = self.parser(answer)  # a call inside the reasoning is a thought
+        # past max_tool_calls the calls are still answered (with the limit's error), so the model learns the limit
+        if t.turns >= lim.max_turns or not (calls or self.user_turns):
             t.done = True
             return None
-        return calls, ended
+        return calls or [ToolCall(RESPOND, {"message": answer}, id=USER_TURN)], ended
 
     def turn_budget(self, t: Trajectory) -> int:
         left = self.limits.max_response_tokens - len(t.response_ids)
@@ -173,7 +186,9 @@ class ToolLoop:
         for i, calls, _ in pending:
             room = self.limits.max_tool_calls - trajectories[i].tool_calls
             for k, c in enumerate(calls):
-                if k >= room:  # answered without running: the model learns the limit
+                if c.name == RESPOND and c.id != USER_TURN:  # the user simulator is not the model's to call
+                    c = ToolCall(c.name, c.arguments, error=f"unknown tool {RESPOND!r}")
+                elif k >= room and c.id != USER_TURN:  # answered without running: the model learns the limit
                     c = ToolCall(c.name, c.arguments, error=f"the limit of {self.limits.max_tool_calls} tool calls "
                                                             "per conversation is reached")
                 requests.append(ToolRequest(c, envs[i]))
@@ -185,11 +200,13 @@ class ToolLoop:
         out = {}
         for i, calls, ended in pending:
             answered = by_owner[i]
-            if any(r.status == INFRA for r in answered):
+            if any(r.status == INFRA or r.role == "end" for r in answered):
                 out[i] = ToolAnswer(tuple(answered), ())
                 continue
-            messages = [{"role": "tool", "name": c.name or "invalid", "content": self._cut(r.text)}
-                        for c, r in zip(calls, answered, strict=True)]
+            first = trajectories[i].tool_calls
+            messages = [{"role": "user", "content": self._cut(r.text)} if r.role == "user" else
+                        self.suffix.tool_message(c, self._cut(r.text), first + k)
+                        for k, (c, r) in enumerate(zip(calls, answered, strict=True))]
             out[i] = ToolAnswer(tuple(answered), tuple(self.suffix.ids(messages, ended=ended)))
         return out
 
@@ -198,14 +215,20 @@ class ToolLoop:
         tool's infrastructure failed, or they would overflow the budget: then the trajectory ends)."""
         answered = list(zip(calls, answer.results, strict=True))
         stats.per_call_seconds += [r.seconds for r in answer.results]
-        t.tool_calls += len(calls)
+        t.tool_calls += sum(1 for c in calls if c.id != USER_TURN)
+        t.user_turns += sum(1 for c, r in answered if c.id == USER_TURN and r.role != "end")
+        t.turn_rewards[-1] += sum(r.reward for r in answer.results)
         t.malformed_calls += sum(1 for c, _ in answered if c.error and not c.name)
         t.tool_errors += sum(1 for _, r in answered if r.status == ERROR)
         t.tool_timeouts += sum(1 for _, r in answered if r.status == TIMEOUT)
-        t.log += [{"name": c.name, "arguments": c.arguments, "status": r.status, "result": r.text[:2000]}
-                  for c, r in answered]
+        t.log += [{"name": c.name, "arguments": c.arguments, "status": r.status, "result": r.text[:2000],
+                   **({"reward": r.reward} if r.reward else {})}
+                  for c, r in answered if c.id != USER_TURN]
         if any(r.status == INFRA for _, r in answered):
             t.infra_failed, t.done = True, True
+            return
+        if any(r.role == "end" for _, r in answered):  # the user simulator ended the dialogue
+            t.done = True
             return
         if len(t.response_ids) + len(answer.ids) >= self.limits.max_response_tokens:
             t.truncated, t.done = True, True  # no room for the result and a reply: end here, nothing cut

@@ -36,6 +36,8 @@ class Trajectory:
     # black-box agents (`stitch.stitch`): the policy version that sampled each response token, a context token taking
     # the version of the model token before it; empty when the calls carried none
     versions: list[int] = field(default_factory=list)
+    turn_rewards: list[float] = field(default_factory=list)  # per model turn: the environment's step rewards
+    user_turns: int = 0  # messages an environment's user simulator (`respond`) answered with
 
     @property
     def context(self) -> list[int]:
@@ -53,6 +55,7 @@ class Trajectory:
         self.loss_mask += [True] * len(ids)
         self.logprobs += list(logprobs)
         self.turns += 1
+        self.turn_rewards.append(0.0)
 
     def add_context(self, ids: list[int]) -> None:
         self.response_ids += ids

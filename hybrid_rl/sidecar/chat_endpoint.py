@@ -15,9 +15,17 @@ ids the server sampled, and the new messages alone tokenised as the chat templat
 (`chat_template.ToolSuffix`, which checks the template is append-only). Any other call is rendered whole; the
 stitch rule then decides whether it still extends the trajectory or starts a new sample.
 
+New messages that the template cannot append without rewriting earlier turns (a user follow-up, for templates that
+move the tools or drop earlier reasoning once a user speaks: Qwen3's, Mistral's) are rendered whole. An error the
+chat template raises is the request's (400).
+
+The answer follows the OpenAI format: `stop` strings end the reply (the recorded ids end with the one that completed
+the stop string), `chat_template_kwargs` reach the template (Qwen3's `enable_thinking`), and tool calls the family's
+format reads in the reply come back parsed as `tool_calls` (ids in the family's format), `content` then holding the
+text without them, with `finish_reason` "tool_calls".
+
 Limits (the README's black-box section): sampling is the run's (`rollout.temperature`...; the request's
-temperature/top_p are ignored, the request's `max_tokens` only lowers the budget), one choice per call, no streaming,
-tool calls come back as the assistant's text (the agent parses them).
+temperature/top_p are ignored, the request's `max_tokens` only lowers the budget), one choice per call, no streaming.
 """
 
 from __future__ import annotations
@@ -31,7 +39,8 @@ from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from hybrid_rl.rollout.chat_template import TemplateFamily, ToolSuffix
+from hybrid_rl.rollout.chat_template import TemplateError, TemplateFamily, ToolSuffix
+from hybrid_rl.rollout.tool_calls import get_format
 from hybrid_rl.sidecar.completions import CompletionClient, Router
 from hybrid_rl.sidecar.stitch import RecordedCall
 from hybrid_rl.sidecar.vllm_server import SERVED_MODEL
@@ -50,6 +59,7 @@ class _Episode:
     messages: list[dict] = field(default_factory=list)  # the last call's messages and its reply's text
     reply: str = ""
     ended: bool = False  # the last call stopped on the end-of-turn token (it is then in its output ids)
+    tool_calls: int = 0  # the calls answered so far (each tool call's id is its position in the episode)
     lock: threading.Lock = field(default_factory=threading.Lock)  # an episode's calls are made one after another
 
 
@@ -67,6 +77,7 @@ class ChatEndpoint:
         # adapter version the servers were last brought to (`SidecarRollout.model_name`), as every other request.
         self.model = model
         self.tokenizer, self.family = tokenizer, family
+        self.format = get_format(family.parser)
         self._suffixes: dict[str, ToolSuffix] = {}
         self._episodes: dict[str, _Episode] = {}
         self._lock = threading.Lock()
@@ -115,8 +126,14 @@ class ChatEndpoint:
         if int(body.get("n", 1)) != 1:
             raise ValueError("n must be 1 (one recorded sample per call)")
         tools = body.get("tools") or None
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise ValueError("'chat_template_kwargs' must be an object")
+        stop = body.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else [str(x) for x in stop]
         with ep.lock:
-            prompt = self._prompt_ids(ep, messages, tools)
+            suffix = self._suffix(tools, kwargs)
+            prompt = self._prompt_ids(ep, messages, suffix, tools, kwargs)
             budget = ep.sampling.max_tokens
             if body.get("max_tokens") or body.get("max_completion_tokens"):
                 budget = min(budget, int(body.get("max_completion_tokens") or body["max_tokens"]))
@@ -127,33 +144,79 @@ class ChatEndpoint:
             if failed:
                 raise RuntimeError(failed[key])
             g: Generation = done[key]
-            ids = list(g.token_ids)
-            eot = self._suffix(tools).end_of_turn_id
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            ep.calls.append(RecordedCall(prompt, ids, list(g.logprobs), list(self.versions(g))))
+            ids, logprobs, versions = list(g.token_ids), list(g.logprobs), list(self.versions(g))
+            finish = g.finish_reason
+            if stop and (cut := self._stop_at(ids, stop)) is not None:
+                # the ids up to the one that completed the stop string: what the server sampled, kept whole
+                ids, logprobs, versions, finish = ids[:cut], logprobs[:cut], versions[:cut], "stop"
+            ended = bool(ids) and ids[-1] == suffix.end_of_turn_id
+            message = self._message(ids, ended, stop, ep.tool_calls)
+            ep.calls.append(RecordedCall(prompt, ids, logprobs, versions))
             ep.messages = [*messages]
-            ep.reply, ep.ended = text, bool(ids) and ids[-1] == eot
+            ep.reply, ep.ended = message["content"], ended
+            if message.get("tool_calls"):
+                ep.tool_calls += len(message["tool_calls"])
+                finish = "tool_calls"
         return {"id": f"chatcmpl-{episode}-{len(ep.calls)}", "object": "chat.completion", "created": int(time.time()),
                 "model": body.get("model", ""),
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": g.finish_reason, "logprobs": None}],
+                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
                           "total_tokens": len(prompt) + len(ids)}}
 
-    def _prompt_ids(self, ep: _Episode, messages: list[dict], tools: list[dict] | None) -> list[int]:
+    def _message(self, ids: list[int], ended: bool, stop: list[str], calls_before: int) -> dict:
+        """The OpenAI assistant message of a reply: its text (before the first stop string), and the tool calls the
+        family's format reads in it (then `content` is the text without them, as the format writes it)."""
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if at := [text.index(x) for x in stop if x in text]:
+            text = text[:min(at)]
+        # special tokens kept (Mistral's [TOOL_CALLS] is one), the end-of-turn token not
+        raw = self.tokenizer.decode(ids[: -1 if ended else None], skip_special_tokens=False)
+        calls = [c for c in self.format.parse(self.family.answer_text(raw)) if not c.error]
+        if not calls:
+            return {"role": "assistant", "content": text}
+        return {"role": "assistant", "content": self.format.content(raw),
+                "tool_calls": [{"id": self.family.call_id(c, calls_before + k), "type": "function",
+                                "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                               for k, c in enumerate(calls)]}
+
+    def _stop_at(self, ids: list[int], stop: list[str]) -> int | None:
+        """The fewest leading ids whose text holds a stop string (None: none does), by bisection on the prefix."""
+        def holds(k: int) -> bool:
+            text = self.tokenizer.decode(ids[:k], skip_special_tokens=True)
+            return any(x in text for x in stop)
+
+        if not holds(len(ids)):
+            return None
+        lo, hi = 1, len(ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if holds(mid) else (mid + 1, hi)
+        return lo
+
+    def _prompt_ids(self, ep: _Episode, messages: list[dict], suffix: ToolSuffix, tools: list[dict] | None,
+                    kwargs: dict) -> list[int]:
         """The call's prompt ids: the previous call's ids plus the new messages' suffix when the messages extend it
-        (nothing re-tokenised), else the whole conversation rendered."""
+        (nothing re-tokenised), else the whole conversation rendered. New messages the template cannot append
+        without rewriting earlier turns (a user follow-up, for Qwen3 and Mistral's templates) are rendered whole too:
+        the stitch rule then starts a new trajectory."""
         k = len(ep.messages)
         if ep.calls and len(messages) > k + 1 and messages[:k] == ep.messages and _is_reply(messages[k], ep.reply):
             last = ep.calls[-1]
-            return [*last.prompt_ids, *last.output_ids, *self._suffix(tools).ids(messages[k + 1:], ended=ep.ended)]
-        text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+            try:
+                return [*last.prompt_ids, *last.output_ids, *suffix.ids(messages[k + 1:], ended=ep.ended)]
+            except TemplateError:
+                pass
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                                                      **kwargs)
+        except Exception as e:  # noqa: BLE001 - the template refused these messages: the request's fault, a 400
+            raise ValueError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from e
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def _suffix(self, tools: list[dict] | None) -> ToolSuffix:
-        key = json.dumps(tools, sort_keys=True)
+    def _suffix(self, tools: list[dict] | None, kwargs: dict) -> ToolSuffix:
+        key = json.dumps([tools, kwargs], sort_keys=True)
         if key not in self._suffixes:  # renders and checks the family's base conversation: once per tool list
-            self._suffixes[key] = ToolSuffix(self.tokenizer, self.family, tools)
+            self._suffixes[key] = ToolSuffix(self.tokenizer, self.family, tools, kwargs)
         return self._suffixes[key]
 
 

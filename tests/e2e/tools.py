@@ -60,3 +60,33 @@ def openai_agent(base_url: str, row: dict) -> float:
     client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
     client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Again."}], max_tokens=4)
     return float(len(reply) % 2)
+
+
+def always_add(text: str) -> list[ToolCall]:
+    """Every turn calls the MCP test server's `add` (`tests/unit/rollout/mcp_server.py`)."""
+    return [ToolCall("add", {"a": len(text), "b": 7})]
+
+
+def always_check(text: str) -> list[ToolCall]:
+    """Every turn calls the `Quiz` environment's `check`."""
+    return [ToolCall("check", {"answer": len(text) % 10})]
+
+
+class Quiz:
+    """An environment that rewards each step and answers as the user (`EnvReply`): every `check` is worth 0.25 and
+    comes back as the user's message."""
+
+    rewards_per_turn = True
+
+    def reset(self, **row):
+        return None
+
+    def check(self, answer: int):
+        """Check an answer.
+
+        Args:
+            answer: The answer.
+        """
+        from hybrid_rl.rollout.tools import EnvReply
+
+        return EnvReply(f"{answer}? Try again.", reward=0.25, role="user")

@@ -12,11 +12,12 @@ from hybrid_rl.rollout.tools.runner import ToolRequest, ToolResult, ToolRunner
 from hybrid_rl.rollout.tools.spec import (
                                           Environment,
                                           EnvironmentReward,
+                                          EnvReply,
                                           ToolInfraError,
                                           ToolSpec,
                                           load_environment,
                                           resolve_tools,
 )
 
-__all__ = ["Environment", "EnvironmentReward", "ToolInfraError", "ToolRequest", "ToolResult", "ToolRunner", "ToolSpec", "load_environment",
+__all__ = ["EnvReply", "Environment", "EnvironmentReward", "ToolInfraError", "ToolRequest", "ToolResult", "ToolRunner", "ToolSpec", "load_environment",
            "resolve_tools"]

@@ -21,9 +21,17 @@ _limit_s = 30.0
 OK, ERROR, TIMEOUT, INFRA = "ok", "error", "timeout", "infra"
 
 
-def init() -> None:
+_mcp: dict[str, Any] = {}  # MCP servers (`mcp_tools`), connected once per worker
+
+
+def init(mcp_servers: tuple[str, ...] = ()) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     _exit_with_parent()
+    if mcp_servers:
+        from hybrid_rl.rollout.tools.mcp_tools import Connection
+
+        for entry in mcp_servers:
+            _mcp[entry] = Connection(entry)
 
 
 def ready() -> int:
@@ -51,12 +59,17 @@ def as_text(value: Any) -> str:
         return str(value)
 
 
-def call(path: str, arguments: dict, timeout_s: float, max_chars: int) -> tuple[str, str]:
-    """(status, text) of one call; never raises for the tool's own failures."""
+def call(path: str, arguments: dict, timeout_s: float, max_chars: int, name: str = "") -> tuple[str, str]:
+    """(status, text) of one call (`name`: the tool's, for an MCP server's); never raises for the tool's own
+    failures."""
     global _limit_s
     _limit_s = timeout_s
     try:
-        fn = _functions.get(path) or _functions.setdefault(path, load_object(path, "tool"))
+        if path in _mcp:
+            def fn(**kwargs):
+                return _mcp[path].call(name, kwargs)
+        else:
+            fn = _functions.get(path) or _functions.setdefault(path, load_object(path, "tool"))
         with time_limit(timeout_s) as limit:
             out = fn(**arguments)
         if limit.expired:

@@ -1,6 +1,6 @@
 """Run a turn's tool calls in parallel, each bounded: a hang, a crash or a flood costs that call only.
 
-Function tools (`rollout.tools`, the built-in `python`) run in worker processes started once (spawned, as the
+Function tools (`rollout.tools`, the built-in `python`, an MCP server's tools) run in worker processes started once (spawned, as the
 reward pool's, with its helpers: a hidden `__main__`, workers that leave with the trainer, a kill-and-reap stop).
 At most one call per worker is in flight, so each call's clock starts when it is sent:
 
@@ -11,15 +11,19 @@ At most one call per worker is in flight, so each call's clock starts when it is
   run again alone, and one that kills its worker alone is an infrastructure failure;
 * output is cut to `max_chars` inside the worker.
 
-Environment methods (per-trajectory state) run in threads of this process under the same time limit.
+Environment methods (per-trajectory state) run in threads of this process under the same time limit; a thread
+cannot be killed, so a method still running at `timeout_s + grace_s` (blocked in C code, where the limit cannot
+reach it) is answered as an infrastructure failure and left behind in its daemon thread: its trajectory is dropped,
+its instance never used again, and the rollout goes on.
 """
 
 from __future__ import annotations
 
 import collections
 import multiprocessing
+import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +33,8 @@ from hybrid_rl.rewards.pool import _main_module_hidden, _stop_workers
 from hybrid_rl.rollout.tool_calls import ToolCall
 from hybrid_rl.rollout.tools import _worker
 from hybrid_rl.rollout.tools._worker import ERROR, INFRA, OK, TIMEOUT, as_text, middle_cut
-from hybrid_rl.rollout.tools.spec import ToolInfraError, ToolSpec
+from hybrid_rl.rollout.tools.mcp_tools import is_mcp
+from hybrid_rl.rollout.tools.spec import RESPOND, EnvReply, ToolInfraError, ToolSpec
 
 _POLL_S = 0.02
 
@@ -45,6 +50,8 @@ class ToolResult:
     text: str
     status: str  # ok | error | timeout | infra
     seconds: float = 0.0
+    reward: float = 0.0  # an environment's reward for this step (`EnvReply`)
+    role: str = "tool"  # who answers: "tool", "user" (an environment speaking as the user), "end" (respond: None)
 
 
 class ToolRunner:
@@ -57,14 +64,15 @@ class ToolRunner:
         self._ctx = multiprocessing.get_context(start_method)
         self._startup_timeout_s = startup_timeout_s
         self._executor: ProcessPoolExecutor | None = None
-        self._threads = ThreadPoolExecutor(self.workers * 4, thread_name_prefix="env-tool")
         self.restarts = 0
 
     # -- workers ---------------------------------------------------------------------------------
 
     def _pool(self) -> ProcessPoolExecutor:
         if self._executor is None:
-            ex = ProcessPoolExecutor(self.workers, mp_context=self._ctx, initializer=_worker.init)
+            mcp_servers = tuple(sorted({t.path for t in self.tools.values() if is_mcp(t.path)}))
+            ex = ProcessPoolExecutor(self.workers, mp_context=self._ctx, initializer=_worker.init,
+                                     initargs=(mcp_servers,))
             with _main_module_hidden():
                 probes = [ex.submit(_worker.ready) for _ in range(self.workers)]
             done, pending = wait(probes, timeout=self._startup_timeout_s)
@@ -82,7 +90,6 @@ class ToolRunner:
 
     def close(self) -> None:
         self._restart()
-        self._threads.shutdown(wait=False, cancel_futures=True)
 
     # -- calls -----------------------------------------------------------------------------------
 
@@ -94,7 +101,7 @@ class ToolRunner:
             if r.call.error:
                 results[i] = ToolResult(f"Error: {r.call.error}", ERROR)
             elif r.env is not None and r.call.name in self.env_methods:
-                envs[i] = self._threads.submit(self._env_call, r.env, r.call)
+                envs[i] = self._start_env_call(r.env, r.call)
             elif r.call.name in self.tools:
                 functions.append(i)
             else:
@@ -102,9 +109,25 @@ class ToolRunner:
                 results[i] = ToolResult(f"Error: unknown tool {r.call.name!r}; the tools are {known}", ERROR)
         if functions:
             self._run_functions(requests, functions, results)
-        for i, f in envs.items():
-            results[i] = f.result()
+        for i, (f, started) in envs.items():
+            left = started + self.timeout_s + self.grace_s - time.monotonic()
+            try:
+                results[i] = f.result(timeout=max(0.0, left))
+            except TimeoutError:
+                results[i] = ToolResult(f"Error: the tool did not return within {self.timeout_s:g}s and was "
+                                        "abandoned", INFRA, time.monotonic() - started)
         return results  # type: ignore[return-value]
+
+    def _start_env_call(self, env: Any, call: ToolCall) -> tuple[Future, float]:
+        """The call running in a daemon thread of its own (one stuck for good must not hold a pool's thread, nor
+        the interpreter at exit); (its future, when it started)."""
+        f: Future = Future()
+
+        def target() -> None:
+            f.set_result(self._env_call(env, call))
+
+        threading.Thread(target=target, daemon=True, name=f"env-tool-{call.name}").start()
+        return f, time.monotonic()
 
     def _env_call(self, env: Any, call: ToolCall) -> ToolResult:
         start = time.monotonic()
@@ -114,6 +137,13 @@ class ToolRunner:
             if limit.expired:
                 return ToolResult(f"Error: the tool timed out after {self.timeout_s:g}s", TIMEOUT,
                                   time.monotonic() - start)
+            if isinstance(out, EnvReply):
+                return ToolResult(middle_cut(out.content, self.max_chars), OK, time.monotonic() - start,
+                                  float(out.reward), "user" if call.name == RESPOND else out.role)
+            if call.name == RESPOND:  # the user simulator: a message as the user, or None to end the dialogue
+                role = "end" if out is None else "user"
+                return ToolResult(middle_cut(as_text(out or ""), self.max_chars), OK, time.monotonic() - start,
+                                  role=role)
             status, text = OK, as_text(out)
         except ToolInfraError as e:
             status, text = INFRA, str(e)
@@ -161,4 +191,4 @@ class ToolRunner:
 
     def _send(self, pool: ProcessPoolExecutor, r: ToolRequest) -> Future:
         return pool.submit(_worker.call, self.tools[r.call.name].path, dict(r.call.arguments), self.timeout_s,
-                           self.max_chars)
+                           self.max_chars, r.call.name)

@@ -3,13 +3,20 @@
 A tool is a plain function with type hints and a Google-style docstring (`Args:`): transformers' `get_json_schema`
 turns it into the schema the chat template shows the model, and an untyped or undocumented argument is refused at
 start-up (not when the model first calls it). `rollout.tools=[my_pkg.tools:calc, python]`: `python` is the built-in
-sandboxed executor (`builtin.py`).
+sandboxed executor (`builtin.py`); `mcp:<command or URL>` adds every tool of an MCP server (`mcp_tools.py`).
 
 An environment (`rollout.environment=my_pkg.env:Shop`) is a class built with no arguments, one instance per
 trajectory: `reset(**row)` gets the dataset row's fields and may return the prompt (a string, one user message, or
 a list of messages) to use instead of the row's; its public methods (not `reset` / `reward`, not starting with `_`)
 are tools; an optional `reward() -> float` is read when the trajectory ends and added to the rewards
 (`env_reward` in the sample's fields, the `environment` reward).
+
+Per-turn rewards and user turns: a tool method may return an `EnvReply` instead of a plain value, with a `reward`
+for that step (kept per model turn, `turn_rewards` in the sample's fields) and a `role` ("user": the environment
+answers as the user, not as a tool). An optional `respond(message: str)` is called after a model turn without tool
+calls (a user simulator): its reply (a string or an `EnvReply`) is the next user message, `None` ends the dialogue.
+The `environment` reward is `reward()` (0 without one) plus the sum of the per-turn rewards; a class that rewards
+per turn but has no `reward()` sets `rewards_per_turn = True` so that the `environment` reward is counted.
 """
 
 from __future__ import annotations
@@ -26,13 +33,27 @@ class ToolInfraError(RuntimeError):
 
 
 BUILTINS = {"python": "hybrid_rl.rollout.tools.builtin:python"}
-_ENV_RESERVED = {"reset", "reward"}
+RESPOND = "respond"  # an environment's user simulator (not a tool the model sees)
+_ENV_RESERVED = {"reset", "reward", RESPOND}
+
+
+@dataclass(frozen=True)
+class EnvReply:
+    """What an environment's method may return: the message's text, a reward for this step, and who speaks."""
+
+    content: str
+    reward: float = 0.0
+    role: str = "tool"  # or "user": the environment answers as the user (a dialogue task)
+
+    def __post_init__(self):
+        if self.role not in ("tool", "user"):
+            raise ValueError(f"EnvReply.role must be 'tool' or 'user', got {self.role!r}")
 
 
 @dataclass(frozen=True)
 class ToolSpec:
     name: str
-    path: str  # "pkg.module:function": what a worker process imports and calls
+    path: str  # "pkg.module:function": what a worker process imports and calls; or "mcp:<server>" it connects to
     schema: dict  # {"type": "function", "function": {...}}
 
 
@@ -63,8 +84,13 @@ def schema_of(fn, what: str) -> dict:
 
 def resolve_tools(names: list[str]) -> list[ToolSpec]:
     """`rollout.tools` -> specs, in order; a name used twice is refused."""
+    from hybrid_rl.rollout.tools.mcp_tools import is_mcp, list_tools
+
     out = []
     for name in names:
+        if is_mcp(name):
+            out += list_tools(name)
+            continue
         path = BUILTINS.get(name, name)
         fn = load_object(path, "rollout.tools entry")
         if not callable(fn):
@@ -85,9 +111,15 @@ class Environment:
     methods: tuple[str, ...]
     schemas: tuple[dict, ...]
     has_reward: bool
+    has_respond: bool = False  # a user simulator (`respond`)
 
     def new(self) -> Any:
         return self.cls()
+
+    @property
+    def handlers(self) -> tuple[str, ...]:
+        """The methods the tool runner may call: the tools, and `respond`."""
+        return self.methods + ((RESPOND,) if self.has_respond else ())
 
 
 def load_environment(path: str) -> Environment:
@@ -101,7 +133,8 @@ def load_environment(path: str) -> Environment:
     methods = tuple(n for n, m in inspect.getmembers(cls, inspect.isfunction)
                     if not n.startswith("_") and n not in _ENV_RESERVED)
     schemas = tuple(schema_of(getattr(probe, n), f"rollout.environment method {n!r}") for n in methods)
-    return Environment(cls, methods, schemas, callable(getattr(cls, "reward", None)))
+    rewarded = callable(getattr(cls, "reward", None)) or bool(getattr(cls, "rewards_per_turn", False))
+    return Environment(cls, methods, schemas, rewarded, callable(getattr(cls, RESPOND, None)))
 
 
 class EnvironmentReward:

@@ -10,21 +10,13 @@ import torch
 
 from hybrid_rl.rollout.chat_template import FAMILIES, TemplateError, ToolSuffix, detect_family
 from hybrid_rl.rollout.multi_turn import ToolLoop, TurnLimits
-from hybrid_rl.rollout.tool_calls import get_parser
-from hybrid_rl.rollout.tools import ToolRunner, resolve_tools
+from hybrid_rl.rollout.tool_calls import ToolCall, get_parser
 from hybrid_rl.rollout.trajectory import Trajectory
 from hybrid_rl.types import Generation
+from tests.unit.rollout.conftest import CALC
 from tests.unit.rollout.templates import CALL_TEXT, FAMILY_OF, tokenizer_for
 
-TOOLS = resolve_tools(["tests.unit.rollout.templates:calc"])
-SCHEMAS = [t.schema for t in TOOLS]
-
-
-@pytest.fixture(scope="module")
-def runner():
-    r = ToolRunner(TOOLS, workers=1, timeout_s=5.0)
-    yield r
-    r.close()
+SCHEMAS = [t.schema for t in CALC]
 
 
 class Scripted:
@@ -46,10 +38,10 @@ def _enc(tok, text):
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def _play(tok, turns, runner, *, budget=512, max_turns=4):
+def _play(tok, turns, calc_runner, *, budget=512, max_turns=4):
     family = detect_family(tok.chat_template)
     suffix = ToolSuffix(tok, family, SCHEMAS)
-    loop = ToolLoop(tok, suffix, get_parser(family.parser), runner, TurnLimits(max_turns, 4, 64, budget))
+    loop = ToolLoop(tok, suffix, get_parser(family.parser), calc_runner, TurnLimits(max_turns, 4, 64, budget))
     prompt = tok.apply_chat_template([{"role": "user", "content": "what is 2 + 3?"}], tools=SCHEMAS,
                                      add_generation_prompt=True, tokenize=False)
     traj = Trajectory(_enc(tok, prompt))
@@ -58,8 +50,9 @@ def _play(tok, turns, runner, *, budget=512, max_turns=4):
     return traj, engine, suffix
 
 
-@pytest.mark.parametrize("name", ["qwen2.5", "smollm2", "qwen3", "llama3", "mistral"])
-def test_trained_ids_are_the_engines_and_the_mask_is_the_models_tokens(name, runner):
+@pytest.mark.parametrize("name", ["qwen2.5", "smollm2", "qwen3", "llama3", "mistral", "qwen3-coder", "llama4",
+                                  "mistral-v3", "mistral-v7", "mistral-v11", "mistral-v13"])
+def test_trained_ids_are_the_engines_and_the_mask_is_the_models_tokens(name, calc_runner):
     tok = tokenizer_for(name)
     family = FAMILIES[FAMILY_OF[name]]
     assert detect_family(tok.chat_template) == family
@@ -67,7 +60,7 @@ def test_trained_ids_are_the_engines_and_the_mask_is_the_models_tokens(name, run
     turn1 = _enc(tok, CALL_TEXT[family.name]) + [eot]
     final = ("<think>\nit is 5\n</think>\n\n" if family.name == "qwen3" else "") + "The answer is 5."
     turn2 = _enc(tok, final) + [eot]
-    traj, engine, suffix = _play(tok, [turn1, turn2], runner)
+    traj, engine, suffix = _play(tok, [turn1, turn2], calc_runner)
 
     sample = traj.to_sample(0, 0, 0, {})
     full = torch.cat([sample.prompt_ids, sample.response_ids]).tolist()
@@ -87,7 +80,8 @@ def test_trained_ids_are_the_engines_and_the_mask_is_the_models_tokens(name, run
     text = tok.decode(full)
     call_message = {"role": "assistant", "content": CALL_TEXT[family.name]}
     rendered = tok.apply_chat_template([{"role": "user", "content": "what is 2 + 3?"}, call_message,
-                                        {"role": "tool", "name": "calc", "content": "5"},
+                                        {"role": "tool", "name": "calc", "content": "5",
+                                         "tool_call_id": family.call_id(ToolCall("calc"), 0)},
                                         {"role": "assistant", "content": final}], tools=SCHEMAS,
                                        tokenize=False)
     assert text + family.after_turn == rendered
@@ -114,13 +108,12 @@ def test_boundary_tokens_the_model_did_not_sample_are_context():
 
 def test_a_template_that_rewrites_the_prefix_is_refused_clearly():
     tok = tokenizer_for("rewrites")
-    suffix = ToolSuffix(tok, FAMILIES["chatml"], SCHEMAS)
     with pytest.raises(TemplateError, match="not append-only.*'No tools yet.*becomes 'Tools were used"):
-        suffix.ids([{"role": "tool", "content": "5"}], ended=True)
+        ToolSuffix(tok, FAMILIES["chatml"], SCHEMAS)  # the probe tool exchange at start-up finds it
     # Qwen3 with a base turn without reasoning: the template drops the think block once the turn is not last.
     bare = FAMILIES["chatml"]
     with pytest.raises(TemplateError, match="not append-only"):
-        ToolSuffix(tokenizer_for("qwen3"), bare, SCHEMAS).text([{"role": "tool", "content": "5"}])
+        ToolSuffix(tokenizer_for("qwen3"), bare, SCHEMAS)
 
 
 def test_a_template_of_another_family_is_refused_at_start():
@@ -128,15 +121,15 @@ def test_a_template_of_another_family_is_refused_at_start():
         ToolSuffix(tokenizer_for("qwen2.5"), FAMILIES["llama3"], SCHEMAS)
 
 
-def test_budget_ends_a_trajectory_before_a_tool_result_that_does_not_fit(runner):
+def test_budget_ends_a_trajectory_before_a_tool_result_that_does_not_fit(calc_runner):
     tok = tokenizer_for("qwen2.5")
     eot = tok.convert_tokens_to_ids("<|im_end|>")
     turn1 = _enc(tok, CALL_TEXT["chatml"]) + [eot]
-    traj, engine, _ = _play(tok, [turn1, _enc(tok, "5") + [eot]], runner, budget=len(turn1) + 5)
+    traj, engine, _ = _play(tok, [turn1, _enc(tok, "5") + [eot]], calc_runner, budget=len(turn1) + 5)
     assert traj.truncated and traj.response_ids == turn1 and all(traj.loss_mask) and len(engine.seen) == 1
 
 
-def test_a_turn_cut_by_the_budget_ends_the_trajectory(runner):
+def test_a_turn_cut_by_the_budget_ends_the_trajectory(calc_runner):
     tok = tokenizer_for("qwen2.5")
-    traj, engine, _ = _play(tok, [_enc(tok, "a long answer without end")], runner, budget=3)
+    traj, engine, _ = _play(tok, [_enc(tok, "a long answer without end")], calc_runner, budget=3)
     assert traj.truncated and len(traj.response_ids) == 3 and traj.turns == 1
