@@ -12,7 +12,7 @@ from tests.conftest import run_torchrun
 from tests.e2e.conftest import tiny_overrides
 
 WORKER = Path(__file__).parent / "workers" / "run_recipes.py"
-SERVER = Path(__file__).parents[1] / "unit" / "rollout" / "mcp_server.py"
+SERVER = Path(__file__).parents[1] / "integration" / "rollout" / "mcp_server.py"
 pytestmark = pytest.mark.slow
 
 

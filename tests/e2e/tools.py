@@ -63,7 +63,7 @@ def openai_agent(base_url: str, row: dict) -> float:
 
 
 def always_add(text: str) -> list[ToolCall]:
-    """Every turn calls the MCP test server's `add` (`tests/unit/rollout/mcp_server.py`)."""
+    """Every turn calls the MCP test server's `add` (`tests/integration/rollout/mcp_server.py`)."""
     return [ToolCall("add", {"a": len(text), "b": 7})]
 
 
