@@ -35,9 +35,10 @@ from hybrid_rl.checkpoint.collective import (
     is_distributed,
     raise_if_any_failed,
 )
-from hybrid_rl.checkpoint.files import fsync_dir, replace_dir, torch_bytes, torch_read, write_durable
+from hybrid_rl.checkpoint.files import fsync_dir, replace_dir, torch_bytes, write_durable
 from hybrid_rl.checkpoint.sites import Site, find_site
 from hybrid_rl.checkpoint.state import Component, load_component, rank_dir, save_component
+from hybrid_rl.checkpoint.untrusted import DCP_METADATA, UnsafeCheckpointError, read_dcp_metadata, read_state
 from hybrid_rl.distributed import collectives
 from hybrid_rl.utils.faults import maybe_die
 
@@ -242,6 +243,8 @@ class Checkpointer:
         while (path := self._agreed_newest(skipped)) is not None:
             try:
                 manifest, rank_state, shared_state = self._load(path, components)
+            except UnsafeCheckpointError:
+                raise  # someone else's file in the output folder: falling back to an older step would hide it
             except CheckpointError as e:
                 if self.rank == 0:
                     log.warning("skipping checkpoint %s: %s", path, e)
@@ -264,16 +267,32 @@ class Checkpointer:
         if errors:
             raise CheckpointError(f"cannot load checkpoint {path}: {'; '.join(dict.fromkeys(errors.values()))}")
         _check_compatible(manifest, components, path, world=self.world)
-        error = rank_state = shared_state = None
+        rank_state, shared_state = self._read_states(path, components)
+        error = None
         try:
             for name, (model, optimizer) in components.items():
                 load_component(path / name, model, optimizer, rank=self.rank)
-            rank_state = torch_read(path / layout.rank_file(self.rank))
-            shared_state = torch_read(path / layout.SHARED)
         except CAUGHT as e:
             error = e
         raise_if_any_failed(error, rank=self.rank, world=self.world, what="loading checkpoint", path=path)
         return manifest, rank_state, shared_state
+
+    def _read_states(self, path: Path, components: dict[str, Component]) -> tuple[Any, Any]:
+        """Collective: this rank's state files, once every rank found its pickles to be data only (checked before
+        anything is loaded in place; a refusal is agreed as an UnsafeCheckpointError, which resume never skips)."""
+        error = unsafe = states = None
+        try:
+            for name in components:
+                read_dcp_metadata(rank_dir(path / name, self.rank) / DCP_METADATA)
+            states = read_state(path / layout.rank_file(self.rank)), read_state(path / layout.SHARED)
+        except UnsafeCheckpointError as e:
+            unsafe = f"rank {self.rank}: {e}"
+        except CAUGHT as e:
+            error = e
+        if refused := gather_errors(unsafe, world=self.world):
+            raise UnsafeCheckpointError(f"cannot load checkpoint {path}: {'; '.join(dict.fromkeys(refused.values()))}")
+        raise_if_any_failed(error, rank=self.rank, world=self.world, what="loading checkpoint", path=path)
+        return states
 
 
 def _inspect(path: Path, rank: int) -> tuple[str | None, layout.Manifest | None]:
