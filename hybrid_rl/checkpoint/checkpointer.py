@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
 from hybrid_rl.checkpoint import layout
 from hybrid_rl.checkpoint.collective import (
     CAUGHT,
@@ -35,6 +37,7 @@ from hybrid_rl.checkpoint.collective import (
     is_distributed,
     raise_if_any_failed,
 )
+from hybrid_rl.checkpoint.compat import IncompatibleCheckpoint, shape_mismatches
 from hybrid_rl.checkpoint.files import fsync_dir, replace_dir, torch_bytes, write_durable
 from hybrid_rl.checkpoint.sites import Site, find_site
 from hybrid_rl.checkpoint.state import Component, load_component, rank_dir, save_component
@@ -243,8 +246,8 @@ class Checkpointer:
         while (path := self._agreed_newest(skipped)) is not None:
             try:
                 manifest, rank_state, shared_state = self._load(path, components)
-            except UnsafeCheckpointError:
-                raise  # someone else's file in the output folder: falling back to an older step would hide it
+            except (UnsafeCheckpointError, IncompatibleCheckpoint):
+                raise  # another run's or someone else's files: falling back to an older step would hide it
             except CheckpointError as e:
                 if self.rank == 0:
                     log.warning("skipping checkpoint %s: %s", path, e)
@@ -278,12 +281,15 @@ class Checkpointer:
         return manifest, rank_state, shared_state
 
     def _read_states(self, path: Path, components: dict[str, Component]) -> tuple[Any, Any]:
-        """Collective: this rank's state files, once every rank found its pickles to be data only (checked before
-        anything is loaded in place; a refusal is agreed as an UnsafeCheckpointError, which resume never skips)."""
+        """Collective: this rank's state files, once every rank found its pickles to be data only and the saved
+        tensors to fit the components. Checked before anything is loaded in place; a refusal or a mismatch is
+        agreed on as an error that resume never skips (it is not damage: an older step would be no better)."""
         error = unsafe = states = None
+        mismatches: list[str] = []
         try:
-            for name in components:
-                read_dcp_metadata(rank_dir(path / name, self.rank) / DCP_METADATA)
+            for name, (model, _) in components.items():
+                saved = read_dcp_metadata(rank_dir(path / name, self.rank) / DCP_METADATA).state_dict_metadata
+                mismatches += shape_mismatches(saved, get_model_state_dict(model), component=name)
             states = read_state(path / layout.rank_file(self.rank)), read_state(path / layout.SHARED)
         except UnsafeCheckpointError as e:
             unsafe = f"rank {self.rank}: {e}"
@@ -291,6 +297,11 @@ class Checkpointer:
             error = e
         if refused := gather_errors(unsafe, world=self.world):
             raise UnsafeCheckpointError(f"cannot load checkpoint {path}: {'; '.join(dict.fromkeys(refused.values()))}")
+        if differ := gather_errors("; ".join(mismatches[:4]) or None, world=self.world):
+            raise IncompatibleCheckpoint(
+                f"the checkpoint {path} was written for another model ({'; '.join(dict.fromkeys(differ.values()))}"
+                f"{'; ...' if len(mismatches) > 4 else ''}): resume with the model it was trained from, or give "
+                "this run another trainer.output_dir")
         raise_if_any_failed(error, rank=self.rank, world=self.world, what="loading checkpoint", path=path)
         return states
 
