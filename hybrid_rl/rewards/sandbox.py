@@ -16,10 +16,12 @@ Isolation levels (``isolation_level()``, probed once per process and logged at f
   ``setsid`` can outlive the run. Used only where ``SandboxConfig.min_isolation == "rlimits"``.
 
 Limits, set inside by ``_LAUNCHER`` before the program starts: address space (``memory_mb``, per
-process), CPU seconds, processes + threads, file size, open files, no core dumps. Memory in all is
-thus at most ``max_processes * memory_mb`` plus the two tmpfs. As root, bwrap runs privileged (no
-user namespace) and the launcher switches to an unprivileged uid first: the kernel never applies
-the process limit to uid 0. The wall clock and the output size are enforced here: stdout is read
+process), CPU seconds, processes + threads, file size, open files, no core dumps, no locked memory and
+no POSIX message queues (``RLIMIT_MEMLOCK`` and ``RLIMIT_MSGQUEUE`` 0). The kernel objects that hold
+memory outside these limits (memfd and secret-memory files, System V shared memory and queues,
+extended attributes) are refused by the seccomp filter. As root, bwrap runs privileged (no user
+namespace) and the launcher empties the capability bounding set and the inheritable set, then switches
+to an unprivileged uid: the kernel never applies the process limit to uid 0. The wall clock and the output size are enforced here: stdout is read
 incrementally and the run is killed past ``max_output_bytes`` (a caller narrows it per run, as
 ``code.run`` does to fit each test's expected output), so one run's output costs the caller memory
 in proportion to ``max_output_bytes`` (the bytes read, the decoded text), whatever the program does.
@@ -101,10 +103,23 @@ class SandboxUnavailableError(RuntimeError):
 _LAUNCHER = """\
 import os, resource as r, sys
 def _setup(code_fd, mem, cpu, nproc, fsize, nofile, uid):
-    for k, v in ((r.RLIMIT_AS, mem), (r.RLIMIT_FSIZE, fsize), (r.RLIMIT_NOFILE, nofile), (r.RLIMIT_CORE, 0)):
+    for k, v in ((r.RLIMIT_AS, mem), (r.RLIMIT_FSIZE, fsize), (r.RLIMIT_NOFILE, nofile), (r.RLIMIT_CORE, 0),
+                 (r.RLIMIT_MEMLOCK, 0), (r.RLIMIT_MSGQUEUE, 0)):
         r.setrlimit(k, (v, v))
     r.setrlimit(r.RLIMIT_CPU, (cpu, cpu + 1))
     if uid >= 0:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        for cap in range(int(open("/proc/sys/kernel/cap_last_cap").read()) + 1):
+            if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+                raise OSError(ctypes.get_errno(), f"cannot drop capability {cap} from the bounding set")
+        head, data = (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()  # _LINUX_CAPABILITY_VERSION_3
+        if libc.capget(head, data) != 0:
+            raise OSError(ctypes.get_errno(), "cannot read the capabilities")
+        data[2] = data[5] = 0  # the inheritable set (low and high words)
+        if libc.capset(head, data) != 0:
+            raise OSError(ctypes.get_errno(), "cannot clear the inheritable capabilities")
+        del ctypes, libc, head, data
         os.setgroups([]); os.setgid(uid); os.setuid(uid)
     r.setrlimit(r.RLIMIT_NPROC, (nproc, nproc))
     with open(code_fd, "rb") as f:
@@ -160,7 +175,7 @@ def _bwrap_argv(config: SandboxConfig) -> tuple[list[str], int]:
     argv = [shutil.which("bwrap") or "bwrap", "--die-with-parent", "--new-session", "--clearenv"]
     argv += ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
     if as_root:  # privileged mode, no user namespace: the launcher drops to an unprivileged uid
-        argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+        argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"]
     else:
         argv += ["--unshare-user", "--uid", "65534", "--gid", "65534", "--cap-drop", "ALL"]
         argv += ["--disable-userns"] if _bwrap_version() >= (0, 8) else []
