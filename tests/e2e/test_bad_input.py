@@ -25,6 +25,7 @@ def bad_files(tmp_path_factory, tiny_models) -> dict[str, str]:
     (d / "malformed.jsonl").write_text('{"prompt": "a", "ground_truth": "1"}\n{"prompt": "b", \n')
     (d / "no_prompt.jsonl").write_text('{"prompt": "a"}\n{"question": "b", "ground_truth": "2"}\n')
     (d / "empty_prompt.jsonl").write_text('{"prompt": "a"}\n{"prompt": "   "}\n')
+    (d / "nested.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b", "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
     (d / "ok.jsonl").write_text("".join(json.dumps({"prompt": f"q{i}", "ground_truth": "1"}) + "\n" for i in range(40)))
     gpt2 = d / "gpt2"
     gpt2.mkdir()
@@ -43,6 +44,8 @@ CASES = {
     "wrong type": (["trainer.total_steps=many"], "trainer.total_steps=many: expected int"),
     "value not allowed": (["algorithm.advantage=magic"], "choose one of: gae, grpo, rloo, reinforce_pp"),
     "unknown reward function": (["reward.fn=no_such_pkg.rewards:score"], "no_such_pkg"),
+    "deeply nested dataset row": (["data.train_files=[{nested}]"], "nested.jsonl line 2: the row is nested"),
+    "reward naming a process function": (["reward.fn=subprocess:run"], "'subprocess:run': refused"),
 }
 
 

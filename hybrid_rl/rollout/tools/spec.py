@@ -14,10 +14,11 @@ are tools; an optional `reward() -> float` is read when the trajectory ends and 
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from dataclasses import dataclass
 from typing import Any
+
+from hybrid_rl.utils.imports import import_object
 
 
 class ToolInfraError(RuntimeError):
@@ -37,18 +38,7 @@ class ToolSpec:
 
 
 def load_object(path: str, what: str) -> Any:
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"{what} {path!r}: expected 'package.module:name'")
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"{what} {path!r}: cannot import module {module_name!r}: {e}") from e
-    for part in attr.split("."):
-        if not hasattr(target, part):
-            raise ValueError(f"{what} {path!r}: module {module_name!r} has no attribute {attr!r}")
-        target = getattr(target, part)
-    return target
+    return import_object(path, what)
 
 
 def schema_of(fn, what: str) -> dict:
