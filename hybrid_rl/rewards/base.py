@@ -18,8 +18,8 @@ from typing import Any, Protocol, runtime_checkable
 from hybrid_rl.rewards import code as code_reward
 from hybrid_rl.rewards import format as format_reward
 from hybrid_rl.rewards import math as math_reward
+from hybrid_rl.rewards.names import import_object
 from hybrid_rl.rewards.sandbox import SandboxConfig, check_isolation
-from hybrid_rl.utils.imports import import_object
 
 __all__ = ["REWARDS", "CodeReward", "FormatReward", "MathReward", "RewardFn", "resolve_reward"]
 

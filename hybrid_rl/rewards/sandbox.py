@@ -19,7 +19,15 @@ Limits, set inside by ``_LAUNCHER`` before the program starts: address space (``
 process), CPU seconds, processes + threads, file size, open files, no core dumps, no locked memory and
 no POSIX message queues (``RLIMIT_MEMLOCK`` and ``RLIMIT_MSGQUEUE`` 0). The kernel objects that hold
 memory outside these limits (memfd and secret-memory files, System V shared memory and queues,
-extended attributes) are refused by the seccomp filter. As root, bwrap runs privileged (no user
+extended attributes) are refused by the seccomp filter.
+
+Memory in all: where this process may make a memory cgroup (``_cgroup``: root, or a delegated cgroup v2
+subtree), each run gets one capped at ``max_processes * memory_mb`` + the two tmpfs + 64 MiB, which
+counts kernel memory too (the inodes of empty files in the tmpfs, page tables); past it the kernel
+kills the program. Without one, the address space is bounded per process (``max_processes *
+memory_mb``) and the tmpfs by their size, but the inodes of files in the tmpfs are not: bubblewrap
+cannot set ``nr_inodes``, so a program can hold about a KiB of kernel memory per empty file it makes
+until its CPU time runs out. As root, bwrap runs privileged (no user
 namespace) and the launcher empties the capability bounding set and the inheritable set, then switches
 to an unprivileged uid: the kernel never applies the process limit to uid 0. The wall clock and the output size are enforced here: stdout is read
 incrementally and the run is killed past ``max_output_bytes`` (a caller narrows it per run, as
@@ -46,6 +54,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from hybrid_rl.rewards import _cgroup
 from hybrid_rl.rewards._seccomp import build_filter
 
 __all__ = [
@@ -63,6 +72,7 @@ BWRAP, RLIMITS = "bwrap", "rlimits"
 _STRENGTH = {RLIMITS: 1, BWRAP: 2}
 _WORKDIR = "/sandbox"
 _WALL_SLACK_S = 0.5  # interpreter start-up and teardown, on top of the program's own time limit
+_KERNEL_SLACK = 64 << 20  # the cgroup's room beyond the rlimits and the tmpfs: page tables, sockets, the interpreter
 _STOP_WAIT_S = 30.0  # for a killed sandbox to be gone: milliseconds when idle, a margin for a loaded machine
 
 
@@ -93,6 +103,7 @@ class ExecResult:
     timed_out: bool
     output_exceeded: bool
     wall_s: float
+    memory_peak_bytes: int | None = None  # the run's memory cgroup's peak (kernel memory included); None: no cgroup
 
 
 class SandboxUnavailableError(RuntimeError):
@@ -338,11 +349,13 @@ def _run_at(level: str, code: str, stdin: str, timeout_s: float, memory_mb: int,
     fds = _Fds.open(code, stdin)
     scratch = tempfile.mkdtemp(prefix="hybrid-rl-sandbox-") if level == RLIMITS else None
     env = {"PATH": os.defpath} if level == BWRAP else _env(scratch or "/")
+    group = _cgroup.make(config.max_processes * (memory_mb << 20) + 2 * config.scratch_bytes + _KERNEL_SLACK)
+    argv = _argv(level, config, fds, timeout_s, memory_mb)
     start = time.monotonic()
     deadline = start + timeout_s + _WALL_SLACK_S
     try:
         with subprocess.Popen(
-            _argv(level, config, fds, timeout_s, memory_mb), stdin=fds.stdin, stdout=subprocess.PIPE,
+            group.wrap(argv) if group else argv, stdin=fds.stdin, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, env=env, cwd=scratch, pass_fds=fds.passed(), start_new_session=True,
         ) as proc:  # fmt: skip
             os.close(fds.info_write)
@@ -355,8 +368,11 @@ def _run_at(level: str, code: str, stdin: str, timeout_s: float, memory_mb: int,
             finally:
                 _stop(proc, init_pid)
             status = proc.wait()
+        peak = group.peak() if group else None
     finally:
         fds.close()
+        if group:
+            group.close()
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)
     return ExecResult(
@@ -366,6 +382,7 @@ def _run_at(level: str, code: str, stdin: str, timeout_s: float, memory_mb: int,
         timed_out=cut == "timeout",
         output_exceeded=cut == "output",
         wall_s=time.monotonic() - start,
+        memory_peak_bytes=peak,
     )
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybrid_rl.utils.imports import import_object
+from hybrid_rl.rewards.names import import_object
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from hybrid_rl.utils.imports import import_object
+from hybrid_rl.rewards.names import import_object
 
 
 class ToolInfraError(RuntimeError):

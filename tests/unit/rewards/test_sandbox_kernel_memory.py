@@ -8,6 +8,7 @@ memory too, and a capability left in the bounding set is one a setuid program co
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -87,6 +88,7 @@ def test_a_posix_message_queue_cannot_be_made():
 
 _CAPS = """
 import json
+import os
 caps = dict(line.split(":", 1) for line in open('/proc/self/status') if line.startswith('Cap'))
 print(json.dumps({k: int(v, 16) for k, v in caps.items()}))
 """
@@ -94,3 +96,34 @@ print(json.dumps({k: int(v, 16) for k, v in caps.items()}))
 
 def test_the_capability_bounding_set_is_empty():
     assert _exec_json(_CAPS) == {"CapInh": 0, "CapPrm": 0, "CapEff": 0, "CapBnd": 0, "CapAmb": 0}
+
+
+_FILES = """
+n = 0
+try:
+    for n in range(300_000):
+        open(f'/tmp/{n}', 'w').close()  # an empty file: no tmpfs blocks, about a KiB of kernel memory
+except OSError as e:
+    print('stopped', n, e.errno)
+else:
+    print('made', n + 1)
+"""
+
+
+def test_empty_files_cannot_pile_up_kernel_memory_past_the_runs_cgroup():
+    """Where this process may make a memory cgroup (root here), each run gets one, capped at the docstring's bound
+    (processes x memory_mb + the two tmpfs + 64 MiB for the kernel): 300,000 empty files (~350 MiB of inodes and
+    dentries, in a 8 MiB tmpfs) do not fit. Elsewhere the run reports no cgroup."""
+    from hybrid_rl.rewards import _cgroup
+
+    config = SandboxConfig(max_processes=1, scratch_bytes=8 << 20)
+    bound = (48 << 20) + 2 * config.scratch_bytes + (64 << 20)
+    own = _cgroup._own("memory")
+    result = execute(_FILES, "", timeout_s=30.0, memory_mb=48, config=config)
+    if own is None or not os.access(own[0], os.W_OK):
+        assert result.memory_peak_bytes is None and result.exit_code == 0
+        return
+    assert result.memory_peak_bytes is not None, "a cgroup could be made here but the run had none"
+    assert result.memory_peak_bytes <= bound, (result.memory_peak_bytes, bound)
+    assert "made 300000" not in result.stdout, result
+    assert not list(own[0].glob("hybrid-rl-sandbox-*")), "the run's cgroup was left behind"

@@ -6,6 +6,9 @@ misuses, names that are never a reward or a tool: the standard library's process
 serialization modules (`os:system`, `subprocess:run`, `builtins:eval`, `shutil:rmtree`, ...), whether named
 directly, reached through attributes (`json:codecs.sys`) or re-exported by another module (`mypkg:system` where
 mypkg did `from os import system`), and private or dunder attributes.
+
+It lives in the rewards package, the bottom layer that resolves such names (rollout's tools, parsers and agents
+use it from here).
 """
 
 from __future__ import annotations
