@@ -101,3 +101,21 @@ def test_a_refused_file_is_not_skipped_for_an_older_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match="refused"):
         ck.resume_auto({"policy": (model, optimizer)})
     assert not (tmp_path / "payload_ran").exists()
+
+
+def test_the_experience_buffers_samples_and_records_load_as_data(tmp_path):
+    """What a buffered (sidecar) run saves: its finished samples and the records of its live groups."""
+    from hybrid_rl.data.records import PromptRecord, ReadOnlyFields
+    from hybrid_rl.types import Sample
+
+    record = PromptRecord(3, "q", (1, 2), ReadOnlyFields({"ground_truth": "4", "tests": [{"input": "1"}]}))
+    sample = Sample(7, torch.tensor([1, 2]), torch.tensor([3]), torch.tensor([-0.5]), False, 0, 3, record.fields)
+    model, optimizer = _model()
+    ck = Checkpointer(tmp_path / "ckpt", keep_last=1, rank=0, world=1)
+    ck.save(1, components={"policy": (model, optimizer)}, rank_state={"source": {"held": [sample]}},
+            shared_state={"source": {"kind": "buffered", "book": {"live": [(0, record, 1, 0, 0, 0)]}}})
+    _, rank_state, shared = ck.resume_auto({"policy": (model, optimizer)})
+    held = rank_state["source"]["held"][0]
+    assert held.uid == 7 and torch.equal(held.response_ids, sample.response_ids) and dict(held.fields) == {
+        "ground_truth": "4", "tests": [{"input": "1"}]}
+    assert shared["source"]["book"]["live"][0][1] == record
