@@ -1,7 +1,11 @@
 """Entry point: `torchrun --nproc_per_node=N -m hybrid_rl.train --config-name=<recipe> key=value ...`.
 
 Exit codes: 0 done (or stopped by SIGTERM/Ctrl-C after a checkpoint), 2 bad configuration or input
-(one message naming the key, file or line), 1 anything else.
+(one message naming the key, file or line; another run holding `trainer.output_dir`; a checkpoint there of another
+model or algorithm, or one with files that are not plain data), 1 anything else.
+
+The run holds its output folder for its whole life (`checkpoint/run_lock.py`) and writes everything there
+private to its user (umask 077).
 """
 
 from __future__ import annotations
@@ -10,8 +14,14 @@ from hybrid_rl.utils.env import set_runtime_defaults
 
 set_runtime_defaults()
 
+import logging  # noqa: E402
 import os  # noqa: E402
+
+# Before anything is written: checkpoints, logs, rollout dumps and the run's secret are its user's alone on a
+# shared node (processes the run starts inherit it).
+os.umask(0o077)
 import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 from hybrid_rl.utils.logs import setup_logging  # noqa: E402 - also imported from here by the test workers
 
@@ -29,9 +39,9 @@ def parse_args(argv: list[str]) -> tuple[str, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hybrid_rl.build import build, check_inputs
+    from hybrid_rl.checkpoint.run_lock import hold_run_lock
     from hybrid_rl.config import load_config
-    from hybrid_rl.errors import HybridRLError, InputError
+    from hybrid_rl.errors import HybridRLError
 
     setup_logging()
     try:
@@ -40,7 +50,25 @@ def main(argv: list[str] | None = None) -> int:
     except HybridRLError as e:  # a function of the command line alone: every rank has the same error
         return _say_once(e, raised_by="every rank")
     try:
+        with hold_run_lock(cfg.trainer.output_dir, rank=int(os.environ.get("RANK", 0)),
+                           local_rank=int(os.environ.get("LOCAL_RANK", 0))):
+            return _run(cfg)
+    except HybridRLError as e:  # RunLocked: the holders of a lock (rank 0, each node's first rank) say so
+        return _say_once(e, raised_by="this rank")
+
+
+def _run(cfg) -> int:
+    """Check, build and train, holding the output folder."""
+    from hybrid_rl.build import build, check_inputs
+    from hybrid_rl.checkpoint.compat import check_resume
+    from hybrid_rl.config import to_dict
+    from hybrid_rl.errors import HybridRLError, InputError
+
+    try:
         check_inputs(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+        if cfg.trainer.resume != "never":
+            _say_changed(check_resume(Path(cfg.trainer.output_dir) / "checkpoints", to_dict(cfg),
+                                      rank=int(os.environ.get("RANK", 0))))
         components = build(cfg)
     except (HybridRLError, ValueError) as e:  # a layout error is a ValueError too
         return _say_once(e if isinstance(e, HybridRLError) else InputError(str(e)), raised_by="every node")
@@ -49,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(components)
     try:
         trainer.fit()
-    except HybridRLError as e:
+    except HybridRLError as e:  # IncompatibleCheckpoint (shapes, found at load time) and UnsafeCheckpointError too
         return _say_once(e, raised_by="this rank")
     finally:
         trainer.close()
@@ -72,6 +100,12 @@ def _say_once(e, *, raised_by: str) -> int:
     if say:
         print(f"error: {e}", file=sys.stderr, flush=True)
     return e.exit_code
+
+
+def _say_changed(changed: list[str]) -> None:
+    if changed and int(os.environ.get("RANK", 0)) == 0:
+        logging.getLogger(__name__).warning("resuming with settings that differ from the checkpoint's: %s",
+                                            "; ".join(changed))
 
 
 def _shutdown() -> None:

@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
 from hybrid_rl.checkpoint import layout
 from hybrid_rl.checkpoint.collective import (
     CAUGHT,
@@ -35,9 +37,11 @@ from hybrid_rl.checkpoint.collective import (
     is_distributed,
     raise_if_any_failed,
 )
-from hybrid_rl.checkpoint.files import fsync_dir, replace_dir, torch_bytes, torch_read, write_durable
+from hybrid_rl.checkpoint.compat import IncompatibleCheckpoint, shape_mismatches
+from hybrid_rl.checkpoint.files import fsync_dir, replace_dir, torch_bytes, write_durable
 from hybrid_rl.checkpoint.sites import Site, find_site
 from hybrid_rl.checkpoint.state import Component, load_component, rank_dir, save_component
+from hybrid_rl.checkpoint.untrusted import DCP_METADATA, UnsafeCheckpointError, read_dcp_metadata, read_state
 from hybrid_rl.distributed import collectives
 from hybrid_rl.utils.faults import maybe_die
 
@@ -242,6 +246,8 @@ class Checkpointer:
         while (path := self._agreed_newest(skipped)) is not None:
             try:
                 manifest, rank_state, shared_state = self._load(path, components)
+            except (UnsafeCheckpointError, IncompatibleCheckpoint):
+                raise  # another run's or someone else's files: falling back to an older step would hide it
             except CheckpointError as e:
                 if self.rank == 0:
                     log.warning("skipping checkpoint %s: %s", path, e)
@@ -264,16 +270,40 @@ class Checkpointer:
         if errors:
             raise CheckpointError(f"cannot load checkpoint {path}: {'; '.join(dict.fromkeys(errors.values()))}")
         _check_compatible(manifest, components, path, world=self.world)
-        error = rank_state = shared_state = None
+        rank_state, shared_state = self._read_states(path, components)
+        error = None
         try:
             for name, (model, optimizer) in components.items():
                 load_component(path / name, model, optimizer, rank=self.rank)
-            rank_state = torch_read(path / layout.rank_file(self.rank))
-            shared_state = torch_read(path / layout.SHARED)
         except CAUGHT as e:
             error = e
         raise_if_any_failed(error, rank=self.rank, world=self.world, what="loading checkpoint", path=path)
         return manifest, rank_state, shared_state
+
+    def _read_states(self, path: Path, components: dict[str, Component]) -> tuple[Any, Any]:
+        """Collective: this rank's state files, once every rank found its pickles to be data only and the saved
+        tensors to fit the components. Checked before anything is loaded in place; a refusal or a mismatch is
+        agreed on as an error that resume never skips (it is not damage: an older step would be no better)."""
+        error = unsafe = states = None
+        mismatches: list[str] = []
+        try:
+            for name, (model, _) in components.items():
+                saved = read_dcp_metadata(rank_dir(path / name, self.rank) / DCP_METADATA).state_dict_metadata
+                mismatches += shape_mismatches(saved, get_model_state_dict(model), component=name)
+            states = read_state(path / layout.rank_file(self.rank)), read_state(path / layout.SHARED)
+        except UnsafeCheckpointError as e:
+            unsafe = f"rank {self.rank}: {e}"
+        except CAUGHT as e:
+            error = e
+        if refused := gather_errors(unsafe, world=self.world):
+            raise UnsafeCheckpointError(f"cannot load checkpoint {path}: {'; '.join(dict.fromkeys(refused.values()))}")
+        if differ := gather_errors("; ".join(mismatches[:4]) or None, world=self.world):
+            raise IncompatibleCheckpoint(
+                f"the checkpoint {path} was written for another model ({'; '.join(dict.fromkeys(differ.values()))}"
+                f"{'; ...' if len(mismatches) > 4 else ''}): resume with the model it was trained from, or give "
+                "this run another trainer.output_dir")
+        raise_if_any_failed(error, rank=self.rank, world=self.world, what="loading checkpoint", path=path)
+        return states
 
 
 def _inspect(path: Path, rank: int) -> tuple[str | None, layout.Manifest | None]:

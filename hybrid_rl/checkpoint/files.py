@@ -24,16 +24,11 @@ def write_durable(path: Path, data: bytes) -> None:
 
 
 def torch_bytes(obj: Any) -> bytes:
-    """`torch.save` into memory: RNG states, scheduler state and other Python objects, tensors included."""
+    """`torch.save` into memory: RNG states, scheduler state and other plain values, tensors included (read back as
+    data only: `untrusted.read_state`)."""
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
-
-
-def torch_read(path: Path) -> Any:
-    # weights_only=False: these files hold arbitrary Python state (RNG tuples, loader positions) and
-    # were written by this run's own Checkpointer, not downloaded.
-    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 def fsync_dir(path: Path) -> None:

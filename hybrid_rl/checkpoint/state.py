@@ -27,6 +27,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from hybrid_rl.checkpoint.untrusted import SafeFileSystemReader
+
 Component = tuple[nn.Module, Optimizer | None]
 
 
@@ -58,7 +60,7 @@ def load_component(directory: Path, model: nn.Module, optimizer: Optimizer | Non
     """Read this rank's shards from `directory/rank<r>/` into the model (and optimizer) in place, strictly."""
     state = component_state(model, optimizer)
     with _no_process_group():
-        dcp.load(state, checkpoint_id=rank_dir(directory, rank), no_dist=True)
+        dcp.load(state, storage_reader=SafeFileSystemReader(rank_dir(directory, rank)), no_dist=True)
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:

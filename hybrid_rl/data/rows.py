@@ -20,6 +20,10 @@ from hybrid_rl.errors import DatasetError  # noqa: F401 - raised here; its home 
 
 JSON_LINES_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
+# Chat messages with tool calls nest under ten levels. A row nested thousands deep overflows the Python stack of
+# whoever walks it (the parser here, a copy, a pickle to a worker): refused by its line instead.
+MAX_NESTING = 100
+_NESTING = f"a row nested at most {MAX_NESTING} levels deep"
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,8 @@ def _read_json_lines(file: str) -> list[SourceRow]:
                 continue
             try:
                 value = json.loads(line)
+            except RecursionError:
+                raise where.error("the row is nested too deeply to parse", _NESTING) from None
             except json.JSONDecodeError as e:
                 # A pretty-printed JSON array fails on its first line: say so rather than only "malformed".
                 hint = ", the file looks like one JSON array" if number == 1 and line.lstrip().startswith("[") else ""
@@ -105,8 +111,20 @@ def _read_json_lines(file: str) -> list[SourceRow]:
                 raise where.error(
                     f"the row is a JSON {type(value).__name__}, not an object", "one JSON object per line (JSON Lines)"
                 )
+            _check_nesting(value, where)
             rows.append(SourceRow(where, value))
     return rows
+
+
+def _check_nesting(value: Any, where: RowLocation) -> None:
+    """Refuse a row nested deeper than MAX_NESTING (walked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_NESTING:
+            raise where.error(f"the row is nested more than {MAX_NESTING} levels deep", _NESTING)
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
 
 
 def _read_parquet(file: str) -> list[SourceRow]:
@@ -118,4 +136,7 @@ def _read_parquet(file: str) -> list[SourceRow]:
     except (pa.ArrowException, OSError) as e:
         raise DatasetError(f"{file}: cannot read as Parquet ({e}); expected a valid Parquet file") from e
     # to_pylist turns list<struct<role, content>> columns into lists of dicts, as json.loads would.
-    return [SourceRow(RowLocation(file, i, is_parquet=True), row) for i, row in enumerate(table.to_pylist())]
+    rows = [SourceRow(RowLocation(file, i, is_parquet=True), row) for i, row in enumerate(table.to_pylist())]
+    for row in rows:
+        _check_nesting(row.data, row.where)
+    return rows

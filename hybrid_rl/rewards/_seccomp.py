@@ -1,8 +1,9 @@
 """A small seccomp filter for the sandbox (classic BPF, built here: no libseccomp needed).
 
 Why: rlimits bound each process's address space, but some kernel objects hold memory outside it
-and outlive the process that made them: ``memfd_create`` files, System V shared memory and
-message queues. With several processes that adds up to many GB. The filter also closes doors a
+and outlive the process that made them: ``memfd_create`` and ``memfd_secret`` files, System V shared
+memory and message queues, and extended attributes (``setxattr`` and friends: kernel memory per file,
+which a size-capped tmpfs does not count). With several processes that adds up to many GB. The filter also closes doors a
 test program never needs (namespaces, mounts, ptrace, bpf, keyrings, io_uring, module loading).
 Blocked calls fail with EPERM (``clone3`` with ENOSYS, so libc falls back to ``clone``); anything
 else is allowed. Only x86_64 and aarch64 are covered; elsewhere ``build_filter`` returns None.
@@ -22,18 +23,21 @@ _EPERM, _ENOSYS = 1, 38
 _CLONE_NEW_NAMESPACES = 0x7E020000  # CLONE_NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET
 
 _BLOCKED = (
-    "memfd_create shmget msgget unshare setns mount umount2 pivot_root ptrace bpf perf_event_open "
-    "userfaultfd keyctl add_key request_key io_uring_setup kexec_load init_module finit_module open_by_handle_at"
+    "memfd_create memfd_secret shmget msgget setxattr lsetxattr fsetxattr setxattrat unshare setns mount umount2 "
+    "pivot_root ptrace bpf perf_event_open userfaultfd keyctl add_key request_key io_uring_setup kexec_load "
+    "init_module finit_module open_by_handle_at"
 ).split()
 _ARCHES = {  # machine -> (AUDIT_ARCH_*, syscall numbers)
     "x86_64": (0xC000003E, {
-        "memfd_create": 319, "shmget": 29, "msgget": 68, "unshare": 272, "setns": 308, "mount": 165,
+        "memfd_create": 319, "memfd_secret": 447, "setxattr": 188, "lsetxattr": 189, "fsetxattr": 190,
+        "setxattrat": 463, "shmget": 29, "msgget": 68, "unshare": 272, "setns": 308, "mount": 165,
         "umount2": 166, "pivot_root": 155, "ptrace": 101, "bpf": 321, "perf_event_open": 298, "userfaultfd": 323,
         "keyctl": 250, "add_key": 248, "request_key": 249, "io_uring_setup": 425, "kexec_load": 246,
         "init_module": 175, "finit_module": 313, "open_by_handle_at": 304, "clone": 56, "clone3": 435,
     }),
     "aarch64": (0xC00000B7, {
-        "memfd_create": 279, "shmget": 194, "msgget": 186, "unshare": 97, "setns": 268, "mount": 40,
+        "memfd_create": 279, "memfd_secret": 447, "setxattr": 5, "lsetxattr": 6, "fsetxattr": 7,
+        "setxattrat": 463, "shmget": 194, "msgget": 186, "unshare": 97, "setns": 268, "mount": 40,
         "umount2": 39, "pivot_root": 41, "ptrace": 117, "bpf": 280, "perf_event_open": 241, "userfaultfd": 282,
         "keyctl": 219, "add_key": 217, "request_key": 218, "io_uring_setup": 425, "kexec_load": 104,
         "init_module": 105, "finit_module": 273, "open_by_handle_at": 265, "clone": 220, "clone3": 435,

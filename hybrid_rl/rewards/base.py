@@ -11,7 +11,6 @@ and must be importable in those workers too.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -19,6 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 from hybrid_rl.rewards import code as code_reward
 from hybrid_rl.rewards import format as format_reward
 from hybrid_rl.rewards import math as math_reward
+from hybrid_rl.rewards.names import import_object
 from hybrid_rl.rewards.sandbox import SandboxConfig, check_isolation
 
 __all__ = ["REWARDS", "CodeReward", "FormatReward", "MathReward", "RewardFn", "resolve_reward"]
@@ -94,16 +94,7 @@ def resolve_reward(name: str, **options: Any) -> RewardFn:
         return REWARDS[name](**options)
     if ":" not in name:
         raise ValueError(f"unknown reward {name!r}: known rewards are {sorted(REWARDS)}, or 'package.module:function'")
-    module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"reward {name!r}: cannot import module {module_name!r}: {err}") from err
-    target: Any = module
-    for part in attr.split("."):
-        if not hasattr(target, part):
-            raise ValueError(f"reward {name!r}: module {module_name!r} has no attribute {attr!r}")
-        target = getattr(target, part)
+    target = import_object(name, "reward")
     reward = target(**options) if options else target
     if not callable(reward):
         raise ValueError(f"reward {name!r} is a {type(reward).__name__}, not a callable (response, sample) -> float")

@@ -15,11 +15,21 @@ Isolation levels (``isolation_level()``, probed once per process and logged at f
   working dir, but the network and the caller's files stay reachable and a process that calls
   ``setsid`` can outlive the run. Used only where ``SandboxConfig.min_isolation == "rlimits"``.
 
-Limits, set inside by ``_LAUNCHER`` before the program starts: address space (``memory_mb``, per
-process), CPU seconds, processes + threads, file size, open files, no core dumps. Memory in all is
-thus at most ``max_processes * memory_mb`` plus the two tmpfs. As root, bwrap runs privileged (no
-user namespace) and the launcher switches to an unprivileged uid first: the kernel never applies
-the process limit to uid 0. The wall clock and the output size are enforced here: stdout is read
+Limits, set inside by ``_bwrap._LAUNCHER`` before the program starts: address space (``memory_mb``, per
+process), CPU seconds, processes + threads, file size, open files, no core dumps, no locked memory and
+no POSIX message queues (``RLIMIT_MEMLOCK`` and ``RLIMIT_MSGQUEUE`` 0). The kernel objects that hold
+memory outside these limits (memfd and secret-memory files, System V shared memory and queues,
+extended attributes) are refused by the seccomp filter.
+
+Memory in all: where this process may make a memory cgroup (``_cgroup``: root, or a delegated cgroup v2
+subtree), each run gets one capped at ``max_processes * memory_mb`` + the two tmpfs + 64 MiB, which
+counts kernel memory too (the inodes of empty files in the tmpfs, page tables); past it the kernel
+kills the program. Without one, the address space is bounded per process (``max_processes *
+memory_mb``) and the tmpfs by their size, but the inodes of files in the tmpfs are not: bubblewrap
+cannot set ``nr_inodes``, so a program can hold about a KiB of kernel memory per empty file it makes
+until its CPU time runs out. As root, bwrap runs privileged (no user
+namespace) and the launcher empties the capability bounding set and the inheritable set, then switches
+to an unprivileged uid: the kernel never applies the process limit to uid 0. The wall clock and the output size are enforced here: stdout is read
 incrementally and the run is killed past ``max_output_bytes`` (a caller narrows it per run, as
 ``code.run`` does to fit each test's expected output), so one run's output costs the caller memory
 in proportion to ``max_output_bytes`` (the bytes read, the decoded text), whatever the program does.
@@ -28,7 +38,6 @@ in proportion to ``max_output_bytes`` (the bytes read, the decoded text), whatev
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -37,13 +46,13 @@ import selectors
 import shutil
 import signal
 import subprocess
-import sys
-import sysconfig
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
 
+from hybrid_rl.rewards import _cgroup
+from hybrid_rl.rewards._bwrap import _LAUNCHER, _PY_FLAGS, _bwrap_argv, _env, _python
 from hybrid_rl.rewards._seccomp import build_filter
 
 __all__ = [
@@ -59,8 +68,8 @@ logger = logging.getLogger(__name__)
 
 BWRAP, RLIMITS = "bwrap", "rlimits"
 _STRENGTH = {RLIMITS: 1, BWRAP: 2}
-_WORKDIR = "/sandbox"
 _WALL_SLACK_S = 0.5  # interpreter start-up and teardown, on top of the program's own time limit
+_KERNEL_SLACK = 64 << 20  # the cgroup's room beyond the rlimits and the tmpfs: page tables, sockets, the interpreter
 _STOP_WAIT_S = 30.0  # for a killed sandbox to be gone: milliseconds when idle, a margin for a loaded machine
 
 
@@ -91,100 +100,11 @@ class ExecResult:
     timed_out: bool
     output_exceeded: bool
     wall_s: float
+    memory_peak_bytes: int | None = None  # the run's memory cgroup's peak (kernel memory included); None: no cgroup
 
 
 class SandboxUnavailableError(RuntimeError):
     """The configured isolation level is not available on this machine."""
-
-
-# Runs inside the sandbox: set limits, drop root (bwrap ran privileged), then run the program as __main__.
-_LAUNCHER = """\
-import os, resource as r, sys
-def _setup(code_fd, mem, cpu, nproc, fsize, nofile, uid):
-    for k, v in ((r.RLIMIT_AS, mem), (r.RLIMIT_FSIZE, fsize), (r.RLIMIT_NOFILE, nofile), (r.RLIMIT_CORE, 0)):
-        r.setrlimit(k, (v, v))
-    r.setrlimit(r.RLIMIT_CPU, (cpu, cpu + 1))
-    if uid >= 0:
-        os.setgroups([]); os.setgid(uid); os.setuid(uid)
-    r.setrlimit(r.RLIMIT_NPROC, (nproc, nproc))
-    with open(code_fd, "rb") as f:
-        return f.read().decode("utf-8", "replace")
-_src = _setup(*map(int, sys.argv[1:]))
-sys.argv = ["main.py"]
-del _setup, os, r
-exec(compile(_src, "main.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-"""
-_PY_FLAGS = ["-S", "-s", "-B", "-P", "-X", "utf8"]  # no site import: ~25 ms start-up instead of ~100 ms
-
-
-def _python() -> tuple[str, str]:
-    """(interpreter, install prefix) of the running Python's base install (not the venv)."""
-    prefix = sys.base_prefix
-    candidate = os.path.join(prefix, "bin", f"python{sys.version_info.major}.{sys.version_info.minor}")
-    return (candidate if os.path.exists(candidate) else os.path.realpath(sys.executable)), prefix
-
-
-def _bwrap_mounts() -> list[str]:
-    args = ["--ro-bind", "/usr", "/usr"]
-    for name in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
-        if os.path.islink(name):
-            args += ["--symlink", os.readlink(name), name]
-        elif os.path.isdir(name):
-            args += ["--ro-bind", name, name]
-    exe, prefix = _python()
-    if not _under_usr(prefix):
-        parents = [p for p in _ancestors(prefix) if p != "/"]
-        for parent in parents:  # bwrap would copy the host's modes (e.g. /root is 0700)
-            args += ["--perms", "0755", "--dir", parent]
-        args += ["--ro-bind", prefix, prefix]
-        site = sysconfig.get_path("purelib", vars={"base": prefix})
-        if os.path.isdir(site):
-            args += ["--tmpfs", site]  # third-party packages are not part of the program's world
-    if not exe.startswith(prefix + "/") and not _under_usr(exe):
-        args += ["--ro-bind", exe, exe]
-    return args
-
-
-def _under_usr(path: str) -> bool:
-    return path == "/usr" or path.startswith("/usr/")
-
-
-def _ancestors(path: str) -> list[str]:
-    parts = path.rstrip("/").split("/")[1:-1]
-    return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
-
-
-def _bwrap_argv(config: SandboxConfig) -> tuple[list[str], int]:
-    """The bwrap command line up to the interpreter, and the uid the launcher must switch to (-1: none)."""
-    as_root = os.geteuid() == 0
-    argv = [shutil.which("bwrap") or "bwrap", "--die-with-parent", "--new-session", "--clearenv"]
-    argv += ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
-    if as_root:  # privileged mode, no user namespace: the launcher drops to an unprivileged uid
-        argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
-    else:
-        argv += ["--unshare-user", "--uid", "65534", "--gid", "65534", "--cap-drop", "ALL"]
-        argv += ["--disable-userns"] if _bwrap_version() >= (0, 8) else []
-    argv += _bwrap_mounts()
-    size = str(config.scratch_bytes)
-    argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", size, "--tmpfs", "/tmp"]
-    argv += ["--perms", "0777", "--size", size, "--tmpfs", _WORKDIR, "--chdir", _WORKDIR, "--hostname", "sandbox"]
-    for key, value in _env(_WORKDIR).items():
-        argv += ["--setenv", key, value]
-    # A uid of our own per process: concurrent sandboxes then do not share one process count.
-    return argv + ["--"], (1_900_000_000 + os.getpid() % 1_000_000) if as_root else -1
-
-
-@functools.cache
-def _bwrap_version() -> tuple[int, ...]:
-    try:
-        out = subprocess.run([shutil.which("bwrap") or "bwrap", "--version"], capture_output=True, text=True, timeout=5)
-        return tuple(int(x) for x in out.stdout.split()[-1].split(".")[:2])
-    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
-        return (0, 0)
-
-
-def _env(home: str) -> dict[str, str]:
-    return {"PATH": "/usr/bin:/bin", "HOME": home, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
 
 
 def _memfd(name: str, data: bytes) -> int:
@@ -310,7 +230,7 @@ class _Fds:
 
 
 def _argv(level: str, config: SandboxConfig, fds: _Fds, timeout_s: float, memory_mb: int) -> list[str]:
-    prefix, uid = _bwrap_argv(config) if level == BWRAP else ([], -1)
+    prefix, uid = _bwrap_argv(config.scratch_bytes) if level == BWRAP else ([], -1)
     if level == BWRAP:
         prefix[1:1] = ["--info-fd", str(fds.info_write)]
         prefix[1:1] = ["--seccomp", str(fds.seccomp)] if fds.seccomp >= 0 else []
@@ -323,11 +243,13 @@ def _run_at(level: str, code: str, stdin: str, timeout_s: float, memory_mb: int,
     fds = _Fds.open(code, stdin)
     scratch = tempfile.mkdtemp(prefix="hybrid-rl-sandbox-") if level == RLIMITS else None
     env = {"PATH": os.defpath} if level == BWRAP else _env(scratch or "/")
+    group = _cgroup.make(config.max_processes * (memory_mb << 20) + 2 * config.scratch_bytes + _KERNEL_SLACK)
+    argv = _argv(level, config, fds, timeout_s, memory_mb)
     start = time.monotonic()
     deadline = start + timeout_s + _WALL_SLACK_S
     try:
         with subprocess.Popen(
-            _argv(level, config, fds, timeout_s, memory_mb), stdin=fds.stdin, stdout=subprocess.PIPE,
+            group.wrap(argv) if group else argv, stdin=fds.stdin, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, env=env, cwd=scratch, pass_fds=fds.passed(), start_new_session=True,
         ) as proc:  # fmt: skip
             os.close(fds.info_write)
@@ -340,8 +262,11 @@ def _run_at(level: str, code: str, stdin: str, timeout_s: float, memory_mb: int,
             finally:
                 _stop(proc, init_pid)
             status = proc.wait()
+        peak = group.peak() if group else None
     finally:
         fds.close()
+        if group:
+            group.close()
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)
     return ExecResult(
@@ -351,6 +276,7 @@ def _run_at(level: str, code: str, stdin: str, timeout_s: float, memory_mb: int,
         timed_out=cut == "timeout",
         output_exceeded=cut == "output",
         wall_s=time.monotonic() - start,
+        memory_peak_bytes=peak,
     )
 
 

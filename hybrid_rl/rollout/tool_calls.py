@@ -8,12 +8,13 @@ it as malformed, so the model learns the format instead of the trajectory dying.
 from __future__ import annotations
 
 import ast
-import importlib
 import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from hybrid_rl.rewards.names import import_object
 
 
 @dataclass(frozen=True)
@@ -197,11 +198,7 @@ def get_parser(name: str) -> Callable[[str], list[ToolCall]]:
     if name in PARSERS:
         return PARSERS[name]
     if ":" in name:
-        module_name, _, attr = name.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"rollout.multi_turn.parser={name!r}: cannot load it ({e})") from e
+        fn = import_object(name, "rollout.multi_turn.parser")
         if callable(fn):
             return fn
     raise ValueError(f"unknown tool-call parser {name!r}: expected one of {sorted(PARSERS)} or 'pkg.module:function'")

@@ -26,6 +26,7 @@ def bad_files(tmp_path_factory, tiny_models) -> dict[str, str]:
     (d / "malformed.jsonl").write_text('{"prompt": "a", "ground_truth": "1"}\n{"prompt": "b", \n')
     (d / "no_prompt.jsonl").write_text('{"prompt": "a"}\n{"question": "b", "ground_truth": "2"}\n')
     (d / "empty_prompt.jsonl").write_text('{"prompt": "a"}\n{"prompt": "   "}\n')
+    (d / "nested.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b", "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
     (d / "ok.jsonl").write_text("".join(json.dumps({"prompt": f"q{i}", "ground_truth": "1"}) + "\n" for i in range(40)))
     gpt2 = d / "gpt2"
     gpt2.mkdir()
@@ -50,6 +51,8 @@ CASES = {
     "wrong type": (["trainer.total_steps=many"], "trainer.total_steps=many: expected int"),
     "value not allowed": (["algorithm.advantage=magic"], "choose one of: gae, grpo, rloo, reinforce_pp"),
     "unknown reward function": (["reward.fn=no_such_pkg.rewards:score"], "no_such_pkg"),
+    "deeply nested dataset row": (["data.train_files=[{nested}]"], "nested.jsonl line 2: the row is nested"),
+    "reward naming a process function": (["reward.fn=subprocess:run"], "'subprocess:run': refused"),
 }
 
 
@@ -89,3 +92,51 @@ def test_bad_config_at_four_ranks_is_said_once(tiny_models, bad_files, tmp_path)
     out = r.stdout + r.stderr
     errors = [line for line in out.splitlines() if line.startswith("error: ")]
     assert r.returncode != 0 and len(errors) == 1 and "trainer.epochs: no such key" in errors[0], out[-3000:]
+
+
+def _ok_run(tiny_models, bad_files, out) -> list[str]:
+    return ["--config-name=grpo", f"model.path={tiny_models['qwen2']}", f"data.train_files=[{bad_files['ok']}]",
+            f"trainer.output_dir={out}", "reward.num_workers=0"]
+
+
+def test_a_second_run_in_a_held_output_folder_exits_2_naming_the_holder(tiny_models, bad_files, tmp_path):
+    """The holder is another process with a real lock on the folder, as a run's rank 0 holds it."""
+    import socket
+
+    from hybrid_rl.checkpoint.run_lock import hold_run_lock
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                               "from hybrid_rl.checkpoint.run_lock import hold_run_lock\n"
+                               "with hold_run_lock(sys.argv[1], rank=0, local_rank=0):\n"
+                               "    print('held', flush=True); time.sleep(300)\n", str(tmp_path / "out")],
+                              cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        r = _train(*_ok_run(tiny_models, bad_files, tmp_path / "out"))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert r.returncode == 2, f"exit {r.returncode}\n{r.stderr[-3000:]}"
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and f"host {socket.gethostname()}, pid {holder.pid}" in errors[0], r.stderr[-3000:]
+    with hold_run_lock(tmp_path / "out", rank=0, local_rank=0):  # the holder's death released it
+        pass
+
+
+def test_a_checkpoint_of_another_algorithm_exits_2_before_loading(tiny_models, bad_files, tmp_path):
+    import torch
+
+    from hybrid_rl.checkpoint import Checkpointer
+    from hybrid_rl.config import load_config, to_dict
+
+    theirs = to_dict(load_config("grpo", [f"model.path={tiny_models['qwen2']}", f"data.train_files=[{bad_files['ok']}]",
+                                          "algorithm.advantage=rloo"]))
+    model = torch.nn.Linear(2, 2)
+    Checkpointer(tmp_path / "out" / "checkpoints", keep_last=1, rank=0, world=1).save(
+        3, components={"actor": (model, None)}, rank_state={}, shared_state={"config": theirs})
+    r = _train(*_ok_run(tiny_models, bad_files, tmp_path / "out"))
+    assert r.returncode == 2, f"exit {r.returncode}\n{r.stderr[-3000:]}"
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "algorithm.advantage: 'rloo' -> 'grpo'" in errors[0], r.stderr[-3000:]
+    assert "step_3" in errors[0] and "Traceback" not in r.stderr
+

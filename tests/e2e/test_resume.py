@@ -72,6 +72,10 @@ def test_resumed_run_matches_uninterrupted_run_bitwise(tiny_models, task_files, 
     mine = {name: r for name, r in result.items() if name.startswith(f"{variant}/")}
     assert len(mine) == 3 and all(r["ok"] for r in mine.values()), result
     straight, resumed = _metrics(root / variant / "straight"), _metrics(root / variant / "resumed")
+    written = [p for p in (root / variant / "resumed").rglob("*") if not p.is_symlink()]
+    assert any(p.name == "shared.pt" for p in written)
+    open_to_others = [f"{p} {oct(p.stat().st_mode)}" for p in written if p.stat().st_mode & 0o077]
+    assert not open_to_others, f"the run's files are readable by other users (umask 077): {open_to_others[:5]}"
     assert sorted(resumed) == [1, 2, 3, 4]  # no step lost or logged twice
     assert straight[4]["actor/entropy"] != straight[1]["actor/entropy"], "the policy did not change: test is vacuous"
     for step in (1, 2, 3, 4):  # vLLM (each TP group) samples what the trainer computes (float32 both sides)

@@ -21,10 +21,11 @@ per turn but has no `reward()` sets `rewards_per_turn = True` so that the `envir
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from dataclasses import dataclass
 from typing import Any
+
+from hybrid_rl.rewards.names import import_object
 
 
 class ToolInfraError(RuntimeError):
@@ -58,18 +59,7 @@ class ToolSpec:
 
 
 def load_object(path: str, what: str) -> Any:
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"{what} {path!r}: expected 'package.module:name'")
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"{what} {path!r}: cannot import module {module_name!r}: {e}") from e
-    for part in attr.split("."):
-        if not hasattr(target, part):
-            raise ValueError(f"{what} {path!r}: module {module_name!r} has no attribute {attr!r}")
-        target = getattr(target, part)
-    return target
+    return import_object(path, what)
 
 
 def schema_of(fn, what: str) -> dict:

@@ -34,6 +34,10 @@ def _load_error(files, tokenizer, **kwargs) -> str:
         ),
         ('{"prompt": [{"role": "user", "content": " "}], "ground_truth": "5"}', "every message", "non-empty"),
         ('{"prompt": "What is 2 + 3?"}', "missing required key 'ground_truth'", "a 'ground_truth' value"),
+        ('{"prompt": "q", "ground_truth": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply",
+         "nested at most 100 levels"),  # past the parser's recursion limit: a RecursionError inside json
+        ('{"prompt": "q", "ground_truth": ' + "[" * 150 + "]" * 150 + "}", "nested more than 100 levels",
+         "nested at most 100 levels"),  # parsed, but whoever walks it next would recurse as deep
     ],
 )
 def test_a_bad_jsonl_row_names_its_file_and_line(tokenizer, write_jsonl, bad_line, problem, expected):

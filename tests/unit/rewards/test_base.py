@@ -62,4 +62,4 @@ def test_missing_attribute_is_named_in_the_error():
 
 def test_non_callable_target_is_rejected():
     with pytest.raises(ValueError, match="not a callable"):
-        resolve_reward("json:__name__")
+        resolve_reward("json.decoder:NaN")

@@ -25,7 +25,7 @@ def test_bad_tool_names_are_refused_at_start():
     with pytest.raises(ValueError, match="cannot import module 'no_such_pkg.tools'"):
         resolve_tools(["no_such_pkg.tools:calc"])
     with pytest.raises(ValueError, match="type hints and a docstring"):
-        resolve_tools(["os.path:join"])
+        resolve_tools(["json:dumps"])
     with pytest.raises(ValueError, match="names a tool twice"):
         resolve_tools([f"{M}:echo", f"{M}:echo"])
 
