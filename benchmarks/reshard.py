@@ -108,7 +108,7 @@ def _split(acc: dict[str, float], sync_s: float) -> dict[str, float]:
 
 def _engine(model: str, *, tp: int, dtype: str, verify: bool | None = None, probe_cols: int | None = None,
             packed: bool = True):
-    """FSDP policy + AdamW + HybridEngine with the product's default switch options (as `build._engine`);
+    """FSDP policy + AdamW + HybridEngine with the product's default switch options (as `build.colocated._engine`);
     `verify` and `probe_cols` override the defaults when given."""
     import torch
 
