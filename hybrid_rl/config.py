@@ -516,7 +516,7 @@ def resolve_correction(cfg: Config) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Per-platform defaults of the rollout engine, resolved in one place for build.py and the planner.
+# Per-platform defaults of the rollout engine, resolved in one place for build/ and the planner.
 
 CPU_KV_CACHE_GB = 0.5  # per rank, when rollout.kv_cache_gb is 0 on CPU
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from hybrid_rl.build.rollout import adapter_sync, agent_setup, sampling_settings, uses_tools
+from hybrid_rl.colocated.engine_parts import SyncTarget, TrainedPolicy
 from hybrid_rl.colocated.hybrid import HybridEngine, SwitchOptions
 from hybrid_rl.colocated.lora_sync import AdapterSync
 from hybrid_rl.colocated.multi_turn import MultiTurnRollout
@@ -57,6 +58,6 @@ def _engine(cfg: Config, dims: ParallelDims, actor: Model, offload: OffloadManag
         weights = BaseWeights(actor.module)
         adapter = AdapterSync(actor.module, Path(cfg.trainer.output_dir) / "adapter_sync", rank=dims.rank,
                               dtype=DTYPES[r.dtype])
-    return HybridEngine(actor.module, optimizer=actor.optimizer, dims=dims, vllm=VLLMEngine(spec), layout=layout,
-                        offload=offload, options=options, device=device(), sync_dtype=DTYPES[r.dtype],
-                        weights=weights, adapter=adapter)
+    return HybridEngine(TrainedPolicy(actor.module, actor.optimizer, weights=weights, adapter=adapter),
+                        SyncTarget(VLLMEngine(spec), layout, device=device(), dtype=DTYPES[r.dtype]),
+                        dims=dims, offload=offload, options=options)

@@ -29,7 +29,7 @@ from hybrid_rl.model.lora import BaseWeights, LoraWeights, is_lora
 from hybrid_rl.model.memory_plan import MemoryPlan, auto_gpu_memory_utilization, sync_reserve_bytes
 from hybrid_rl.sidecar.agent import AgentSidecar
 from hybrid_rl.sidecar.black_box import load_agent
-from hybrid_rl.sidecar.checkpoint_engine import CheckpointEngine, PushOptions
+from hybrid_rl.sidecar.checkpoint_engine import CheckpointEngine, PushOptions, PushTarget, RankPlace
 from hybrid_rl.sidecar.completions import CompletionClient
 from hybrid_rl.sidecar.etcd import Etcd, EtcdUnavailable, Registration
 from hybrid_rl.sidecar.etcd_server import EtcdProcess
@@ -215,10 +215,11 @@ def _sidecar_plain(cfg: Config, dims: ParallelDims, actor: Model, offload: Offlo
     options = PushOptions(int(r.bucket_mb * 2**20), sc.slots, r.verify_probe_cols, sc.update_timeout_s)
     link = pod_link(etcd, dims, host=sc.host, tp=r.tp, pods=sc.pods, wait_s=sc.pod_wait_s,
                     op_timeout_s=sc.pod_timeout_s) if sc.pods > 1 else None
-    engine = CheckpointEngine(rank=dims.rank, world=dims.world, layout=layout,
-                              namespace=sidecar_namespace(cfg, 0, index, run_id), options=options, device=device(),
-                              dtype=DTYPES[r.dtype], server=(lambda: sidecar.server) if sidecar is not None else None,
-                              link=link, servers=servers, local_world=local_world)
+    engine = CheckpointEngine(RankPlace(dims.rank, dims.world, servers=servers, local_world=local_world),
+                              PushTarget(layout, sidecar_namespace(cfg, 0, index, run_id), device=device(),
+                                         dtype=DTYPES[r.dtype], link=link,
+                                         server=(lambda: sidecar.server) if sidecar is not None else None),
+                              options)
     o = cfg.offload
     # Asynchronous runs generate while the trainer trains: the server never sleeps (give it its own GPUs).
     total_servers = servers * (dims.world // local_world) + sc.pods - 1
