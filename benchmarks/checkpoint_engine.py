@@ -97,7 +97,7 @@ def _sidecar(cfg, a) -> dict:
     from hybrid_rl.distributed.fsdp import shard_model
     from hybrid_rl.distributed.mesh import device, fsdp_mesh, init_distributed
     from hybrid_rl.model.loading import DTYPES, load_causal_lm
-    from hybrid_rl.sidecar.checkpoint_engine import CheckpointEngine, PushOptions
+    from hybrid_rl.sidecar.checkpoint_engine import CheckpointEngine, PushOptions, PushTarget, RankPlace
     from hybrid_rl.sidecar.etcd import Etcd
     from hybrid_rl.sidecar.pod_link import pod_link
     from hybrid_rl.sidecar.shm_ring import ShmRing
@@ -118,8 +118,9 @@ def _sidecar(cfg, a) -> dict:
     layout = Layout(ModelDims.from_hf_config(module.config), 1)
     options = PushOptions(int(a.bucket_mb * 2**20), cfg.sidecar.slots, 32, 600)
     make = lambda ns, link: CheckpointEngine(  # noqa: E731
-        rank=dims.rank, world=dims.world, layout=layout, namespace=ns, options=options, device=device(),
-        dtype=DTYPES[a.dtype], server=(lambda: sidecar.server) if sidecar else None, link=link)
+        RankPlace(dims.rank, dims.world),
+        PushTarget(layout, ns, device=device(), dtype=DTYPES[a.dtype],
+                   server=(lambda: sidecar.server) if sidecar else None, link=link), options)
     one = make(sidecar_namespace(cfg, 0) + "a", None)
     two = make(sidecar_namespace(cfg, 0), pod_link(etcd, dims, host="127.0.0.1", tp=1, pods=2, wait_s=600,
                                                              op_timeout_s=600))
@@ -169,7 +170,7 @@ def servers_worker(a) -> None:
     from hybrid_rl.distributed.fsdp import shard_model
     from hybrid_rl.distributed.mesh import device, fsdp_mesh, init_distributed
     from hybrid_rl.model.loading import DTYPES, load_causal_lm
-    from hybrid_rl.sidecar.checkpoint_engine import CheckpointEngine, PushOptions
+    from hybrid_rl.sidecar.checkpoint_engine import CheckpointEngine, PushOptions, PushTarget, RankPlace
     from hybrid_rl.sidecar.completions import CompletionClient, Router
     from hybrid_rl.sidecar.etcd import Etcd
     from hybrid_rl.sidecar.sidecar_server import Sidecar
@@ -194,10 +195,11 @@ def servers_worker(a) -> None:
     urls = sorted(u for u in all_gather_object(sidecar.server.url if sidecar else None) if u)
     layout = Layout(ModelDims.from_hf_config(module.config), tp)
     options = PushOptions(int(a.bucket_mb * 2**20), cfg.sidecar.slots, 32, 600)
-    engines = {n: CheckpointEngine(rank=dims.rank, world=dims.world, layout=layout,
-                                   namespace=sidecar_namespace(cfg, 0, group, RUN_ID) + f"n{n}", options=options,
-                                   device=device(), dtype=DTYPES[a.dtype], servers=n,
-                                   server=(lambda: sidecar.server) if sidecar and group < n else None)
+    engines = {n: CheckpointEngine(RankPlace(dims.rank, dims.world, servers=n),
+                                   PushTarget(layout, sidecar_namespace(cfg, 0, group, RUN_ID) + f"n{n}",
+                                              device=device(), dtype=DTYPES[a.dtype],
+                                              server=(lambda: sidecar.server) if sidecar and group < n else None),
+                                   options)
                for n in (1, 2)}
     sources = [SourceParam(n, t, s) for n, t, s in ModuleWeights(module).weights() if not layout.skip(n)]
     for n, e in engines.items():  # plans, rings, the servers' backends: not timed

@@ -108,10 +108,11 @@ def _split(acc: dict[str, float], sync_s: float) -> dict[str, float]:
 
 def _engine(model: str, *, tp: int, dtype: str, verify: bool | None = None, probe_cols: int | None = None,
             packed: bool = True):
-    """FSDP policy + AdamW + HybridEngine with the product's default switch options (as `build._engine`);
+    """FSDP policy + AdamW + HybridEngine with the product's default switch options (as `build.colocated._engine`);
     `verify` and `probe_cols` override the defaults when given."""
     import torch
 
+    from hybrid_rl.colocated.engine_parts import SyncTarget, TrainedPolicy
     from hybrid_rl.colocated.hybrid import HybridEngine, SwitchOptions
     from hybrid_rl.colocated.vllm_engine import EngineSpec, VLLMEngine
     from hybrid_rl.config import OffloadConfig, RolloutConfig, resolve_rollout
@@ -136,10 +137,10 @@ def _engine(model: str, *, tp: int, dtype: str, verify: bool | None = None, prob
                             probe_cols=probe_cols or r.verify_probe_cols,
                             release=d.release, offload_params=o.actor_params,
                             offload_grads=o.actor_grads, offload_optim=o.actor_optim)
-    engine = HybridEngine(module, optimizer=opt, dims=dims, vllm=VLLMEngine(spec),
-                          layout=Layout(ModelDims.from_hf_config(module.config), tp),
-                          offload=OffloadManager(common.CACHE / "offload", rank=dims.rank), options=options,
-                          device=device(), sync_dtype=DTYPES[dtype])
+    engine = HybridEngine(TrainedPolicy(module, opt),
+                          SyncTarget(VLLMEngine(spec), Layout(ModelDims.from_hf_config(module.config), tp),
+                                     device=device(), dtype=DTYPES[dtype]),
+                          dims=dims, offload=OffloadManager(common.CACHE / "offload", rank=dims.rank), options=options)
     return engine, dims
 
 

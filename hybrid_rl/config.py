@@ -184,12 +184,9 @@ class AlgorithmConfig:
     dpo_beta: float = 0.1
     dpo_kind: str = "sigmoid"
     dpo_label_smoothing: float = 0.0
-
-    @property
-    def offline_pairs(self) -> bool:
-        """Offline DPO: preference pairs come from the dataset, so nothing is generated or scored.
-        (`online_dpo` builds its pairs from the policy's own rollouts, ranked by reward.)"""
-        return self.objective == "dpo" and self.name != "online_dpo"
+    # DPO on preference pairs from the dataset: nothing is generated or scored (`recipes/dpo.yaml`). False with
+    # objective=dpo: online DPO, pairs built from the policy's own rollouts, ranked by reward.
+    offline_pairs: bool = False
 
     @property
     def old_logp_from_update(self) -> bool:
@@ -498,6 +495,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError("algorithm.advantage=gae needs a critic: set algorithm.use_critic=true")
     if a.advantage in ("grpo", "rloo") and a.objective == "ppo_clip" and cfg.rollout.n < 2:
         raise ConfigError(f"algorithm.advantage={a.advantage} compares samples of a prompt: rollout.n must be >= 2")
+    if a.offline_pairs and a.objective != "dpo":
+        raise ConfigError(f"algorithm.offline_pairs=true trains on the dataset's preference pairs: it needs "
+                          f"algorithm.objective=dpo (got {a.objective})")
     if a.objective == "dpo" and not a.use_reference:
         raise ConfigError("algorithm.objective=dpo needs the reference model: set algorithm.use_reference=true")
     if a.overlong_buffer > cfg.rollout.max_new_tokens:
@@ -550,7 +550,7 @@ def resolve_correction(cfg: Config) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Per-platform defaults of the rollout engine, resolved in one place for build.py and the planner.
+# Per-platform defaults of the rollout engine, resolved in one place for build/ and the planner.
 
 CPU_KV_CACHE_GB = 0.5  # per rank, when rollout.kv_cache_gb is 0 on CPU
 

@@ -22,25 +22,22 @@ from pathlib import Path
 import torch
 
 from hybrid_rl.algos import AdaptiveKLController, FixedKLController
-from hybrid_rl.algos.correction import CorrectionSettings
-from hybrid_rl.algos.estimators import AdvantageSettings
-from hybrid_rl.algos.objectives import ObjectiveSettings, get_objective
-from hybrid_rl.build import Components
+from hybrid_rl.algos.objectives import get_objective
 from hybrid_rl.checkpoint import Checkpointer, export_hf
-from hybrid_rl.config import resolve_correction, to_dict
+from hybrid_rl.components import Components
 from hybrid_rl.distributed.collectives import all_reduce_max
 from hybrid_rl.experience import batch as exp_batch
 from hybrid_rl.experience import share
 from hybrid_rl.experience.guard import MismatchGuard
 from hybrid_rl.experience.passes import PassOutputs, logprobs_pass, scores_pass, values_pass
 from hybrid_rl.experience.scoring import Pending, Ready, Scorer
-from hybrid_rl.experience.sources import SourceSettings, TrainingError, open_source
+from hybrid_rl.experience.sources import TrainingError, open_source
 from hybrid_rl.metrics import MetricsLogger
 from hybrid_rl.model.lora import adapter_disabled, is_lora, merged_stream, save_adapter
 from hybrid_rl.planner.table import render
 from hybrid_rl.planner.watch import PhasePeaks, PlanWatch, peak_reading
 from hybrid_rl.types import Rollout, TrainBatch
-from hybrid_rl.updates import UpdateSettings, update_actor, update_critic
+from hybrid_rl.updates import update_actor, update_critic
 from hybrid_rl.utils.timer import PhaseTimer
 
 log = logging.getLogger(__name__)
@@ -48,38 +45,23 @@ log = logging.getLogger(__name__)
 
 class Trainer:
     def __init__(self, c: Components):
-        self.c, self.cfg, self.dims = c, c.cfg, c.dims
-        a, t, r = c.cfg.algorithm, c.cfg.trainer, c.cfg.rollout
-        self.out = Path(t.output_dir)
+        self.c, self.s, self.dims = c, c.settings, c.dims
+        s, loop, kl = c.settings, c.settings.loop, c.settings.kl
+        self.out = loop.output_dir
         self.timer, self.peaks = PhaseTimer(), PhasePeaks()
         self.plan = c.plan
         self.plan_watch = PlanWatch({p.name: p.total / 2**30 for p in c.plan.phases}, enabled=torch.cuda.is_available())
         self.startup_peak_gib: float | None = peak_reading() / 2**30  # building the models: reported with step 1
-        self.kl_ctl = AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon) if a.kl_target > 0 \
-            else FixedKLController(a.kl_coef)
-        self.checkpointer = Checkpointer(self.out / "checkpoints", keep_last=t.keep_last, rank=c.dims.rank,
+        self.kl_ctl = AdaptiveKLController(kl.coef, kl.target, kl.horizon) if kl.target > 0 \
+            else FixedKLController(kl.coef)
+        self.checkpointer = Checkpointer(self.out / "checkpoints", keep_last=loop.keep_last, rank=c.dims.rank,
                                          world=c.dims.world)
-        self.objective = get_objective(a.objective)
-        self.correction = CorrectionSettings(resolve_correction(c.cfg), a.rollout_correction_level,
-                                             a.rollout_correction_low, a.rollout_correction_high)
-        self.loss_settings = ObjectiveSettings(a.loss_agg, a.clip_low, a.clip_high, a.dual_clip or None,
-                                               0.0 if a.kl_in_reward else a.kl_coef, a.kl_estimator, a.entropy_coef,
-                                               a.dpo_beta, a.dpo_kind, a.dpo_label_smoothing, self.correction)
-        self.updates = UpdateSettings(a.ppo_epochs, a.mini_batches, t.micro_batch_tokens, r.temperature,
-                                      c.cfg.optim.grad_clip, r.max_new_tokens, c.dims.world)
-        self.batch_settings = exp_batch.BatchSettings(
-            "" if self.objective.paired else a.advantage, AdvantageSettings(a.gamma, a.lam, a.norm_by_std),
-            a.kl_in_reward, a.kl_estimator, r.max_new_tokens, a.overlong_buffer, a.overlong_penalty,
-            c.cfg.reward.model_weight)
+        self.objective = get_objective(s.objective)
+        self.correction = s.loss.correction
+        self.loss_settings, self.updates, self.batch_settings = s.loss, s.updates, s.batch
         self.scorer = Scorer(c.rewards, c.tokenizer)
-        self.source = open_source(c.rollout, c.train_loader, self.scorer, c.dims, self.timer, self._session,
-                                  SourceSettings(r.n, c.cfg.data.prompts_per_step, a.dynamic_sampling,
-                                                 a.max_sampling_rounds, a.offline_pairs, r.max_staleness, t.seed,
-                                                 c.cfg.sidecar.max_restarts))
-        self.guard = MismatchGuard(t.max_logprob_diff, truncated_sampling=r.top_p < 1 or r.top_k > 0)
-        if t.max_logprob_diff and not self.guard.active and c.dims.is_main:
-            log.warning("trainer.max_logprob_diff is not checked: with rollout.top_p < 1 or rollout.top_k > 0 vLLM's "
-                        "log-probs are of a truncated distribution, not comparable with the trainer's")
+        self.source = open_source(c.rollout, c.train_loader, self.scorer, c.dims, self.timer, self._session, s.source)
+        self.guard = MismatchGuard(loop.max_logprob_diff)
         self.bad_steps = self.skipped_steps = 0
         self._stop = False
         self.metrics: MetricsLogger | None = None
@@ -89,7 +71,7 @@ class Trainer:
 
     def fit(self) -> None:
         start = self._resume()
-        t = self.cfg.trainer
+        t = self.s.loop
         self.metrics = MetricsLogger(self.out, enabled=self.dims.is_main, total_steps=t.total_steps,
                                      start_step=start + 1 if start else 0, show_progress=t.show_progress)
         signal.signal(signal.SIGTERM, self._request_stop)
@@ -134,7 +116,7 @@ class Trainer:
         batch = self._train_batch(mine, passes, exp.scoring, metrics, version=step - 1)
         stats, finite = self._update(batch)
         metrics.update(stats)
-        if not self.cfg.algorithm.offline_pairs:
+        if not self.s.offline_pairs:
             self.guard.check(metrics, step)  # before the step is logged as done or saved
         self._track_finite(finite, step)
         metrics.update(self._timings(time.perf_counter() - t0, exp.rollout))
@@ -146,7 +128,7 @@ class Trainer:
     def _share(self, rollout: Rollout, scoring: Pending | Ready, fields) -> share.Share:
         """This rank's units: pairs from the dataset (offline DPO), best vs worst by reward (online DPO), or samples."""
         index = rollout.index
-        if self.cfg.algorithm.offline_pairs:
+        if self.s.offline_pairs:
             units = share.adjacent_pairs(index)
         elif self.objective.paired:
             units = share.ranked_pairs(index, scoring.result().total)
@@ -155,9 +137,8 @@ class Trainer:
         return share.make_share(rollout, units, self.dims, paired=self.objective.paired, fields_of=fields.get)
 
     def _passes(self, mine: share.Share) -> PassOutputs:
-        c, a = self.c, self.cfg.algorithm
-        budget, temp, samples, out = self.cfg.trainer.micro_batch_tokens, self.cfg.rollout.temperature, \
-            mine.samples, PassOutputs()
+        c, a = self.c, self.s.passes
+        budget, temp, samples, out = a.budget, a.temperature, mine.samples, PassOutputs()
         if not a.old_logp_from_update:  # else the update's own forward gives them
             with self._phase("old_logp"):
                 out.old_logp = logprobs_pass(c.actor.module, samples, temperature=temp, budget=budget)
@@ -186,7 +167,7 @@ class Trainer:
             # Scoring time the step did not wait for: it ran while the model passes did.
             metrics["timing/reward_overlap_saved_s"] = max(0.0, scored.seconds - (time.perf_counter() - t_wait))
         scores = exp_batch.outcome_scores(scored, passes, mine, self.batch_settings)
-        metrics.update(exp_batch.rollout_metrics(mine.index, scores) if not self.cfg.algorithm.offline_pairs else {})
+        metrics.update(exp_batch.rollout_metrics(mine.index, scores) if not self.s.offline_pairs else {})
         if mine.paired:
             metrics["train/pairs"] = float(mine.num_units)
         return exp_batch.train_batch(mine, scores, passes, self.batch_settings, kl_coef=self.kl_ctl.value,
@@ -199,17 +180,17 @@ class Trainer:
                                                    self.updates)
             if (critic := self.c.critic) is not None:
                 with self.peaks.phase("critic_update"), self._resident("critic", critic.module, critic.optimizer):
-                    cstats, cfinite = update_critic(critic, batch, value_clip=self.cfg.algorithm.value_clip,
-                                                    loss_agg=self.cfg.algorithm.loss_agg, u=self.updates)
+                    cstats, cfinite = update_critic(critic, batch, value_clip=self.s.value_clip,
+                                                    loss_agg=self.loss_settings.loss_agg, u=self.updates)
                 stats.update(cstats)
                 finite &= cfinite
         old = batch.old_logp if seen is None else seen
-        if not self.cfg.algorithm.offline_pairs:
+        if not self.s.offline_pairs:
             stats.update(exp_batch.mismatch_metrics(batch, old, self.correction,
-                                                    max_staleness=self.cfg.rollout.max_staleness))
+                                                    max_staleness=self.s.source.max_staleness))
         kl_mean = None
         if batch.ref_logp is not None:
-            kl_mean = exp_batch.kl_to_reference(batch, old, self.cfg.algorithm.kl_estimator)
+            kl_mean = exp_batch.kl_to_reference(batch, old, self.s.kl.estimator)
         self._schedulers_step(stats, kl_mean)
         return stats, finite
 
@@ -222,7 +203,7 @@ class Trainer:
         if kl_mean is not None:
             stats["actor/kl_coef"] = self.kl_ctl.value
             stats["actor/kl_mean"] = kl_mean
-            self.kl_ctl.update(kl_mean, self.cfg.data.prompts_per_step)
+            self.kl_ctl.update(kl_mean, self.s.source.prompts_per_step)
 
     def _track_finite(self, finite: bool, step: int) -> None:
         if finite:
@@ -231,7 +212,7 @@ class Trainer:
         self.bad_steps += 1
         self.skipped_steps += 1
         log.warning("step %d: non-finite loss or gradient norm; update skipped (%d in a row)", step, self.bad_steps)
-        if self.bad_steps >= self.cfg.trainer.max_bad_steps:
+        if self.bad_steps >= self.s.loop.max_bad_steps:
             last = self.checkpointer.latest_complete()
             raise TrainingError(f"{self.bad_steps} non-finite steps in a row (trainer.max_bad_steps); stopping. "
                                 f"Last good checkpoint: {last or 'none yet'}. Lower optim.lr or check the data.")
@@ -269,7 +250,7 @@ class Trainer:
         """Mean reward of one greedy response per held-out prompt."""
         with self.c.rollout.session(step):
             rollout = self.c.rollout.generate(self.c.val_records, n=1, step=-1, group_base=0,
-                                              greedy=self.cfg.rollout.val_greedy)
+                                              greedy=self.s.loop.val_greedy)
         mean = float(self.scorer.score(rollout.held, rollout.index.size).total.mean())
         self.val_history.append((step, mean))
         if self.metrics is not None:
@@ -298,13 +279,13 @@ class Trainer:
                       if m is not None and m.scheduler is not None}
         shared = {"step": step, "loader": self.c.train_loader.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
                   "schedulers": schedulers, "skipped_steps": self.skipped_steps, "val_history": self.val_history,
-                  "config": to_dict(self.cfg), "source": self.source.state_dict(), "run_id": self.c.run_id}
+                  "config": dict(self.s.config), "source": self.source.state_dict(), "run_id": self.c.run_id}
         rank_state = {"torch_rng": torch.get_rng_state(), "source": self.source.rank_state()}
         with self._critic_resident():
             self.checkpointer.save(step, components=self._components(), rank_state=rank_state, shared_state=shared)
 
     def _resume(self) -> int:
-        if self.cfg.trainer.resume == "never":
+        if self.s.loop.resume == "never":
             return 0
         with self._critic_resident():
             found = self.checkpointer.resume_auto(self._components())
@@ -332,7 +313,7 @@ class Trainer:
 
     def _resident(self, name: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None):
         """Bring a model (with `optimizer`: and its state) in for the body and send it to `offload.<name>` after."""
-        return self.c.offload.resident(name, getattr(self.cfg.offload, name), module, optimizer)
+        return self.c.offload.resident(name, self.s.offload[name], module, optimizer)
 
     def _request_stop(self, signum, frame) -> None:
         self._stop = True

@@ -15,8 +15,8 @@ from typing import Any
 
 from hybrid_rl.checkpoint import layout
 from hybrid_rl.checkpoint.collective import CheckpointError
-from hybrid_rl.errors import EXIT_BAD_INPUT
 from hybrid_rl.checkpoint.untrusted import UnsafeCheckpointError, read_state
+from hybrid_rl.errors import EXIT_BAD_INPUT
 
 # A change here is another run: its weights, optimizer state or data order mean something else.
 IDENTITY = ("model.lora.rank", "model.lora.alpha", "model.lora.target_modules", "algorithm.name",

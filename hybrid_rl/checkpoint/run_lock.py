@@ -16,8 +16,6 @@ The holder writes its host and pid into the file, for the refusal to name.
 
 from __future__ import annotations
 
-from hybrid_rl.errors import InputError
-
 import errno
 import fcntl
 import os
@@ -26,6 +24,8 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+
+from hybrid_rl.errors import InputError
 
 RUN_LOCK = "run.lock"
 

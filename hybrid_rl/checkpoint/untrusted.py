@@ -26,8 +26,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from hybrid_rl.checkpoint.collective import CheckpointError
-from hybrid_rl.errors import EXIT_BAD_INPUT
 from hybrid_rl.data.records import PreferenceRecord, PromptRecord, ReadOnlyFields
+from hybrid_rl.errors import EXIT_BAD_INPUT
 from hybrid_rl.types import Sample
 
 # What the trainer's state holds besides tensors and plain values: the buffered source's finished samples and the

@@ -29,8 +29,7 @@ from enum import Enum
 
 import torch
 
-from hybrid_rl.colocated.lora_sync import AdapterSync
-from hybrid_rl.colocated.vllm_engine import VLLMEngine
+from hybrid_rl.colocated.engine_parts import SwitchOptions, SyncTarget, TrainedPolicy
 from hybrid_rl.distributed.collectives import all_gather_object
 from hybrid_rl.distributed.fsdp import is_sharded
 from hybrid_rl.distributed.mesh import ParallelDims
@@ -43,7 +42,6 @@ from hybrid_rl.distributed.offload import (
 )
 from hybrid_rl.types import Generation, Sampling
 from hybrid_rl.utils import memory
-from hybrid_rl.weightsync.layout import Layout
 from hybrid_rl.weightsync.reshard import (
     ReshardPlan,
     SourceParam,
@@ -57,7 +55,7 @@ from hybrid_rl.weightsync.reshard import (
     target_label,
     verify_targets,
 )
-from hybrid_rl.weightsync.source import ModuleWeights, WeightSource
+from hybrid_rl.weightsync.source import ModuleWeights
 from hybrid_rl.weightsync.vllm_weights import ROW_PATHS
 
 log = logging.getLogger(__name__)
@@ -68,19 +66,6 @@ RELEASE_MODES = ("keep", "sleep", "restart")
 class Mode(Enum):
     TRAIN = "train"
     ROLLOUT = "rollout"
-
-
-@dataclass(frozen=True)
-class SwitchOptions:
-    """How the engine switches modes and syncs weights (filled from the `rollout` and `offload` configs)."""
-
-    bucket_bytes: int
-    verify: bool
-    probe_cols: int
-    release: str  # how vLLM gives memory back in train mode: keep | sleep (CUDA) | restart
-    offload_params: str  # none | cpu | disk
-    offload_grads: str
-    offload_optim: str
 
 
 @dataclass
@@ -97,19 +82,16 @@ class SwitchReport:
 class HybridEngine:
     """Owns the switch between FSDP training and vLLM rollout on this rank."""
 
-    def __init__(
-        self, policy: torch.nn.Module, *, optimizer: torch.optim.Optimizer | None, dims: ParallelDims,
-        vllm: VLLMEngine, layout: Layout, offload: OffloadManager, options: SwitchOptions, device: torch.device,
-        sync_dtype: torch.dtype, weights: WeightSource | None = None, adapter: AdapterSync | None = None,
-    ):
-        self.policy, self.optimizer, self.dims = policy, optimizer, dims
-        self.vllm, self.layout, self.offload, self.options = vllm, layout, offload, options
-        self.device, self.sync_dtype = device, sync_dtype
+    def __init__(self, policy: TrainedPolicy, target: SyncTarget, *, dims: ParallelDims, offload: OffloadManager,
+                 options: SwitchOptions):
+        self.policy, self.optimizer, self.dims = policy.module, policy.optimizer, dims
+        self.vllm, self.layout, self.offload, self.options = target.vllm, target.layout, offload, options
+        self.device, self.sync_dtype = target.device, target.dtype
         self.mode = Mode.TRAIN
         self.report = SwitchReport()
         self.sync_index = 0
-        self.weights = weights or ModuleWeights(policy)
-        self.adapter = adapter  # `model.lora.sync=adapter`: the adapter goes to vLLM by itself after each sync
+        self.weights = policy.weights or ModuleWeights(policy.module)
+        self.adapter = policy.adapter  # `model.lora.sync=adapter`: the adapter goes to vLLM by itself after each sync
         self._plans: dict[tuple[str, ...], ReshardPlan] = {}
         self._path: str | None = None
         self._vllm_current = False  # vLLM holds the weights of the last sync (so only changes need sending)

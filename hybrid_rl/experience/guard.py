@@ -8,8 +8,8 @@ other weights (a sync that misses a weight or something vLLM derives from one) i
 another model.
 
 Where the comparison means nothing, the guard stays quiet: tokens sampled by older weights (asynchronous
-runs: only the age-0 tokens count, `rollout/logprob_diff_mean_own`) and truncated sampling (top-p / top-k:
-vLLM's log-probs are of the renormalised distribution, the trainer's of the full one).
+runs: only the age-0 tokens count, `rollout/logprob_diff_mean_own`). Truncated sampling (top-p / top-k), whose
+log-probs would not be comparable, is refused by the config (`config._validate_truncation`).
 """
 
 from __future__ import annotations
@@ -28,11 +28,10 @@ class PolicyMismatchError(TrainingError):
 @dataclass(frozen=True)
 class MismatchGuard:
     limit: float | None  # trainer.max_logprob_diff; None or 0: off
-    truncated_sampling: bool = False  # rollout.top_p < 1 or rollout.top_k > 0
 
     @property
     def active(self) -> bool:
-        return bool(self.limit) and not self.truncated_sampling
+        return bool(self.limit)
 
     @staticmethod
     def measured(metrics: dict[str, float]) -> float | None:

@@ -1,6 +1,6 @@
 """Fill a model built on the meta device and FSDP2-sharded: each rank reads only its own rows.
 
-The trainer never holds a whole model on a rank. `build.py` builds the module with
+The trainer never holds a whole model on a rank. `build/` builds the module with
 `loading.empty_model` (parameters on the meta device), wraps it (LoRA, activation checkpointing),
 shards it with `dist.fsdp.shard_model`, and then calls `materialize`, which
 

@@ -1,7 +1,7 @@
 """The rollout interface: what the trainer generates with, whatever the deployment behind it.
 
-`rollout.mode` picks the implementation (`build.py`'s registry); the trainer only ever calls these
-four methods, so a new deployment is a new class here, not a branch in the trainer:
+`rollout.mode` picks the implementation (`build.DEPLOYMENTS`, the registry of deployments); the trainer only
+ever calls these four methods, so a new deployment is a new class here, not a branch in the trainer:
 
 * ``colocated`` (`sampler.Sampler`): vLLM in-process on the training ranks (the hybrid engine); a
   session switches every rank into rollout mode (offload train state, sync weights) and back.

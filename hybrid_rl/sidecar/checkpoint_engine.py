@@ -98,17 +98,39 @@ class PodLink(Protocol):
     def close(self, rank: int) -> None: ...
 
 
+@dataclass(frozen=True)
+class RankPlace:
+    """Where this trainer rank sits: its rank, the world, its node's ranks, and the servers per node."""
+
+    rank: int
+    world: int
+    servers: int = 1  # per node: server g of a node is fed by its local ranks g*tp .. g*tp+tp-1
+    local_world: int | None = None  # None: one node
+
+
+@dataclass(frozen=True)
+class PushTarget:
+    """Where and how the weights go: the servers' TP layout, their shared-memory namespace, the device and dtype the
+    slices are made on and in, the server this rank drives (a leader), and the other pods (the pod group)."""
+
+    layout: Layout
+    namespace: str
+    device: torch.device
+    dtype: torch.dtype
+    server: Callable[[], VLLMServer] | None = None  # looked up at each push: it may restart
+    link: PodLink | None = None
+
+
 class CheckpointEngine:
     """Pushes the policy's weights into one pod's vLLM server (and through `link`, other pods')."""
 
-    def __init__(self, *, rank: int, world: int, layout: Layout, namespace: str, options: PushOptions,
-                 device: torch.device, dtype: torch.dtype, server: Callable[[], VLLMServer] | None,
-                 link: PodLink | None = None, servers: int = 1, local_world: int | None = None):
-        self.rank, self.world, self.layout, self.namespace = rank, world, layout, namespace
-        self.options, self.device, self.dtype, self.link = options, device, dtype, link
-        self.server = server  # a server's leader: the server it feeds (looked up at each push: it may restart)
+    def __init__(self, place: RankPlace, target: PushTarget, options: PushOptions):
+        rank, world, servers, layout = place.rank, place.world, place.servers, target.layout
+        self.rank, self.world, self.layout, self.namespace = rank, world, layout, target.namespace
+        self.options, self.device, self.dtype, self.link = options, target.device, target.dtype, target.link
+        self.server = target.server  # a server's leader: the server it feeds (looked up at each push: it may restart)
         self.tp = layout.tp
-        self.local_world = local_world or world
+        self.local_world = place.local_world or world
         if self.local_world < self.tp * servers:
             raise ValueError(f"{servers} vLLM sidecar(s) at TP {self.tp} need {self.tp * servers} trainer ranks, the "
                              f"node has {self.local_world}: each server TP rank needs one trainer rank to write its "
@@ -127,7 +149,7 @@ class CheckpointEngine:
         self.ring: ShmRing | None = None
         self.seq = 0  # buckets written over the ring's life
         self.updates = 0
-        self.http = ServerUpdate(namespace, timeout_s=options.timeout_s) if self.leader else None
+        self.http = ServerUpdate(self.namespace, timeout_s=options.timeout_s) if self.leader else None
         self._failed = ""  # this rank's reason the update in progress failed
         self._link_open = False  # other pods are receiving an update that has not ended
 

@@ -37,7 +37,6 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -49,47 +48,30 @@ from hybrid_rl.distributed.offload import OffloadManager, grad_tensors, optimize
 from hybrid_rl.rollout.base import Arrival, RolloutError, SyncReport
 from hybrid_rl.rollout.exchange import gather_index
 from hybrid_rl.rollout.sampling import SamplingSettings, generation_eos, request_seed, sample_of
-from hybrid_rl.sidecar.checkpoint_engine import CheckpointEngine, PushReport
-from hybrid_rl.sidecar.completions import CompletionClient, Router
-from hybrid_rl.sidecar.etcd import Etcd, EtcdUnavailable, Registration
+from hybrid_rl.sidecar.checkpoint_engine import PushReport
+from hybrid_rl.sidecar.completions import Router
+from hybrid_rl.sidecar.etcd import Etcd, EtcdUnavailable
 from hybrid_rl.sidecar.pod_link import GROUP_KEY
-from hybrid_rl.sidecar.server_adapter import AdapterPublisher, load_on_server, read_files
-from hybrid_rl.sidecar.sidecar_server import Sidecar
+from hybrid_rl.sidecar.rollout_parts import ServerLinks, SidecarOptions, SyncedPolicy
+from hybrid_rl.sidecar.server_adapter import load_on_server, read_files
 from hybrid_rl.sidecar.vllm_server import SERVED_MODEL, ServerError
 from hybrid_rl.types import Generation, Request, Rollout, Sampling
 from hybrid_rl.weightsync.reshard import SourceParam, WeightSyncError
-from hybrid_rl.weightsync.source import WeightSource
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class SidecarOptions:
-    offload_params: str  # none | cpu | disk (`offload.actor_params`)
-    offload_grads: str
-    offload_optim: str
-    max_restarts: int
-    sleep_level: int  # CUDA: 1 or 2
-    sleep: bool  # CUDA sleep mode between phases
-    max_inflight: int = 0  # requests in flight per rank (`sidecar.max_inflight`); 0 = sized from the servers' KV
-    max_num_seqs: int = 256  # each server's `--max-num-seqs`
-    request_tokens: int = 1  # the most tokens one request holds in the KV cache (prompt + response budget)
-    servers: int = 1  # the run's servers (every pod's)
-
-
 class SidecarRollout:
     """Rollouts from vLLM sidecar servers; weights reach them through the checkpoint engine."""
 
-    def __init__(self, *, policy: torch.nn.Module, optimizer: torch.optim.Optimizer | None, dims: ParallelDims,
-                 weights: WeightSource, engine: CheckpointEngine, sidecar: Sidecar | None, etcd: Etcd,
-                 client: CompletionClient, stream: CompletionClient, offload: OffloadManager, options: SidecarOptions,
-                 tokenizer, settings: SamplingSettings, seed: int, sharded: bool, private_etcd=None,
-                 run_id: str = "", announcement: Registration | None = None,
-                 adapter: AdapterPublisher | None = None, adapter_timeout_s: float = 600.0):
-        self.policy, self.optimizer, self.dims, self.weights = policy, optimizer, dims, weights
-        self.engine, self.sidecar, self.etcd, self.client, self.stream = engine, sidecar, etcd, client, stream
-        self.offload, self.options, self.settings, self.seed, self.sharded = offload, options, settings, seed, sharded
+    def __init__(self, synced: SyncedPolicy, links: ServerLinks, options: SidecarOptions, *,
+                 sampling: SamplingSettings, dims: ParallelDims, offload: OffloadManager, tokenizer):
+        self.policy, self.optimizer, self.weights = synced.policy, synced.optimizer, synced.weights
+        self.sharded, self.dims = synced.sharded, dims
+        self.engine, self.sidecar, self.etcd, self.client, self.stream = \
+            links.engine, links.sidecar, links.etcd, links.client, links.stream
+        self.offload, self.options, self.settings, self.seed = offload, options, sampling, options.seed
         self.stop_ids = tuple(sorted({tokenizer.eos_token_id} | set(generation_eos(tokenizer))))
         self.version: str | None = None  # the weight version the servers were last brought to ("v<push number>")
         self.versions = 0
@@ -99,14 +81,14 @@ class SidecarRollout:
         self._active = False
         self._sized = False  # the in-flight cap follows the servers' KV capacity (read once they are up)
         self.router = Router()
-        self.private_etcd = private_etcd  # rank 0 of a one-pod run given no sidecar.etcd: stopped at close
+        self.private_etcd = links.private_etcd  # rank 0 of a one-pod run given no sidecar.etcd: stopped at close
         # Every key is under the run's prefix and every weight version is "<run id>-v<n>": a server of another run
         # (same output folder name, same etcd) is never listed at our version, and tokens it sampled are refused.
-        self.run_id = run_id
-        self.announcement = announcement  # rank 0: the run announced to rollout-only pods (closed at close)
+        self.run_id = links.run_id
+        self.announcement = links.announcement  # rank 0: the run announced to rollout-only pods (closed at close)
         # `model.lora.sync=adapter`: `weights` are the frozen base (pushed where a server lacks it), and each update
         # is the adapter alone, loaded under the update's version label, which requests name as their model.
-        self.adapter, self.adapter_timeout_s = adapter, adapter_timeout_s
+        self.adapter, self.adapter_timeout_s = synced.adapter, options.adapter_timeout_s
 
     # -- the session -----------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM
 
+from hybrid_rl.colocated.engine_parts import SyncTarget, TrainedPolicy
 from hybrid_rl.colocated.hybrid import HybridEngine, SwitchOptions
 from hybrid_rl.distributed.fsdp import shard_model
 from hybrid_rl.distributed.mesh import ParallelDims
@@ -117,9 +118,10 @@ def test_one_gpu_sync_lands_fsdp_shards_cast_in_place_and_verifies_them(world_of
     vllm = CudaVLLMWeights(layout, {n: tuple(p.shape) for n, p in model.named_parameters()})
     options = SwitchOptions(bucket_bytes=256 * MIB, verify=True, probe_cols=64, release="keep",
                             offload_params="none", offload_grads="none", offload_optim="cpu")
-    engine = HybridEngine(model, optimizer=optimizer, dims=ParallelDims(world=1, rank=0, local_rank=0, tp=1),
-                          vllm=vllm, layout=layout, offload=OffloadManager(tmp_path / "offload", rank=0),
-                          options=options, device=torch.device("cuda"), sync_dtype=torch.bfloat16)
+    engine = HybridEngine(TrainedPolicy(model, optimizer),
+                          SyncTarget(vllm, layout, device=torch.device("cuda"), dtype=torch.bfloat16),
+                          dims=ParallelDims(world=1, rank=0, local_rank=0, tp=1),
+                          offload=OffloadManager(tmp_path / "offload", rank=0), options=options)
     params = model_params(vllm.model)
     ids = torch.randint(0, cfg.vocab_size, (2, 256), device="cuda")
     syncs = []

@@ -6,6 +6,7 @@ behind the real `Sampler`. Writes the memory plan's phases (every item, bytes) a
 the whole run to $HR_TEST_OUT; the step metrics are in the run's own metrics.jsonl.
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -36,7 +37,8 @@ def eager_colocated(cfg, dims, actor, offload, tokenizer, plan):
 
 def main() -> None:
     setup_logging()
-    build_module.ROLLOUT_MODES["colocated"] = eager_colocated
+    colocated = build_module.DEPLOYMENTS["colocated"]
+    build_module.DEPLOYMENTS["colocated"] = dataclasses.replace(colocated, build=eager_colocated)
     name, overrides = split_command_line(sys.argv[1:])
     cfg = load_config(name, overrides)
     check_inputs(cfg, int(os.environ.get("WORLD_SIZE", 1)))

@@ -20,7 +20,7 @@ set_runtime_defaults()
 
 import torch.distributed as dist  # noqa: E402
 
-from hybrid_rl.build import build  # noqa: E402
+from hybrid_rl.build import build, trainer_settings  # noqa: E402
 from hybrid_rl.config import load_config  # noqa: E402
 from hybrid_rl.distributed.collectives import barrier, broadcast_object  # noqa: E402
 from hybrid_rl.train import setup_logging  # noqa: E402
@@ -33,15 +33,18 @@ from tests.engine.workers.common import write_result  # noqa: E402
 def main() -> None:
     setup_logging()
     args = json.loads(sys.argv[1])
-    c = build(load_config("grpo", args["overrides"]))
-    c.cfg.trainer.resume = "auto"  # the demo's settings say never: here every bound must start from the checkpoint
+    cfg = load_config("grpo", args["overrides"])
+    c = build(cfg)
+    cfg.trainer.resume = "auto"  # the demo's settings say never: here every bound must start from the checkpoint
+    c.settings = trainer_settings(cfg, world=c.dims.world)
     first = Trainer(c)
     result = {"after": {}, "metrics": {}, "seconds": {}, "correction": {}, "steps": {}}
     try:
         first.save(0)
         result["before"] = broadcast_object(first._validate(0))
         for k in args["staleness"]:
-            c.cfg.rollout.max_staleness = k
+            cfg.rollout.max_staleness = k
+            c.settings = trainer_settings(cfg, world=c.dims.world)
             trainer = Trainer(c)
             assert trainer._resume() == 0
             t0 = time.perf_counter()

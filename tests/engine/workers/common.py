@@ -14,6 +14,7 @@ set_runtime_defaults()
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from hybrid_rl.colocated.engine_parts import SyncTarget, TrainedPolicy  # noqa: E402
 from hybrid_rl.colocated.hybrid import HybridEngine, SwitchOptions  # noqa: E402
 from hybrid_rl.colocated.vllm_engine import EngineSpec, VLLMEngine  # noqa: E402
 from hybrid_rl.distributed.fsdp import shard_model  # noqa: E402
@@ -39,9 +40,9 @@ def build(model_path: str, *, tp: int, dtype: str = "float32", release: str = "k
     options = SwitchOptions(bucket_bytes=int(bucket_mb * 2**20), verify=True, probe_cols=probe_cols, release=release,
                             offload_params=offload, offload_grads=offload, offload_optim=offload)
     engine = HybridEngine(
-        model, optimizer=opt, dims=dims, vllm=vllm, layout=Layout(ModelDims.from_hf_config(model.config), tp),
-        offload=OffloadManager(f"/tmp/hr_offload_{os.getpid()}", rank=dims.rank), options=options,
-        device=device(), sync_dtype=DTYPES[dtype],
+        TrainedPolicy(model, opt),
+        SyncTarget(vllm, Layout(ModelDims.from_hf_config(model.config), tp), device=device(), dtype=DTYPES[dtype]),
+        dims=dims, offload=OffloadManager(f"/tmp/hr_offload_{os.getpid()}", rank=dims.rank), options=options,
     )
     return engine, model, opt, dims
 

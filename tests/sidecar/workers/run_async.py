@@ -37,7 +37,7 @@ set_runtime_defaults()
 
 import torch.distributed as dist  # noqa: E402
 
-from hybrid_rl.build import build  # noqa: E402
+from hybrid_rl.build import build, trainer_settings  # noqa: E402
 from hybrid_rl.config import load_config  # noqa: E402
 from hybrid_rl.distributed.collectives import all_gather_object, barrier  # noqa: E402
 from hybrid_rl.experience.source import SyncSource  # noqa: E402
@@ -51,9 +51,15 @@ from tests.sidecar.workers.run_sidecar import greedy_check  # noqa: E402
 N = 4  # rollout.n of the test's configuration
 
 
+def trainer_of(c, cfg) -> Trainer:
+    """A trainer of the built components under `cfg` as it is now (the cases change settings between trainers)."""
+    c.settings = trainer_settings(cfg, world=c.dims.world)
+    return Trainer(c)
+
+
 def recording(trainer: Trainer, batches: list, after=lambda: None) -> Trainer:
     """Record every batch the trainer's source hands it (this rank's samples); `after()` each."""
-    source, n = trainer.source, trainer.cfg.rollout.n
+    source, n = trainer.source, trainer.s.source.n
     inner = source.next_batch
 
     def next_batch(step):
@@ -88,9 +94,9 @@ def drain(c) -> None:
     barrier()
 
 
-def staleness_zero_equals_synchronous(c, *, dynamic: bool) -> dict:
-    c.cfg.algorithm.dynamic_sampling, c.cfg.algorithm.max_sampling_rounds = dynamic, 3
-    sync = Trainer(c)
+def staleness_zero_equals_synchronous(c, cfg, *, dynamic: bool) -> dict:
+    cfg.algorithm.dynamic_sampling, cfg.algorithm.max_sampling_rounds = dynamic, 3
+    sync = trainer_of(c, cfg)
     sync.source = SyncSource(c.rollout, c.train_loader, sync.scorer, c.dims, sync.timer, sync._session,
                              sync.source.s)
     if not dynamic:
@@ -101,21 +107,21 @@ def staleness_zero_equals_synchronous(c, *, dynamic: bool) -> dict:
         assert sync._resume() == 0
     batches_sync: list = []
     metrics_sync = run_steps(recording(sync, batches_sync), (1, 2))
-    buffered = Trainer(c)
+    buffered = trainer_of(c, cfg)
     assert buffered._resume() == 0
     batches_buf: list = []
     metrics_buf = run_steps(recording(buffered, batches_buf), (1, 2))
-    c.cfg.algorithm.dynamic_sampling = False
-    greedy = {} if dynamic else greedy_check(c, buffered)  # the same prompts after two updates: no stale KV
+    cfg.algorithm.dynamic_sampling = False
+    greedy = {} if dynamic else greedy_check(c, cfg, buffered)  # the same prompts after two updates: no stale KV
     return {"sync": gathered(batches_sync), "buffered": gathered(batches_buf), "metrics_sync": metrics_sync,
             "metrics_buffered": metrics_buf, "greedy": greedy}
 
 
-def dynamic_out_of_order(c) -> dict:
+def dynamic_out_of_order(c, cfg) -> dict:
     """Requests sent newest first, so that groups finish out of dispatch order (as long responses make them)."""
     drain(c)
-    c.cfg.rollout.max_staleness, c.cfg.algorithm.dynamic_sampling = 2, True
-    trainer = Trainer(c)
+    cfg.rollout.max_staleness, cfg.algorithm.dynamic_sampling = 2, True
+    trainer = trainer_of(c, cfg)
     assert trainer._resume() == 1
     submit = c.rollout.submit
     c.rollout.submit = lambda requests, **kw: submit(list(reversed(requests)), **kw)
@@ -125,9 +131,9 @@ def dynamic_out_of_order(c) -> dict:
     return {"batches": gathered(batches), "metrics": metrics}
 
 
-def resume_mid_run(c) -> tuple[dict, Trainer]:
-    c.cfg.rollout.max_staleness = 2
-    first = Trainer(c)
+def resume_mid_run(c, cfg) -> tuple[dict, Trainer]:
+    cfg.rollout.max_staleness = 2
+    first = trainer_of(c, cfg)
     assert first._resume() == 0
     submit = c.rollout.submit
     # The first round goes out whole; of the later ones every other request is held back (never sent): at the
@@ -142,10 +148,10 @@ def resume_mid_run(c) -> tuple[dict, Trainer]:
     c.rollout.submit = submit
     src = first.source
     live = [(g.gid, g.record.index) for g in src.book.live.values()]
-    held = [(src.book.live[s.uid // c.cfg.rollout.n].record.index, s.uid % c.cfg.rollout.n, s.response_ids.tolist())
+    held = [(src.book.live[s.uid // cfg.rollout.n].record.index, s.uid % cfg.rollout.n, s.response_ids.tolist())
             for s in src.held.values()]
     drain(c)
-    second = Trainer(c)
+    second = trainer_of(c, cfg)
     assert second._resume() == 1
     resent = sum(all_gather_object(len(second.source.resend)))
     resumed: list = []
@@ -155,8 +161,8 @@ def resume_mid_run(c) -> tuple[dict, Trainer]:
             "resent": resent}, second
 
 
-def server_killed(c, trainer: Trainer) -> dict:
-    n, source = c.cfg.rollout.n, trainer.source
+def server_killed(c, cfg, trainer: Trainer) -> dict:
+    n, source = cfg.rollout.n, trainer.source
     arrived, failed = [], []
     inner = c.rollout.arrivals
 
@@ -208,16 +214,17 @@ def server_killed(c, trainer: Trainer) -> dict:
 def main() -> None:
     setup_logging()
     args = json.loads(sys.argv[1])
-    c = build(load_config("grpo", args["overrides"]))
+    cfg = load_config("grpo", args["overrides"])
+    c = build(cfg)
     trainer = None
     try:
-        result = {"equal": staleness_zero_equals_synchronous(c, dynamic=False),
-                  "equal_dynamic": staleness_zero_equals_synchronous(c, dynamic=True)}
-        result["resume"], trainer = resume_mid_run(c)
-        result["killed"] = server_killed(c, trainer)
-        result["dynamic"] = dynamic_out_of_order(c)
+        result = {"equal": staleness_zero_equals_synchronous(c, cfg, dynamic=False),
+                  "equal_dynamic": staleness_zero_equals_synchronous(c, cfg, dynamic=True)}
+        result["resume"], trainer = resume_mid_run(c, cfg)
+        result["killed"] = server_killed(c, cfg, trainer)
+        result["dynamic"] = dynamic_out_of_order(c, cfg)
     finally:
-        (trainer or Trainer(c)).close()
+        (trainer or trainer_of(c, cfg)).close()
     write_result(result)
     dist.destroy_process_group()
 

@@ -68,7 +68,7 @@ class Captured(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def greedy_check(c, trainer) -> dict:
+def greedy_check(c, cfg, trainer) -> dict:
     records = c.val_records[:4]
     with c.rollout.session():
         servers = c.rollout._current_servers() if c.dims.rank == 0 else []
@@ -80,16 +80,16 @@ def greedy_check(c, trainer) -> dict:
     out = {"servers": servers, "vllm": [got[u] for u in range(len(records))], "version": c.rollout.version,
            "sync_bytes": c.rollout.last_sync().bytes_per_rank}
     if is_lora(c.actor.module):  # HF's reference: the merged weights; the adapter's bytes in the rollout dtype
-        out["adapter_bytes"] = sum(v.numel() * DTYPES[c.cfg.rollout.dtype].itemsize
+        out["adapter_bytes"] = sum(v.numel() * DTYPES[cfg.rollout.dtype].itemsize
                                    for v in gather_adapter(c.actor.module).values())
         full = merge_full_state_dict(c.actor.module, full)
     if c.dims.rank == 0:
-        hf = AutoModelForCausalLM.from_pretrained(c.cfg.model.path, dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
         hf.load_state_dict(full)
         stops = list(c.rollout.stop_ids)
         out["hf"] = []
         for r in records:
-            g = hf.generate(torch.tensor([list(r.prompt_ids)]), max_new_tokens=c.cfg.rollout.max_new_tokens,
+            g = hf.generate(torch.tensor([list(r.prompt_ids)]), max_new_tokens=cfg.rollout.max_new_tokens,
                             do_sample=False, eos_token_id=stops, pad_token_id=stops[0])
             out["hf"].append(g[0, len(r.prompt_ids):].tolist())
         out["server_version"] = c.rollout.sidecar.server.weight_version()
@@ -114,7 +114,7 @@ def greedy_check(c, trainer) -> dict:
                                       sampled, router, c.rollout.model_name())
             assert not failed, failed
             out["per_server_logprob_diff"][url] = max(
-                logprob_diff(hf, list(r.prompt_ids), done[i], c.cfg.rollout.temperature) for i, r in enumerate(records))
+                logprob_diff(hf, list(r.prompt_ids), done[i], cfg.rollout.temperature) for i, r in enumerate(records))
         client.close()
     return out
 
@@ -213,7 +213,7 @@ def main() -> None:
                 kill_between_buckets(c, result)  # the update of the check below: abandoned, retried, recovered
             if step == 1 and args.get("kill_second_server"):
                 kill_second_server_mid_generation(c, result)
-            check = greedy_check(c, trainer)
+            check = greedy_check(c, cfg, trainer)
             check["loss_finite"] = all(v == v for k, v in metrics.items() if k.startswith("actor/"))
             check["logprob_diff_max"] = metrics["rollout/logprob_diff_max"]
             result["steps"].append(check)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from hybrid_rl.colocated.engine_parts import SyncTarget, TrainedPolicy
 from hybrid_rl.colocated.hybrid import HybridEngine, SwitchOptions
 from hybrid_rl.colocated.vllm_engine import EngineSpec, VLLMEngine
 from hybrid_rl.distributed.mesh import ParallelDims
@@ -141,10 +142,11 @@ def run_two_steps(monkeypatch, tmp_path, *, count_state_to_come: bool) -> tuple[
     vllm = LedgerVLLM(spec, ledger, vllm_weight_bytes(x.actor, 1, 2))
     options = SwitchOptions(bucket_bytes=BUCKET, verify=False, probe_cols=64, release="sleep", offload_params="none",
                             offload_grads="none", offload_optim="none")
-    engine = HybridEngine(policy, optimizer=optimizer, dims=ParallelDims(world=1, rank=0, local_rank=0, tp=1),
-                          vllm=vllm, layout=Layout(ModelDims.from_hf_config(HF), 1),
-                          offload=OffloadManager(tmp_path, rank=0), options=options, device=torch.device("meta"),
-                          sync_dtype=torch.bfloat16)
+    engine = HybridEngine(TrainedPolicy(policy, optimizer),
+                          SyncTarget(vllm, Layout(ModelDims.from_hf_config(HF), 1), device=torch.device("meta"),
+                                     dtype=torch.bfloat16),
+                          dims=ParallelDims(world=1, rank=0, local_rank=0, tp=1),
+                          offload=OffloadManager(tmp_path, rank=0), options=options)
     assert optimizer_state_to_come(optimizer) == 8 * sum(p.numel() for p in policy.parameters())
     for step in range(2):
         with engine.rollout_mode():

@@ -38,13 +38,6 @@ def test_null_or_zero_turns_the_guard_off(limit):
     MismatchGuard(limit).check({"rollout/logprob_diff_mean": 3.5}, step=1)
 
 
-def test_truncated_sampling_is_not_compared():
-    # top-p / top-k: vLLM's log-probs are of a renormalised distribution, larger than the trainer's.
-    guard = MismatchGuard(0.15, truncated_sampling=True)
-    assert not guard.active
-    guard.check({"rollout/logprob_diff_mean": 3.5}, step=1)
-
-
 def test_async_runs_are_judged_on_the_tokens_of_the_steps_own_weights():
     batch, old = _batch()
     # Tokens 1 and 2 of sample 0 (diffs 1, 0.4) were sampled one version ago; the rest (0 and 1) by these weights.

@@ -1,0 +1,48 @@
+"""Config -> the trainer's typed settings (`components.TrainerSettings`): every field the trainer reads, named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hybrid_rl.algos.correction import CorrectionSettings
+from hybrid_rl.algos.estimators import AdvantageSettings
+from hybrid_rl.algos.objectives import ObjectiveSettings, get_objective
+from hybrid_rl.components import KLSettings, LoopSettings, PassSettings, TrainerSettings
+from hybrid_rl.config import Config, resolve_correction, to_dict
+from hybrid_rl.experience.batch import BatchSettings
+from hybrid_rl.experience.source import SourceSettings
+from hybrid_rl.updates import UpdateSettings
+
+FROZEN_MODELS = ("reference", "critic", "reward_model")  # the models the trainer brings in and sends away
+
+
+def trainer_settings(cfg: Config, *, world: int) -> TrainerSettings:
+    a, t, r = cfg.algorithm, cfg.trainer, cfg.rollout
+    correction = CorrectionSettings(mode=resolve_correction(cfg), level=a.rollout_correction_level,
+                                    low=a.rollout_correction_low, high=a.rollout_correction_high)
+    loss = ObjectiveSettings(loss_agg=a.loss_agg, clip_low=a.clip_low, clip_high=a.clip_high,
+                             dual_clip=a.dual_clip or None, kl_coef=0.0 if a.kl_in_reward else a.kl_coef,
+                             kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef, dpo_beta=a.dpo_beta,
+                             dpo_kind=a.dpo_kind, dpo_label_smoothing=a.dpo_label_smoothing, correction=correction)
+    updates = UpdateSettings(epochs=a.ppo_epochs, mini_batches=a.mini_batches, budget=t.micro_batch_tokens,
+                             temperature=r.temperature, grad_clip=cfg.optim.grad_clip, horizon=r.max_new_tokens,
+                             world=world)
+    batch = BatchSettings(estimator="" if get_objective(a.objective).paired else a.advantage,
+                          advantage=AdvantageSettings(gamma=a.gamma, lam=a.lam, norm_by_std=a.norm_by_std),
+                          kl_in_reward=a.kl_in_reward, kl_estimator=a.kl_estimator, max_new_tokens=r.max_new_tokens,
+                          overlong_buffer=a.overlong_buffer, overlong_penalty=a.overlong_penalty,
+                          rm_weight=cfg.reward.model_weight)
+    source = SourceSettings(n=r.n, prompts_per_step=cfg.data.prompts_per_step, dynamic_sampling=a.dynamic_sampling,
+                            max_sampling_rounds=a.max_sampling_rounds, offline_pairs=a.offline_pairs,
+                            max_staleness=r.max_staleness, seed=t.seed, max_restarts=cfg.sidecar.max_restarts)
+    loop = LoopSettings(output_dir=Path(t.output_dir), total_steps=t.total_steps, save_every=t.save_every,
+                        val_every=t.val_every, keep_last=t.keep_last, resume=t.resume, export=t.export,
+                        show_progress=t.show_progress, max_bad_steps=t.max_bad_steps,
+                        max_logprob_diff=t.max_logprob_diff, val_greedy=r.val_greedy)
+    return TrainerSettings(
+        objective=a.objective, offline_pairs=a.offline_pairs, value_clip=a.value_clip, loop=loop,
+        kl=KLSettings(coef=a.kl_coef, target=a.kl_target, horizon=a.kl_horizon, estimator=a.kl_estimator),
+        passes=PassSettings(old_logp_from_update=a.old_logp_from_update, use_reference=a.use_reference,
+                            temperature=r.temperature, budget=t.micro_batch_tokens),
+        loss=loss, updates=updates, batch=batch, source=source,
+        offload={name: getattr(cfg.offload, name) for name in FROZEN_MODELS}, config=to_dict(cfg))
