@@ -9,7 +9,7 @@ contract (spec `algorithms.md`); keyword-only extras are additions, never change
 
 from __future__ import annotations
 
-from .advantages import ADVANTAGES, gae, get_advantage, grpo, reinforce_pp, rloo
+from .advantages import ADVANTAGES, gae, get_advantage, grpo, opd_advantages, reinforce_pp, rloo
 from .groups import group_index, groups_with_signal
 from .kl_control import AdaptiveKLController, FixedKLController, KLController
 from .losses import (
@@ -20,8 +20,10 @@ from .losses import (
     aggregate,
     check_kl_estimator,
     check_loss_agg,
+    cispo_loss,
     dpo_loss,
     entropy_from_logits,
+    gspo_loss,
     kl,
     loss_denominators,
     policy_loss,
@@ -44,6 +46,7 @@ __all__ = [
     "best_worst_pairs",
     "check_kl_estimator",
     "check_loss_agg",
+    "cispo_loss",
     "dpo_loss",
     "entropy_from_logits",
     "explained_variance",
@@ -52,12 +55,14 @@ __all__ = [
     "group_index",
     "groups_with_signal",
     "grpo",
+    "gspo_loss",
     "kl",
     "loss_denominators",
     "masked_mean",
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "opd_advantages",
     "overlong_penalty",
     "policy_loss",
     "reinforce_pp",
