@@ -148,12 +148,12 @@ class SidecarConfig:
 class AlgorithmConfig:
     name: str = "grpo"
     advantage: str = "grpo"  # gae | grpo | rloo | reinforce_pp
-    objective: str = "ppo_clip"  # ppo_clip | dpo
+    objective: str = "ppo_clip"  # ppo_clip | gspo | cispo | dpo (algos/objectives.py OBJECTIVES)
     norm_by_std: bool = True  # GRPO only
     gamma: float = 1.0
     lam: float = 1.0
     loss_agg: str = "token-mean"
-    clip_low: float = 0.2
+    clip_low: float | None = 0.2  # null: no lower bound on the ratio (cispo only, MiniMax-M1's choice)
     clip_high: float = 0.2
     dual_clip: float = 0.0  # 0 = off; else c > 1
     entropy_coef: float = 0.0
@@ -161,7 +161,7 @@ class AlgorithmConfig:
     mini_batches: int = 1  # optimizer steps per epoch
     old_logp_pass: str = "auto"  # auto: skipped when the update's own forward gives the same numbers | always
     # Rollout correction of the policy gradient for sampler/trainer mismatch (algos/correction.py): auto | none | tis |
-    # mis. auto: tis in asynchronous runs (rollout.max_staleness > 0) with the ppo_clip objective, none otherwise
+    # mis. auto: tis in asynchronous runs (rollout.max_staleness > 0) with a policy-gradient objective, none otherwise
     rollout_correction: str = "auto"
     rollout_correction_level: str = "token"  # token | sequence (one ratio per sequence: the product of its tokens')
     rollout_correction_low: float = 0.5  # mis: ratios below are masked out of the loss
@@ -398,7 +398,6 @@ CHOICES = {
     "rollout.mode": ("colocated", "sidecar"),
     "rollout.multi_turn.template": ("auto", "chatml", "qwen3", "llama3", "mistral"),
     "algorithm.advantage": ("gae", "grpo", "rloo", "reinforce_pp"),
-    "algorithm.objective": ("ppo_clip", "dpo"),
     "algorithm.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
     "algorithm.kl_estimator": ("k1", "abs", "k2", "k3", "low_var_kl"),
     "algorithm.dpo_kind": ("sigmoid", "ipo", "hinge"),
@@ -450,19 +449,26 @@ def validate(cfg: Config) -> None:
     g = cfg.trainer.max_logprob_diff
     if g is not None and not (isinstance(g, int | float) and math.isfinite(g) and g >= 0):
         raise ConfigError(f"trainer.max_logprob_diff={g!r} must be >= 0 (null or 0: off)")
-    from hybrid_rl.model.optimizers import OPTIMIZERS  # the registry is the list of choices
+    from hybrid_rl.algos.objectives import OBJECTIVES
+    from hybrid_rl.model.optimizers import OPTIMIZERS  # the registries are the lists of choices
 
     if cfg.optim.name not in OPTIMIZERS:
         raise ConfigError(f"optim.name={cfg.optim.name!r} is not allowed; choose one of: {', '.join(OPTIMIZERS)}")
     a = cfg.algorithm
-    if not 0 <= a.clip_low < 1 or a.clip_high < 0:
+    if a.objective not in OBJECTIVES:
+        raise ConfigError(f"algorithm.objective={a.objective!r} is not allowed; choose one of: {', '.join(OBJECTIVES)}")
+    if a.clip_low is None and not OBJECTIVES[a.objective].unbounded_low:
+        raise ConfigError(f"algorithm.clip_low=null (no lower bound) is for objectives that clip a detached weight "
+                          f"({', '.join(k for k, o in OBJECTIVES.items() if o.unbounded_low)}); "
+                          f"algorithm.objective={a.objective} needs a number in [0, 1)")
+    if (a.clip_low is not None and not 0 <= a.clip_low < 1) or a.clip_high < 0:
         raise ConfigError(f"algorithm.clip_low={a.clip_low} must be in [0, 1) and clip_high={a.clip_high} >= 0")
     if a.dual_clip and a.dual_clip <= 1:
         raise ConfigError(f"algorithm.dual_clip={a.dual_clip} must be 0 (off) or > 1")
     _validate_correction(a)
     if a.advantage == "gae" and not a.use_critic:
         raise ConfigError("algorithm.advantage=gae needs a critic: set algorithm.use_critic=true")
-    if a.advantage in ("grpo", "rloo") and a.objective == "ppo_clip" and cfg.rollout.n < 2:
+    if a.advantage in ("grpo", "rloo") and _policy_gradient(a) and cfg.rollout.n < 2:
         raise ConfigError(f"algorithm.advantage={a.advantage} compares samples of a prompt: rollout.n must be >= 2")
     if a.objective == "dpo" and not a.use_reference:
         raise ConfigError("algorithm.objective=dpo needs the reference model: set algorithm.use_reference=true")
@@ -500,19 +506,30 @@ def _validate_correction(a: AlgorithmConfig) -> None:
     if not (isinstance(low, int | float) and isinstance(high, int | float) and 0 <= low <= 1 <= high < math.inf):
         raise ConfigError(f"algorithm.rollout_correction_low={low!r} and rollout_correction_high={high!r} must satisfy "
                           "0 <= low <= 1 <= high (finite): a ratio of 1, no mismatch, is never corrected")
-    if a.rollout_correction not in ("none", "auto") and a.objective != "ppo_clip":
-        raise ConfigError(f"algorithm.rollout_correction={a.rollout_correction} reweights the ppo_clip policy gradient; "
+    if a.rollout_correction not in ("none", "auto") and not _policy_gradient(a):
+        from hybrid_rl.algos.objectives import OBJECTIVES
+
+        pg = ", ".join(k for k, o in OBJECTIVES.items() if o.policy_gradient)
+        raise ConfigError(f"algorithm.rollout_correction={a.rollout_correction} reweights the policy gradient of "
+                          f"{pg}; "
                           f"algorithm.objective={a.objective} has none to reweight (DPO trains on whole pairs, and "
                           "offline pairs have no rollout log-probs): set algorithm.rollout_correction=none")
 
 
 def resolve_correction(cfg: Config) -> str:
     """`algorithm.rollout_correction` with `auto` resolved: `tis` when samples may be off-policy (`rollout.max_staleness`
-    > 0) and the objective has a policy gradient to reweight (ppo_clip), else `none`."""
+    > 0) and the objective has a policy gradient to reweight (ppo_clip, gspo, cispo), else `none`."""
     a = cfg.algorithm
     if a.rollout_correction != "auto":
         return a.rollout_correction
-    return "tis" if cfg.rollout.max_staleness > 0 and a.objective == "ppo_clip" else "none"
+    return "tis" if cfg.rollout.max_staleness > 0 and _policy_gradient(a) else "none"
+
+
+def _policy_gradient(a: AlgorithmConfig) -> bool:
+    """The objective trains a per-token surrogate over sampled tokens (not DPO's pairs)."""
+    from hybrid_rl.algos.objectives import OBJECTIVES
+
+    return a.objective in OBJECTIVES and OBJECTIVES[a.objective].policy_gradient
 
 
 # ---------------------------------------------------------------------------------------------

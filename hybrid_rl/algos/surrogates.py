@@ -8,7 +8,6 @@ mask before any arithmetic, so values under `mask == 0` reach neither a result n
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -93,5 +92,3 @@ def cispo_surrogate(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Te
     per_token = -weight * advantages * logp
     return Surrogate(per_token, outside & keep, torch.zeros_like(keep), log_ratio)
 
-
-SurrogateFn = Callable[[Tensor, Tensor, Tensor, Tensor, float | None, float], Surrogate]
