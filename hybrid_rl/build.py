@@ -40,6 +40,7 @@ from hybrid_rl.model.materialize import materialize
 from hybrid_rl.model.memory_plan import MemoryPlan, auto_gpu_memory_utilization, plan_sync_reserve, sync_reserve_bytes
 from hybrid_rl.model.optimizers import build_optimizer
 from hybrid_rl.model.param_count import Head
+from hybrid_rl.model.teacher import check_teacher
 from hybrid_rl.planner import detect_device, plan_for, training_records
 from hybrid_rl.rewards import RewardPool, Rubric, RubricItem, resolve_reward
 from hybrid_rl.rollout.agentic import AgentSetup
@@ -85,6 +86,7 @@ class Components:
     offload: OffloadManager
     plan: MemoryPlan
     run_id: str = ""  # sidecar mode: the run's unique id (its etcd keys, weight versions; saved in checkpoints)
+    teacher: Model | None = None  # on-policy distillation's frozen teacher (teacher.path)
 
 
 def check_inputs(cfg: Config, world: int) -> None:
@@ -101,6 +103,8 @@ def check_inputs(cfg: Config, world: int) -> None:
     for name in (cfg.reward.model_path, cfg.critic.path):
         if name and not Path(name).is_dir():
             raise ConfigError(f"{name!r} (reward.model_path / critic.path) is not a model folder")
+    if cfg.teacher.path:
+        check_teacher(cfg.model.path, cfg.teacher.path)
 
 
 def build(cfg: Config) -> Components:
@@ -123,7 +127,8 @@ def build(cfg: Config) -> Components:
     critic = _critic(cfg, dims) if a.use_critic else None
     rm = _frozen(cfg.reward.model_path, "score", cfg, dims) if cfg.reward.model_path else None
     return Components(cfg, dims, tokenizer, actor, rollout, loader, val_records, rewards, reference, critic, rm,
-                      offload, plan, run_id=rollout.run_id if isinstance(rollout, SidecarRollout) else "")
+                      offload, plan, run_id=rollout.run_id if isinstance(rollout, SidecarRollout) else "",
+                      teacher=_teacher(cfg, dims))
 
 
 def _check_memory(cfg: Config, dims: ParallelDims, prompt_lengths: list[int]) -> MemoryPlan:
@@ -161,7 +166,7 @@ def _datasets(cfg: Config, tokenizer):
     return loader, val
 
 
-def _rewards(cfg: Config) -> RewardPool:
+def _rewards(cfg: Config) -> RewardPool | None:
     r = cfg.reward
     specs = [(r.fn, 1.0, "")] if r.fn else [(f.name, f.weight, f.pattern) for f in r.fns]
     items = []
@@ -172,6 +177,8 @@ def _rewards(cfg: Config) -> RewardPool:
         items.append(RubricItem("environment", EnvironmentReward(), 1.0))  # the environment's reward(), weight 1
     if cfg.rollout.agent:
         items.append(RubricItem("agent", EnvironmentReward(), 1.0))  # what the agent returned (0 for None), weight 1
+    if not items:  # no reward at all: pure on-policy distillation (config validation allows nothing else)
+        return None
     return RewardPool(Rubric(items), r.num_workers, timeout_s=r.timeout_s)
 
 
@@ -230,6 +237,16 @@ def _frozen(path: str, head: Head, cfg: Config, dims: ParallelDims) -> Model:
     module = empty_model(path, head, dtype=DTYPES[cfg.model.frozen_storage_dtype])
     module.requires_grad_(False)
     return Model(_shard(module, path, cfg, dims))
+
+
+def _teacher(cfg: Config, dims: ParallelDims) -> Model | None:
+    """On-policy distillation's teacher (teacher.path), held like the reference: frozen, sharded, stored in
+    `model.frozen_dtype`, offloaded per `offload.teacher`. Its vocabulary is checked by `check_inputs`; checked
+    again here for callers that build without it (one cheap tokenizer load)."""
+    if not cfg.teacher.path:
+        return None
+    check_teacher(cfg.model.path, cfg.teacher.path)
+    return _frozen(cfg.teacher.path, "lm", cfg, dims)
 
 
 def sampling_settings(cfg: Config) -> SamplingSettings:

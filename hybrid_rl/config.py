@@ -181,6 +181,9 @@ class AlgorithmConfig:
     dpo_beta: float = 0.1
     dpo_kind: str = "sigmoid"
     dpo_label_smoothing: float = 0.0
+    # On-policy distillation: advantages minus opd_coef * (student - teacher log-prob) per token (0 = off; needs
+    # teacher.path). With no reward configured the run is pure distillation.
+    opd_coef: float = 0.0
 
     @property
     def offline_pairs(self) -> bool:
@@ -197,7 +200,8 @@ class AlgorithmConfig:
         with the KL penalty in the reward, whose advantages need the log-probs before the update.
         """
         one_step = self.ppo_epochs == 1 and self.mini_batches == 1
-        return self.old_logp_pass == "auto" and one_step and not self.kl_in_reward
+        # Distillation's advantages need the student's log-probs before the update, as the KL in the reward does.
+        return self.old_logp_pass == "auto" and one_step and not self.kl_in_reward and not self.opd_coef
 
 
 @dataclass
@@ -217,6 +221,13 @@ class CriticConfig:
     path: str = ""  # "" = initialise from model.path
     lr: float = 1e-5
     warmup_steps: int = 0
+
+
+@dataclass
+class TeacherConfig:
+    # A frozen teacher for on-policy distillation (algorithm.opd_coef): any Hugging Face causal LM folder with the
+    # student's tokenizer. Held like the reference model (sharded, offload.teacher), stored in model.frozen_dtype.
+    path: str = ""  # "" = none
 
 
 @dataclass
@@ -245,6 +256,7 @@ class OffloadConfig:
     reference: str = "none"
     critic: str = "none"
     reward_model: str = "none"
+    teacher: str = "none"
 
 
 @dataclass
@@ -276,6 +288,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -409,7 +422,7 @@ CHOICES = {
     "trainer.resume": ("auto", "never"),
     "trainer.memory_check": ("error", "warn"),
     **{f"offload.{k}": ("none", "cpu", "disk")
-       for k in ("actor_params", "actor_grads", "actor_optim", "reference", "critic", "reward_model")},
+       for k in ("actor_params", "actor_grads", "actor_optim", "reference", "critic", "reward_model", "teacher")},
 }
 POSITIVE = ("rollout.n", "rollout.max_new_tokens", "rollout.bucket_mb", "data.prompts_per_step",
             "data.max_prompt_tokens", "trainer.total_steps", "trainer.micro_batch_tokens", "trainer.keep_last",
@@ -420,7 +433,8 @@ POSITIVE = ("rollout.n", "rollout.max_new_tokens", "rollout.bucket_mb", "data.pr
             "rollout.multi_turn.max_turns", "rollout.multi_turn.max_tool_calls",
             "rollout.multi_turn.max_tool_response_tokens", "rollout.multi_turn.tool_timeout_s",
             "rollout.multi_turn.tool_workers")
-NON_NEGATIVE = ("rollout.temperature", "rollout.kv_cache_gb", "algorithm.kl_coef", "algorithm.entropy_coef", "optim.grad_clip",
+NON_NEGATIVE = ("rollout.temperature", "rollout.kv_cache_gb", "algorithm.kl_coef", "algorithm.entropy_coef",
+                "algorithm.opd_coef", "optim.grad_clip",
                 "optim.warmup_steps", "trainer.save_every", "trainer.val_every", "algorithm.overlong_buffer",
                 "reward.num_workers", "data.val_prompts", "sidecar.max_restarts", "rollout.max_staleness",
                 "sidecar.max_inflight", "sidecar.servers_per_node", "rollout.multi_turn.max_turn_tokens")
@@ -470,6 +484,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("algorithm.advantage=gae needs a critic: set algorithm.use_critic=true")
     if a.advantage in ("grpo", "rloo") and _policy_gradient(a) and cfg.rollout.n < 2:
         raise ConfigError(f"algorithm.advantage={a.advantage} compares samples of a prompt: rollout.n must be >= 2")
+    _validate_distillation(cfg)
     if a.objective == "dpo" and not a.use_reference:
         raise ConfigError("algorithm.objective=dpo needs the reference model: set algorithm.use_reference=true")
     if a.overlong_buffer > cfg.rollout.max_new_tokens:
@@ -499,6 +514,24 @@ def validate(cfg: Config) -> None:
     if not (isinstance(util, int | float) and 0 <= util <= 1):
         raise ConfigError(f"rollout.gpu_memory_utilization={util!r} must be in (0, 1], or 0 for auto (the GPU memory "
                           "free when vLLM starts, less a reserve for the weight sync)")
+
+
+def _validate_distillation(cfg: Config) -> None:
+    """A teacher needs a policy-gradient objective; `opd_coef` needs a teacher; every run needs a training signal."""
+    a, r = cfg.algorithm, cfg.reward
+    if a.opd_coef and not cfg.teacher.path:
+        raise ConfigError(f"algorithm.opd_coef={a.opd_coef} distils from a teacher: set teacher.path=<a Hugging Face "
+                          "causal LM folder with the student's tokenizer>")
+    if cfg.teacher.path and not a.opd_coef:
+        raise ConfigError("teacher.path is set but algorithm.opd_coef=0: the teacher would be loaded and never used; "
+                          "set algorithm.opd_coef > 0 (1.0: the log-prob gap as it is) or drop teacher.path")
+    if cfg.teacher.path and not _policy_gradient(a):
+        raise ConfigError(f"teacher.path is for on-policy distillation, which shapes the advantages of a "
+                          f"policy-gradient objective; algorithm.objective={a.objective} has none")
+    rewarded = r.fns or r.fn or r.model_path or cfg.rollout.environment or cfg.rollout.agent
+    if not rewarded and not a.opd_coef and not a.offline_pairs:
+        raise ConfigError("no reward: set reward.fns, reward.fn or reward.model_path, or distil from a teacher "
+                          "(teacher.path and algorithm.opd_coef > 0)")
 
 
 def _validate_correction(a: AlgorithmConfig) -> None:

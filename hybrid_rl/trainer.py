@@ -69,7 +69,7 @@ class Trainer:
         self.batch_settings = exp_batch.BatchSettings(
             "" if self.objective.paired else a.advantage, AdvantageSettings(a.gamma, a.lam, a.norm_by_std),
             a.kl_in_reward, a.kl_estimator, r.max_new_tokens, a.overlong_buffer, a.overlong_penalty,
-            c.cfg.reward.model_weight)
+            c.cfg.reward.model_weight, a.opd_coef, distil_only=c.rewards is None and c.reward_model is None)
         self.scorer = Scorer(c.rewards, c.tokenizer)
         self.source = open_source(c.rollout, c.train_loader, self.scorer, c.dims, self.timer, self._session,
                                   SourceSettings(r.n, c.cfg.data.prompts_per_step, a.dynamic_sampling,
@@ -166,6 +166,9 @@ class Trainer:
         elif a.use_reference and is_lora(c.actor.module):  # the frozen base is the reference
             with self._phase("reference"), adapter_disabled(c.actor.module):
                 out.ref_logp = logprobs_pass(c.actor.module, samples, temperature=temp, budget=budget)
+        if c.teacher is not None:
+            with self._phase("teacher"), self._resident("teacher", c.teacher.module):
+                out.teacher_logp = logprobs_pass(c.teacher.module, samples, temperature=temp, budget=budget)
         if c.critic is not None:
             with self._phase("critic"), self._resident("critic", c.critic.module):
                 out.values = values_pass(c.critic.module, samples, budget=budget)
@@ -206,6 +209,8 @@ class Trainer:
         if not self.cfg.algorithm.offline_pairs:
             stats.update(exp_batch.mismatch_metrics(batch, old, self.correction,
                                                     max_staleness=self.cfg.rollout.max_staleness))
+        if batch.teacher_logp is not None:
+            stats.update(exp_batch.distillation_metrics(batch, old))
         kl_mean = None
         if batch.ref_logp is not None:
             kl_mean = exp_batch.kl_to_reference(batch, old, self.cfg.algorithm.kl_estimator)

@@ -24,7 +24,7 @@ Who holds what, as `build.py`, `colocated/hybrid.py` and `trainer.py` arrange it
   exists yet (AdamW's states come with the first step, vLLM with the first weight sync).
 
 Phases (the trainer's timer names, plus `startup`, `sync` and `critic_update`): startup, sync,
-rollout, old_logp, reference, critic, reward_model, update, critic_update.
+rollout, old_logp, reference, critic, reward_model, teacher, update, critic_update.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ FRAGMENTATION = 0.05  # torch's caching allocator: share of the trainer's alloca
 SAFETY_MARGIN = 0.05  # of a GPU: kept free beyond every counted item (a plan with less than this does not fit)
 MAX_AUTO_UTILIZATION = 0.9  # the most of a GPU `rollout.gpu_memory_utilization=auto` gives vLLM
 VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this before splitting it over TP ranks
-OFFLOADABLE = ("reference", "critic", "reward_model")  # offloaded after their pass / update (`offload.<name>`)
+# Offloaded after their pass / update (`offload.<name>`).
+OFFLOADABLE = ("reference", "critic", "reward_model", "teacher")
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,7 @@ class OffloadSpec:
     reference: str = "none"
     critic: str = "none"
     reward_model: str = "none"
+    teacher: str = "none"
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,7 @@ class PlanInputs:
     reference: ModelSpec | None = None
     critic: ModelSpec | None = None
     reward_model: ModelSpec | None = None
+    teacher: ModelSpec | None = None  # on-policy distillation's frozen teacher
     reference_from_actor: bool = False  # LoRA: the reference pass is the actor with its adapter disabled
     activation_checkpointing: bool = False
     attention: Attention = "sdpa"
@@ -602,7 +605,7 @@ def _phase(x: PlanInputs, name: str, *, first_step: bool = False) -> Phase:
 def _trainer_items(x: PlanInputs, name: str, *, first_step: bool = False) -> list[Item]:
     active = {"old_logp": ("actor", "pass"), "update": ("actor", "train"), "critic_update": ("critic", "train"),
               "reference": ("actor" if x.reference_from_actor else "reference", "pass"), "critic": ("critic", "pass"),
-              "reward_model": ("reward_model", "pass")}.get(name, ("", ""))
+              "reward_model": ("reward_model", "pass"), "teacher": ("teacher", "pass")}.get(name, ("", ""))
     items: list[Item] = []
     for comp in ("actor", *OFFLOADABLE):
         spec = getattr(x, comp)

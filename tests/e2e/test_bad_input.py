@@ -29,7 +29,11 @@ def bad_files(tmp_path_factory, tiny_models) -> dict[str, str]:
     gpt2 = d / "gpt2"
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
-    return {k: str(v) for k, v in {"dir": d, "gpt2": gpt2, **{p.stem: p for p in d.glob("*.jsonl")}}.items()}
+    from hybrid_rl.model.tiny import TinySpec, build_tiny_model
+
+    other_vocab = build_tiny_model(d / "other_vocab", TinySpec(vocab_size=300))  # a tokenizer of its own
+    return {k: str(v) for k, v in {"dir": d, "gpt2": gpt2, "other_vocab": other_vocab,
+                                   **{p.stem: p for p in d.glob("*.jsonl")}}.items()}
 
 
 CASES = {
@@ -43,6 +47,8 @@ CASES = {
     "wrong type": (["trainer.total_steps=many"], "trainer.total_steps=many: expected int"),
     "value not allowed": (["algorithm.advantage=magic"], "choose one of: gae, grpo, rloo, reinforce_pp"),
     "unknown reward function": (["reward.fn=no_such_pkg.rewards:score"], "no_such_pkg"),
+    "teacher with another vocabulary": (["teacher.path={other_vocab}", "algorithm.opd_coef=1"],
+                                        "has another vocabulary than model.path="),
 }
 
 
