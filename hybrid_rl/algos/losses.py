@@ -33,6 +33,7 @@ __all__ = [
     "DPO_LOSSES",
     "Denominators",
     "KL_ESTIMATORS",
+    "POLICY_LOSSES",
     "POLICY_LOSS_AGG",
     "aggregate",
     "check_kl_estimator",
@@ -41,6 +42,7 @@ __all__ = [
     "clipped_surrogate",
     "dpo_loss",
     "entropy_from_logits",
+    "get_policy_loss",
     "gspo_loss",
     "kl",
     "loss_denominators",
@@ -291,6 +293,19 @@ def _aggregated(t: Surrogate, mask: Tensor, agg: str, num_tokens: Count | None, 
     loss = aggregate(t.per_token, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon)
     stats = t.stats(mask)
     return loss, {k: float(stats[k]) for k in ("clip_frac", "approx_kl")}
+
+
+# Policy losses by the names recipes use (spec: "ppo", "gspo", "cispo"); the same inputs, alternatives to each other.
+POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, float]]]] = {
+    "ppo": policy_loss,
+    "gspo": gspo_loss,
+    "cispo": cispo_loss,
+}
+
+
+def get_policy_loss(name: str) -> Callable[..., tuple[Tensor, dict[str, float]]]:
+    """The policy loss registered as `name`; `ValueError` listing the known names otherwise."""
+    return lookup(POLICY_LOSSES, name, kind="policy loss")
 
 
 def value_loss(

@@ -168,7 +168,11 @@ def test_objective_recipes_run_two_steps_and_log_their_metrics(tiny_models, task
         assert max(steps[s]["actor/grad_norm"] for s in (1, 2)) > 0, name  # advantages vary: the objective trains
         assert (tmp_path / name / "checkpoints" / "step_2" / "COMPLETE").exists(), f"{name}: no final checkpoint"
     assert result["opd"]["offloaded"].get("teacher", 0) > 0  # the teacher went to disk between its passes
-    assert steps[1]["opd/reverse_kl"] != 0  # two different random models: their log-probs differ
+    opd = [d for d in map(json.loads, (tmp_path / "opd" / "metrics.jsonl").read_text().splitlines())
+           if "opd/reverse_kl" in d]  # the training steps' lines (not the validation lines)
+    assert [d["step"] for d in opd] == [1, 2]
+    assert all(d["opd/reverse_kl"] != 0 for d in opd)  # two random models: their log-probs differ
+    assert "memory/teacher/plan_gib" in opd[-1]  # the planner counts the teacher's pass
 
 def _check_correction(name: str, steps: dict[int, dict], *, applied: bool) -> None:
     """Rollout-correction metrics are finite and in range every step; without a correction nothing is cut."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from hybrid_rl.algos import cispo_loss, gspo_loss, policy_loss
+from hybrid_rl.algos import POLICY_LOSSES, cispo_loss, get_policy_loss, gspo_loss, policy_loss
 
 NAN = float("nan")
 AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
@@ -192,3 +192,10 @@ def test_config_errors():
         gspo_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), agg="sum")
     with pytest.raises(ValueError, match="unknown loss aggregation mode"):
         cispo_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), agg="sum")
+
+
+def test_policy_losses_by_name():
+    assert POLICY_LOSSES == {"ppo": policy_loss, "gspo": gspo_loss, "cispo": cispo_loss}
+    assert get_policy_loss("gspo") is gspo_loss
+    with pytest.raises(ValueError, match="unknown policy loss 'grpo'; known: 'cispo', 'gspo', 'ppo'"):
+        get_policy_loss("grpo")
