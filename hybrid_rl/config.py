@@ -479,6 +479,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"algorithm.clip_low={a.clip_low} must be in [0, 1) and clip_high={a.clip_high} >= 0")
     if a.dual_clip and a.dual_clip <= 1:
         raise ConfigError(f"algorithm.dual_clip={a.dual_clip} must be 0 (off) or > 1")
+    if a.dual_clip and not OBJECTIVES[a.objective].dual_clip:
+        with_dual = ", ".join(k for k, o in OBJECTIVES.items() if o.dual_clip)
+        raise ConfigError(f"algorithm.dual_clip={a.dual_clip} is for {with_dual}; algorithm.objective={a.objective} has "
+                          "no dual clip: set algorithm.dual_clip=0")
     _validate_correction(a)
     if a.advantage == "gae" and not a.use_critic:
         raise ConfigError("algorithm.advantage=gae needs a critic: set algorithm.use_critic=true")

@@ -154,10 +154,11 @@ class Objective:
     entropy: bool  # reports (and may train) the policy's token entropy
     policy_gradient: bool = True  # a per-token surrogate over sampled tokens: rollout correction can reweight it
     unbounded_low: bool = False  # accepts clip_low=None (no lower bound on the ratio)
+    dual_clip: bool = False  # applies `dual_clip` (PPO's bound on a negative advantage's huge ratio)
 
 
 OBJECTIVES: dict[str, Objective] = {
-    "ppo_clip": Objective(ppo_clip, paired=False, entropy=True),
+    "ppo_clip": Objective(ppo_clip, paired=False, entropy=True, dual_clip=True),
     "gspo": Objective(gspo, paired=False, entropy=True),
     "cispo": Objective(cispo, paired=False, entropy=True, unbounded_low=True),
     "dpo": Objective(dpo, paired=True, entropy=False, policy_gradient=False),

@@ -44,6 +44,8 @@ def test_unknown_objective_and_unbounded_clip_are_refused_with_one_line():
     with pytest.raises(ConfigError, match=r"clip_low=null \(no lower bound\) is for .*\(cispo\); "
                                           "algorithm.objective=gspo needs a number"):
         load_config("gspo", [*REQUIRED, "algorithm.clip_low=null"])
+    with pytest.raises(ConfigError, match="algorithm.dual_clip=3.0 is for ppo_clip; algorithm.objective=gspo has no dual"):
+        load_config("gspo", [*REQUIRED, "algorithm.dual_clip=3"])
     cfg = Config()
     cfg.model.path, cfg.data.train_files, cfg.algorithm.objective = "/m", ["/d.jsonl"], "cispo"
     cfg.algorithm.clip_low = 1.5
