@@ -73,7 +73,7 @@ class TrainerSettings:
     updates: UpdateSettings
     batch: BatchSettings
     source: SourceSettings
-    offload: Mapping[str, str]  # frozen model name (reference, critic, reward_model) -> where it waits: none|cpu|disk
+    offload: Mapping[str, str]  # frozen model name (reference, critic, reward_model, teacher) -> none|cpu|disk
     config: Mapping[str, Any] = field(default_factory=dict)  # the whole config as a plain dict, saved in checkpoints
 
 
@@ -93,3 +93,4 @@ class Components:
     offload: OffloadManager
     plan: MemoryPlan
     run_id: str = ""  # sidecar mode: the run's unique id (its etcd keys, weight versions; saved in checkpoints)
+    teacher: Model | None = None  # on-policy distillation's frozen teacher (teacher.path)

@@ -151,12 +151,12 @@ class SidecarConfig:
 class AlgorithmConfig:
     name: str = "grpo"
     advantage: str = "grpo"  # gae | grpo | rloo | reinforce_pp
-    objective: str = "ppo_clip"  # ppo_clip | dpo
+    objective: str = "ppo_clip"  # ppo_clip | gspo | cispo | dpo (algos/objectives.py OBJECTIVES)
     norm_by_std: bool = True  # GRPO only
     gamma: float = 1.0
     lam: float = 1.0
     loss_agg: str = "token-mean"
-    clip_low: float = 0.2
+    clip_low: float | None = 0.2  # null: no lower bound on the ratio (cispo only, MiniMax-M1's choice)
     clip_high: float = 0.2
     dual_clip: float = 0.0  # 0 = off; else c > 1
     entropy_coef: float = 0.0
@@ -164,7 +164,7 @@ class AlgorithmConfig:
     mini_batches: int = 1  # optimizer steps per epoch
     old_logp_pass: str = "auto"  # auto: skipped when the update's own forward gives the same numbers | always
     # Rollout correction of the policy gradient for sampler/trainer mismatch (algos/correction.py): auto | none | tis |
-    # mis. auto: tis in asynchronous runs (rollout.max_staleness > 0) with the ppo_clip objective, none otherwise
+    # mis. auto: tis in asynchronous runs (rollout.max_staleness > 0) with a policy-gradient objective, none otherwise
     rollout_correction: str = "auto"
     rollout_correction_level: str = "token"  # token | sequence (one ratio per sequence: the product of its tokens')
     rollout_correction_low: float = 0.5  # mis: ratios below are masked out of the loss
@@ -187,6 +187,9 @@ class AlgorithmConfig:
     # DPO on preference pairs from the dataset: nothing is generated or scored (`recipes/dpo.yaml`). False with
     # objective=dpo: online DPO, pairs built from the policy's own rollouts, ranked by reward.
     offline_pairs: bool = False
+    # On-policy distillation: advantages minus opd_coef * (student - teacher log-prob) per token (0 = off; needs
+    # teacher.path). With no reward configured the run is pure distillation.
+    opd_coef: float = 0.0
 
     @property
     def old_logp_from_update(self) -> bool:
@@ -197,7 +200,8 @@ class AlgorithmConfig:
         with the KL penalty in the reward, whose advantages need the log-probs before the update.
         """
         one_step = self.ppo_epochs == 1 and self.mini_batches == 1
-        return self.old_logp_pass == "auto" and one_step and not self.kl_in_reward
+        # Distillation's advantages need the student's log-probs before the update, as the KL in the reward does.
+        return self.old_logp_pass == "auto" and one_step and not self.kl_in_reward and not self.opd_coef
 
 
 @dataclass
@@ -217,6 +221,13 @@ class CriticConfig:
     path: str = ""  # "" = initialise from model.path
     lr: float = 1e-5
     warmup_steps: int = 0
+
+
+@dataclass
+class TeacherConfig:
+    # A frozen teacher for on-policy distillation (algorithm.opd_coef): any Hugging Face causal LM folder with the
+    # student's tokenizer. Held like the reference model (sharded, offload.teacher), stored in model.frozen_dtype.
+    path: str = ""  # "" = none
 
 
 @dataclass
@@ -245,6 +256,7 @@ class OffloadConfig:
     reference: str = "none"
     critic: str = "none"
     reward_model: str = "none"
+    teacher: str = "none"
 
 
 @dataclass
@@ -276,6 +288,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -428,8 +441,6 @@ CHOICES = {
     "rollout.release": ("auto", "keep", "sleep", "restart"),
     "rollout.mode": ("colocated", "sidecar"),
     "rollout.multi_turn.template": ("auto", "chatml", "qwen3", "llama3", "mistral"),
-    "algorithm.advantage": ("gae", "grpo", "rloo", "reinforce_pp"),
-    "algorithm.objective": ("ppo_clip", "dpo"),
     "algorithm.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
     "algorithm.kl_estimator": ("k1", "abs", "k2", "k3", "low_var_kl"),
     "algorithm.dpo_kind": ("sigmoid", "ipo", "hinge"),
@@ -441,7 +452,7 @@ CHOICES = {
     "trainer.resume": ("auto", "never"),
     "trainer.memory_check": ("error", "warn"),
     **{f"offload.{k}": ("none", "cpu", "disk")
-       for k in ("actor_params", "actor_grads", "actor_optim", "reference", "critic", "reward_model")},
+       for k in ("actor_params", "actor_grads", "actor_optim", "reference", "critic", "reward_model", "teacher")},
 }
 POSITIVE = ("rollout.n", "rollout.max_new_tokens", "rollout.bucket_mb", "data.prompts_per_step",
             "data.max_prompt_tokens", "trainer.total_steps", "trainer.micro_batch_tokens", "trainer.keep_last",
@@ -452,7 +463,8 @@ POSITIVE = ("rollout.n", "rollout.max_new_tokens", "rollout.bucket_mb", "data.pr
             "rollout.multi_turn.max_turns", "rollout.multi_turn.max_tool_calls",
             "rollout.multi_turn.max_tool_response_tokens", "rollout.multi_turn.tool_timeout_s",
             "rollout.multi_turn.tool_workers")
-NON_NEGATIVE = ("rollout.temperature", "rollout.kv_cache_gb", "algorithm.kl_coef", "algorithm.entropy_coef", "optim.grad_clip",
+NON_NEGATIVE = ("rollout.temperature", "rollout.kv_cache_gb", "algorithm.kl_coef", "algorithm.entropy_coef",
+                "algorithm.opd_coef", "optim.grad_clip",
                 "optim.warmup_steps", "trainer.save_every", "trainer.val_every", "algorithm.overlong_buffer",
                 "reward.num_workers", "data.val_prompts", "sidecar.max_restarts", "rollout.max_staleness",
                 "sidecar.max_inflight", "sidecar.servers_per_node", "rollout.multi_turn.max_turn_tokens")
@@ -467,7 +479,7 @@ def get(cfg: Config, key: str) -> Any:
 
 def validate(cfg: Config) -> None:
     """Raise ConfigError naming the first bad key and its allowed values."""
-    for key, allowed in CHOICES.items():
+    for key, allowed in {**CHOICES, **_registry_choices()}.items():
         if get(cfg, key) not in allowed:
             raise ConfigError(f"{key}={get(cfg, key)!r} is not allowed; choose one of: {', '.join(allowed)}")
     for key in POSITIVE:
@@ -481,23 +493,35 @@ def validate(cfg: Config) -> None:
     g = cfg.trainer.max_logprob_diff
     if g is not None and not (isinstance(g, int | float) and math.isfinite(g) and g >= 0):
         raise ConfigError(f"trainer.max_logprob_diff={g!r} must be >= 0 (null or 0: off)")
-    from hybrid_rl.model.optimizers import OPTIMIZERS  # the registry is the list of choices
+    from hybrid_rl.algos.objectives import OBJECTIVES
+    from hybrid_rl.model.optimizers import OPTIMIZERS  # the registries are the lists of choices
 
     if cfg.optim.name not in OPTIMIZERS:
         raise ConfigError(f"optim.name={cfg.optim.name!r} is not allowed; choose one of: {', '.join(OPTIMIZERS)}")
     a = cfg.algorithm
-    if not 0 <= a.clip_low < 1 or a.clip_high < 0:
+    if a.objective not in OBJECTIVES:
+        raise ConfigError(f"algorithm.objective={a.objective!r} is not allowed; choose one of: {', '.join(OBJECTIVES)}")
+    if a.clip_low is None and not OBJECTIVES[a.objective].unbounded_low:
+        raise ConfigError(f"algorithm.clip_low=null (no lower bound) is for objectives that clip a detached weight "
+                          f"({', '.join(k for k, o in OBJECTIVES.items() if o.unbounded_low)}); "
+                          f"algorithm.objective={a.objective} needs a number in [0, 1)")
+    if (a.clip_low is not None and not 0 <= a.clip_low < 1) or a.clip_high < 0:
         raise ConfigError(f"algorithm.clip_low={a.clip_low} must be in [0, 1) and clip_high={a.clip_high} >= 0")
     if a.dual_clip and a.dual_clip <= 1:
         raise ConfigError(f"algorithm.dual_clip={a.dual_clip} must be 0 (off) or > 1")
+    if a.dual_clip and not OBJECTIVES[a.objective].dual_clip:
+        with_dual = ", ".join(k for k, o in OBJECTIVES.items() if o.dual_clip)
+        raise ConfigError(f"algorithm.dual_clip={a.dual_clip} is for {with_dual}; algorithm.objective={a.objective} has "
+                          "no dual clip: set algorithm.dual_clip=0")
     _validate_correction(a)
     if a.advantage == "gae" and not a.use_critic:
         raise ConfigError("algorithm.advantage=gae needs a critic: set algorithm.use_critic=true")
-    if a.advantage in ("grpo", "rloo") and a.objective == "ppo_clip" and cfg.rollout.n < 2:
+    if a.advantage in ("grpo", "rloo") and _policy_gradient(a) and cfg.rollout.n < 2:
         raise ConfigError(f"algorithm.advantage={a.advantage} compares samples of a prompt: rollout.n must be >= 2")
     if a.offline_pairs and a.objective != "dpo":
         raise ConfigError(f"algorithm.offline_pairs=true trains on the dataset's preference pairs: it needs "
                           f"algorithm.objective=dpo (got {a.objective})")
+    _validate_distillation(cfg)
     if a.objective == "dpo" and not a.use_reference:
         raise ConfigError("algorithm.objective=dpo needs the reference model: set algorithm.use_reference=true")
     if a.overlong_buffer > cfg.rollout.max_new_tokens:
@@ -529,24 +553,53 @@ def validate(cfg: Config) -> None:
                           "free when vLLM starts, less a reserve for the weight sync)")
 
 
+def _validate_distillation(cfg: Config) -> None:
+    """A teacher needs a policy-gradient objective; `opd_coef` needs a teacher; every run needs a training signal."""
+    a, r = cfg.algorithm, cfg.reward
+    if a.opd_coef and not cfg.teacher.path:
+        raise ConfigError(f"algorithm.opd_coef={a.opd_coef} distils from a teacher: set teacher.path=<a Hugging Face "
+                          "causal LM folder with the student's tokenizer>")
+    if cfg.teacher.path and not a.opd_coef:
+        raise ConfigError("teacher.path is set but algorithm.opd_coef=0: the teacher would be loaded and never used; "
+                          "set algorithm.opd_coef > 0 (1.0: the log-prob gap as it is) or drop teacher.path")
+    if cfg.teacher.path and not _policy_gradient(a):
+        raise ConfigError(f"teacher.path is for on-policy distillation, which shapes the advantages of a "
+                          f"policy-gradient objective; algorithm.objective={a.objective} has none")
+    rewarded = r.fns or r.fn or r.model_path or cfg.rollout.environment or cfg.rollout.agent
+    if not rewarded and not a.opd_coef and not a.offline_pairs:
+        raise ConfigError("no reward: set reward.fns, reward.fn or reward.model_path, or distil from a teacher "
+                          "(teacher.path and algorithm.opd_coef > 0)")
+
+
 def _validate_correction(a: AlgorithmConfig) -> None:
     low, high = a.rollout_correction_low, a.rollout_correction_high
     if not (isinstance(low, int | float) and isinstance(high, int | float) and 0 <= low <= 1 <= high < math.inf):
         raise ConfigError(f"algorithm.rollout_correction_low={low!r} and rollout_correction_high={high!r} must satisfy "
                           "0 <= low <= 1 <= high (finite): a ratio of 1, no mismatch, is never corrected")
-    if a.rollout_correction not in ("none", "auto") and a.objective != "ppo_clip":
-        raise ConfigError(f"algorithm.rollout_correction={a.rollout_correction} reweights the ppo_clip policy gradient; "
+    if a.rollout_correction not in ("none", "auto") and not _policy_gradient(a):
+        from hybrid_rl.algos.objectives import OBJECTIVES
+
+        pg = ", ".join(k for k, o in OBJECTIVES.items() if o.policy_gradient)
+        raise ConfigError(f"algorithm.rollout_correction={a.rollout_correction} reweights the policy gradient of "
+                          f"{pg}; "
                           f"algorithm.objective={a.objective} has none to reweight (DPO trains on whole pairs, and "
                           "offline pairs have no rollout log-probs): set algorithm.rollout_correction=none")
 
 
 def resolve_correction(cfg: Config) -> str:
     """`algorithm.rollout_correction` with `auto` resolved: `tis` when samples may be off-policy (`rollout.max_staleness`
-    > 0) and the objective has a policy gradient to reweight (ppo_clip), else `none`."""
+    > 0) and the objective has a policy gradient to reweight (ppo_clip, gspo, cispo), else `none`."""
     a = cfg.algorithm
     if a.rollout_correction != "auto":
         return a.rollout_correction
-    return "tis" if cfg.rollout.max_staleness > 0 and a.objective == "ppo_clip" else "none"
+    return "tis" if cfg.rollout.max_staleness > 0 and _policy_gradient(a) else "none"
+
+
+def _policy_gradient(a: AlgorithmConfig) -> bool:
+    """The objective trains a per-token surrogate over sampled tokens (not DPO's pairs)."""
+    from hybrid_rl.algos.objectives import OBJECTIVES
+
+    return a.objective in OBJECTIVES and OBJECTIVES[a.objective].policy_gradient
 
 
 # ---------------------------------------------------------------------------------------------
@@ -633,6 +686,16 @@ def _validate_truncation(r: RolloutConfig) -> None:
                           "rollout.top_p=1.0 and rollout.top_k=-1 (shape the distribution with rollout.temperature)")
 
 
+def _registry_choices() -> dict[str, tuple[str, ...]]:
+    """Keys whose choices are a registry's names: the registry is the one place that lists them."""
+    from hybrid_rl.algos.advantages import ADVANTAGES
+    from hybrid_rl.algos.objectives import OBJECTIVES
+    from hybrid_rl.model.optimizers import OPTIMIZERS
+
+    return {"algorithm.objective": tuple(OBJECTIVES), "algorithm.advantage": tuple(ADVANTAGES),
+            "optim.name": tuple(OPTIMIZERS)}
+
+
 def allowed_values(key: str) -> tuple[str, ...]:
     """The allowed values of `key`, from the one place that lists them (() when any value of its type goes)."""
-    return tuple(CHOICES.get(key, ()))
+    return tuple(CHOICES.get(key, ())) or _registry_choices().get(key, ())

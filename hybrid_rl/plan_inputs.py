@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
+from hybrid_rl.algos.objectives import get_objective
 from hybrid_rl.config import Config, ConfigError, resolve_rollout
 from hybrid_rl.planner.estimate import estimate
 from hybrid_rl.planner.inputs import DeviceSpec, ModelSpec, OffloadSpec, PlanInputs, RolloutSpec
@@ -47,8 +48,9 @@ def plan_for(cfg: Config, world: int, *, device: DeviceSpec | None = None, atten
         reference_from_actor=a.use_reference and bool(lora.rank),
         critic=_spec(cfg.critic.path or cfg.model.path, "value") if a.use_critic else None,
         reward_model=_spec(cfg.reward.model_path, "score", frozen) if cfg.reward.model_path else None,
+        teacher=_spec(cfg.teacher.path, "lm", frozen) if cfg.teacher.path else None,
         activation_checkpointing=cfg.model.activation_checkpointing,
-        attention=_attention(attention, device), entropy=a.objective == "ppo_clip",
+        attention=_attention(attention, device), entropy=get_objective(a.objective).entropy,
         old_logp_pass=not a.old_logp_from_update, optimizer=cfg.optim.name,
     )
     plan = estimate(inputs)

@@ -148,6 +148,9 @@ class Trainer:
         elif a.use_reference and is_lora(c.actor.module):  # the frozen base is the reference
             with self._phase("reference"), adapter_disabled(c.actor.module):
                 out.ref_logp = logprobs_pass(c.actor.module, samples, temperature=temp, budget=budget)
+        if c.teacher is not None:
+            with self._phase("teacher"), self._resident("teacher", c.teacher.module):
+                out.teacher_logp = logprobs_pass(c.teacher.module, samples, temperature=temp, budget=budget)
         if c.critic is not None:
             with self._phase("critic"), self._resident("critic", c.critic.module):
                 out.values = values_pass(c.critic.module, samples, budget=budget)
@@ -188,6 +191,8 @@ class Trainer:
         if not self.s.offline_pairs:
             stats.update(exp_batch.mismatch_metrics(batch, old, self.correction,
                                                     max_staleness=self.s.source.max_staleness))
+        if batch.teacher_logp is not None:
+            stats.update(exp_batch.distillation_metrics(batch, old))
         kl_mean = None
         if batch.ref_logp is not None:
             kl_mean = exp_batch.kl_to_reference(batch, old, self.s.kl.estimator)

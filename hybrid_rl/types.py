@@ -160,6 +160,7 @@ class TrainBatch:
     # [B, T] int64: policy versions between the weights that sampled each token and those trained now, 0-padded
     # (None: the generator records no versions, so every token is on-policy by construction)
     staleness: torch.Tensor | None = None
+    teacher_logp: torch.Tensor | None = None  # [B, T] a distillation teacher's log-probs of the sampled tokens
 
     @property
     def units(self) -> list[list[int]]:
@@ -172,7 +173,7 @@ class TrainBatch:
         pick = lambda x: None if x is None else x[t]  # noqa: E731
         return TrainBatch([self.samples[i] for i in idx], self.mask[t], self.scores[t], pick(self.old_logp),
                           self.advantages[t], pick(self.ref_logp), pick(self.values), pick(self.returns), self.paired,
-                          pick(self.rollout_logp), pick(self.staleness))
+                          pick(self.rollout_logp), pick(self.staleness), pick(self.teacher_logp))
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ contract (spec `algorithms.md`); keyword-only extras are additions, never change
 
 from __future__ import annotations
 
-from .advantages import ADVANTAGES, gae, get_advantage, grpo, reinforce_pp, rloo
+from .advantages import ADVANTAGES, gae, get_advantage, grpo, opd_advantages, reinforce_pp, rloo
 from .groups import group_index, groups_with_signal
 from .kl_control import AdaptiveKLController, FixedKLController, KLController
 from .losses import (
@@ -17,11 +17,15 @@ from .losses import (
     DPO_LOSSES,
     KL_ESTIMATORS,
     POLICY_LOSS_AGG,
+    POLICY_LOSSES,
     aggregate,
     check_kl_estimator,
     check_loss_agg,
+    cispo_loss,
     dpo_loss,
     entropy_from_logits,
+    get_policy_loss,
+    gspo_loss,
     kl,
     loss_denominators,
     policy_loss,
@@ -36,6 +40,7 @@ __all__ = [
     "AGGREGATIONS",
     "DPO_LOSSES",
     "KL_ESTIMATORS",
+    "POLICY_LOSSES",
     "POLICY_LOSS_AGG",
     "AdaptiveKLController",
     "FixedKLController",
@@ -44,20 +49,24 @@ __all__ = [
     "best_worst_pairs",
     "check_kl_estimator",
     "check_loss_agg",
+    "cispo_loss",
     "dpo_loss",
     "entropy_from_logits",
     "explained_variance",
     "gae",
     "get_advantage",
+    "get_policy_loss",
     "group_index",
     "groups_with_signal",
     "grpo",
+    "gspo_loss",
     "kl",
     "loss_denominators",
     "masked_mean",
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "opd_advantages",
     "overlong_penalty",
     "policy_loss",
     "reinforce_pp",

@@ -31,7 +31,7 @@ from .registry import lookup
 Reduce = Callable[[Tensor], Tensor]  # a sum over every rank's share of a batch (the trainer's all-reduce)
 
 __all__ = ["ADVANTAGES", "discounted_returns", "gae", "gae_unwhitened", "get_advantage", "grpo", "masked_whiten",
-           "reinforce_pp", "rloo"]
+           "opd_advantages", "reinforce_pp", "rloo"]
 
 
 @torch.no_grad()
@@ -144,6 +144,26 @@ def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
         columns.append(torch.where(keep[:, t], ret, 0))
         next_return = torch.where(keep[:, t], ret, next_return)
     return torch.stack(columns[::-1], dim=1) if columns else torch.zeros_like(rewards)
+
+
+@torch.no_grad()
+def opd_advantages(advantages: Tensor | None, student_logp: Tensor, teacher_logp: Tensor, mask: Tensor,
+                   coef: float = 1.0) -> Tensor:
+    """On-policy distillation (slime's formula): `(A - coef * (student_logp - teacher_logp)) * mask`.
+
+    `student_logp` are the log-probs the student gave its own sampled tokens when it generated them (the
+    batch's `old_logp`), `teacher_logp` a frozen teacher's log-probs of the same tokens in the same contexts.
+    `advantages` is any estimator's `[B, T]` output, or None for pure distillation (`A = 0`). No clamp (a
+    teacher log-prob of -60 is a large penalty, as it should be) and no whitening. Not an estimator (not in
+    `ADVANTAGES`): a recipe applies it to the chosen estimator's output.
+
+    Returns:
+        `advantages [B, T]`, 0 where `mask == 0`, without gradient.
+    """
+    keep = mask.bool()
+    gap = torch.where(keep, student_logp - teacher_logp, 0)
+    base = 0 if advantages is None else torch.where(keep, advantages, 0)
+    return torch.where(keep, base - coef * gap, 0) * mask
 
 
 ADVANTAGES: dict[str, Callable[..., Tensor | tuple[Tensor, Tensor]]] = {

@@ -1,4 +1,4 @@
-"""Losses: token aggregation, KL estimators, PPO policy/value losses, entropy, DPO.
+"""Losses: token aggregation, KL estimators, PPO / GSPO / CISPO policy losses, value loss, entropy, DPO.
 
 Shapes: `B` sequences, `T` response tokens, `V` vocabulary; `mask` is bool or float `[B, T]`, 1 on
 real response tokens. Inputs under `mask == 0` are never read (they are replaced by 0 before any
@@ -18,7 +18,6 @@ Adding a KL estimator, aggregation mode or DPO kind: one function plus one line 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -27,18 +26,24 @@ from torch import Tensor
 
 from .masked import masked_mean, masked_select_zero, masked_sum, safe_denominator
 from .registry import lookup
+from .surrogates import Surrogate, cispo_surrogate, clipped_surrogate, gspo_surrogate
 
 __all__ = [
     "AGGREGATIONS",
     "DPO_LOSSES",
     "Denominators",
     "KL_ESTIMATORS",
+    "POLICY_LOSSES",
     "POLICY_LOSS_AGG",
     "aggregate",
     "check_kl_estimator",
     "check_loss_agg",
+    "cispo_loss",
+    "clipped_surrogate",
     "dpo_loss",
     "entropy_from_logits",
+    "get_policy_loss",
+    "gspo_loss",
     "kl",
     "loss_denominators",
     "masked_mean",
@@ -225,40 +230,82 @@ def policy_loss(
     return loss, {k: float(v) for k, v in t.stats(mask).items()}
 
 
-@dataclass(frozen=True)
-class Surrogate:
-    """`policy_loss`'s per-token terms, before aggregation."""
+def gspo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    agg: str = "seq-mean-token-mean",
+    *,
+    num_tokens: Count | None = None,
+    num_seqs: Count | None = None,
+    horizon: Count | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """GSPO (Group Sequence Policy Optimization), token-level form with stop-gradient ("GSPO-token").
 
-    per_token: Tensor  # [B, T] the clipped surrogate loss
-    clipped: Tensor  # [B, T] bool: the clipped term was the larger
-    dual_bound: Tensor  # [B, T] bool: the dual clip bound
-    log_ratio: Tensor  # [B, T] logp - old_logp (0 outside the mask)
+    Per row, `log_s` = the masked mean of `logp - old_logp` (raw, unclamped; 0 for an empty row). Per token,
+    `log_r_t = min(sg[log_s] + logp_t - sg[logp_t], 10)`, `r_t = exp(log_r_t)`: every token of a row has the
+    value `min(s, e^10)`, and `d r_t / d logp_t = r_t` (0 past the clamp), nothing through `s` or `old_logp`.
+    `l_t = max(-A_t r_t, -A_t clip(r_t, 1 - clip_low, 1 + clip_high))`; with `A` constant along a row this is
+    sequence-level GSPO, value and gradient.
 
-    @torch.no_grad()
-    def stats(self, mask: Tensor) -> dict[str, Tensor]:
-        """0-d tensors (no host sync): clip_frac, approx_kl, dual_clip_frac over the masked tokens."""
-        return {"clip_frac": masked_mean(self.clipped.float(), mask),
-                "approx_kl": masked_mean(-self.log_ratio.detach().float(), mask),
-                "dual_clip_frac": masked_mean(self.dual_bound.float(), mask)}
+    Returns:
+        `(aggregate(l, mask, agg, ...), stats)`: `clip_frac` (share of masked tokens where the clipped term was
+        strictly larger), `approx_kl` (masked mean of `old_logp - logp`), python floats.
+    """
+    check_loss_agg(agg)
+    t = gspo_surrogate(logp, old_logp, advantages, mask, clip_low, clip_high)
+    return _aggregated(t, mask, agg, num_tokens, num_seqs, horizon)
 
 
-def clipped_surrogate(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float,
-                      clip_high: float, dual_clip: float | None) -> Surrogate:
-    """The per-token PPO surrogate of `policy_loss` (see there)."""
-    if dual_clip is not None and dual_clip <= 1:
-        raise ValueError(f"dual_clip must be > 1 (or None to disable), got {dual_clip}")
-    keep = mask.bool()
-    log_ratio = torch.where(keep, logp - old_logp, 0)
-    advantages = torch.where(keep, advantages, 0)
-    ratio = torch.exp(log_ratio.clamp(-20, 20))
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
-    per_token = torch.maximum(unclipped, clipped)
-    dual_bound = torch.zeros_like(keep)
-    if dual_clip is not None:
-        dual_bound = (advantages < 0) & (per_token > -advantages * dual_clip)
-        per_token = torch.where(dual_bound, -advantages * dual_clip, per_token)
-    return Surrogate(per_token, (clipped > unclipped).detach(), dual_bound, log_ratio)
+def cispo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float | None = None,
+    clip_high: float = 0.2,
+    agg: str = "token-mean",
+    *,
+    num_tokens: Count | None = None,
+    num_seqs: Count | None = None,
+    horizon: Count | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """CISPO (MiniMax-M1): REINFORCE weighted by a clipped, detached importance weight.
+
+    `ratio = exp(clamp(logp - old_logp, -20, 20))`, `w = clip(ratio, 1 - clip_low, 1 + clip_high)` (no lower
+    bound with `clip_low=None`), `l_t = -sg[w_t] A_t logp_t`: `d l_t / d logp_t = -w_t A_t`, so a clipped token
+    keeps its gradient. `clip_high = 4.0` is TRL's / ScaleRL's absolute cap `epsilon_high = 5.0`.
+
+    Returns:
+        `(aggregate(l, mask, agg, ...), stats)`: `clip_frac` (share of masked tokens whose ratio lies outside
+        the bounds, whatever the sign of `A`), `approx_kl` (masked mean of `old_logp - logp`), python floats.
+    """
+    check_loss_agg(agg)
+    t = cispo_surrogate(logp, old_logp, advantages, mask, clip_low, clip_high)
+    return _aggregated(t, mask, agg, num_tokens, num_seqs, horizon)
+
+
+def _aggregated(t: Surrogate, mask: Tensor, agg: str, num_tokens: Count | None, num_seqs: Count | None,
+                horizon: Count | None) -> tuple[Tensor, dict[str, float]]:
+    loss = aggregate(t.per_token, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon)
+    stats = t.stats(mask)
+    return loss, {k: float(stats[k]) for k in ("clip_frac", "approx_kl")}
+
+
+# Policy losses by the names recipes use (spec: "ppo", "gspo", "cispo"); the same inputs, alternatives to each other.
+POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, float]]]] = {
+    "ppo": policy_loss,
+    "gspo": gspo_loss,
+    "cispo": cispo_loss,
+}
+
+
+def get_policy_loss(name: str) -> Callable[..., tuple[Tensor, dict[str, float]]]:
+    """The policy loss registered as `name`; `ValueError` listing the known names otherwise."""
+    return lookup(POLICY_LOSSES, name, kind="policy loss")
 
 
 def value_loss(

@@ -5,7 +5,12 @@ denominators (whole mini-batch, all ranks) so micro-batching never changes the r
 objective is one function plus one line in `OBJECTIVES`, saying whether it trains on preference
 pairs (then a pair is one unit for packing, micro-batching and rank balancing).
 
-Rollout correction (`correction.py`) reweights `ppo_clip`'s per-token surrogate. It is refused for
+`ppo_clip`, `gspo` and `cispo` are policy-gradient objectives: one body (`_policy_gradient`) around their per-token
+surrogates (`surrogates.py`), so rollout correction, the KL loss term, the entropy bonus and the global
+denominators work the same for all three. GSPO's sequence ratio is a row's mean: a micro-batch holds whole
+samples, one per row (`model/forward.py`), so every row is a whole sequence however the mini-batch is cut.
+
+Rollout correction (`correction.py`) reweights a policy-gradient objective's per-token surrogate. It is refused for
 the DPO objective (a config error): DPO's loss is a function of whole (chosen, rejected) pairs under
 the training model and the reference, not a policy-gradient estimate over sampled tokens, so there
 is no sampler's distribution to correct for (and offline pairs have no rollout log-probs at all).
@@ -20,15 +25,16 @@ import torch
 from torch import Tensor
 
 from .correction import CorrectionInputs, CorrectionSettings, rollout_correction
-from .losses import aggregate, clipped_surrogate, dpo_loss, kl
+from .losses import aggregate, dpo_loss, kl
 from .masked import masked_sum
 from .registry import lookup
+from .surrogates import Surrogate, cispo_surrogate, clipped_surrogate, gspo_surrogate
 
 
 @dataclass(frozen=True)
 class ObjectiveSettings:
     loss_agg: str
-    clip_low: float
+    clip_low: float | None  # None: no lower bound (cispo only)
     clip_high: float
     dual_clip: float | None
     kl_coef: float  # KL as a loss term (0 when the KL penalty is in the reward)
@@ -75,7 +81,25 @@ def _token_stat(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def ppo_clip(x: MicroInputs, s: ObjectiveSettings, d: Denominators) -> tuple[Tensor, StatSums]:
-    """PPO clipped surrogate (+ KL to the reference as a loss term, - entropy bonus).
+    """PPO clipped surrogate (+ KL to the reference as a loss term, - entropy bonus); see `_policy_gradient`."""
+    t = clipped_surrogate(x.logp, x.old_logp, x.advantages, x.mask, s.clip_low, s.clip_high, s.dual_clip)
+    return _policy_gradient(t, x, s, d)
+
+
+def gspo(x: MicroInputs, s: ObjectiveSettings, d: Denominators) -> tuple[Tensor, StatSums]:
+    """GSPO-token (`losses.gspo_loss`): the sequence ratio, each row's mean log-ratio, on every token of the row."""
+    t = gspo_surrogate(x.logp, x.old_logp, x.advantages, x.mask, s.clip_low, s.clip_high)
+    return _policy_gradient(t, x, s, d)
+
+
+def cispo(x: MicroInputs, s: ObjectiveSettings, d: Denominators) -> tuple[Tensor, StatSums]:
+    """CISPO (`losses.cispo_loss`): REINFORCE weighted by the clipped, detached importance ratio."""
+    t = cispo_surrogate(x.logp, x.old_logp, x.advantages, x.mask, s.clip_low, s.clip_high)
+    return _policy_gradient(t, x, s, d)
+
+
+def _policy_gradient(t: Surrogate, x: MicroInputs, s: ObjectiveSettings, d: Denominators) -> tuple[Tensor, StatSums]:
+    """A per-token surrogate's loss (+ KL to the reference as a loss term, - entropy bonus).
 
     The loss uses the mini-batch's global denominators. With `s.correction`, each token's surrogate
     is multiplied by its rollout-correction weight (detached; `correction.py`), the denominators
@@ -84,7 +108,6 @@ def ppo_clip(x: MicroInputs, s: ObjectiveSettings, d: Denominators) -> tuple[Ten
     per micro-batch).
     """
     denoms = d.aggregate_kwargs()
-    t = clipped_surrogate(x.logp, x.old_logp, x.advantages, x.mask, s.clip_low, s.clip_high, s.dual_clip)
     pg = t.per_token
     if s.correction is not None and s.correction.reweights:
         assert x.rollout_logp is not None, "rollout correction needs the sampler's log-probs"
@@ -129,11 +152,16 @@ class Objective:
     loss: LossFn
     paired: bool  # trains on (chosen, rejected) pairs, adjacent rows; else on single samples with advantages
     entropy: bool  # reports (and may train) the policy's token entropy
+    policy_gradient: bool = True  # a per-token surrogate over sampled tokens: rollout correction can reweight it
+    unbounded_low: bool = False  # accepts clip_low=None (no lower bound on the ratio)
+    dual_clip: bool = False  # applies `dual_clip` (PPO's bound on a negative advantage's huge ratio)
 
 
 OBJECTIVES: dict[str, Objective] = {
-    "ppo_clip": Objective(ppo_clip, paired=False, entropy=True),
-    "dpo": Objective(dpo, paired=True, entropy=False),
+    "ppo_clip": Objective(ppo_clip, paired=False, entropy=True, dual_clip=True),
+    "gspo": Objective(gspo, paired=False, entropy=True),
+    "cispo": Objective(cispo, paired=False, entropy=True, unbounded_low=True),
+    "dpo": Objective(dpo, paired=True, entropy=False, policy_gradient=False),
 }
 
 

@@ -54,6 +54,7 @@ from hybrid_rl.model.loading import DTYPES, empty_model, enable_activation_check
 from hybrid_rl.model.lora import apply_lora
 from hybrid_rl.model.materialize import materialize
 from hybrid_rl.model.optimizers import build_optimizer
+from hybrid_rl.model.teacher import check_teacher
 from hybrid_rl.plan_inputs import detect_device, plan_for, training_records
 from hybrid_rl.planner.result import MemoryPlan
 from hybrid_rl.planner.table import render, verdict
@@ -103,6 +104,8 @@ def check_inputs(cfg: Config, world: int) -> None:
     for name in (cfg.reward.model_path, cfg.critic.path):
         if name and not Path(name).is_dir():
             raise ConfigError(f"{name!r} (reward.model_path / critic.path) is not a model folder")
+    if cfg.teacher.path:
+        check_teacher(cfg.model.path, cfg.teacher.path)
 
 
 def build(cfg: Config) -> Components:
@@ -128,10 +131,11 @@ def build(cfg: Config) -> Components:
     reference = _frozen(cfg.model.path, "lm", cfg, dims) if a.use_reference and not cfg.model.lora.rank else None
     critic = _critic(cfg, dims) if a.use_critic else None
     rm = _frozen(cfg.reward.model_path, "score", cfg, dims) if cfg.reward.model_path else None
-    return Components(settings=trainer_settings(cfg, world=dims.world), dims=dims, tokenizer=tokenizer, actor=actor,
+    settings = trainer_settings(cfg, world=dims.world, distil_only=rewards is None and rm is None)
+    return Components(settings=settings, dims=dims, tokenizer=tokenizer, actor=actor,
                       rollout=rollout, train_loader=loader, val_records=val_records, rewards=rewards,
                       reference=reference, critic=critic, reward_model=rm, offload=offload, plan=plan,
-                      run_id=deployment.run_id(rollout))
+                      run_id=deployment.run_id(rollout), teacher=_teacher(cfg, dims))
 
 
 def _check_memory(cfg: Config, dims: ParallelDims, prompt_lengths: list[int]) -> MemoryPlan:
@@ -169,7 +173,7 @@ def _datasets(cfg: Config, tokenizer):
     return loader, val
 
 
-def _rewards(cfg: Config) -> RewardPool:
+def _rewards(cfg: Config) -> RewardPool | None:
     r = cfg.reward
     specs = [(r.fn, 1.0, "")] if r.fn else [(f.name, f.weight, f.pattern) for f in r.fns]
     items = []
@@ -180,7 +184,19 @@ def _rewards(cfg: Config) -> RewardPool:
         items.append(RubricItem("environment", EnvironmentReward(), 1.0))  # the environment's reward(), weight 1
     if cfg.rollout.agent:
         items.append(RubricItem("agent", EnvironmentReward(), 1.0))  # what the agent returned (0 for None), weight 1
+    if not items:  # no reward at all: pure on-policy distillation (config validation allows nothing else)
+        return None
     return RewardPool(Rubric(items), r.num_workers, timeout_s=r.timeout_s)
+
+
+def _teacher(cfg: Config, dims: ParallelDims) -> Model | None:
+    """On-policy distillation's teacher (teacher.path), held like the reference: frozen, sharded, stored in
+    `model.frozen_dtype`, offloaded per `offload.teacher`. Its vocabulary is checked by `check_inputs`; checked
+    again here for callers that build without it (one cheap tokenizer load)."""
+    if not cfg.teacher.path:
+        return None
+    check_teacher(cfg.model.path, cfg.teacher.path)
+    return _frozen(cfg.teacher.path, "lm", cfg, dims)
 
 
 def _scheduler(opt, cfg: Config, warmup: int):

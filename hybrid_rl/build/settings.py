@@ -13,10 +13,12 @@ from hybrid_rl.experience.batch import BatchSettings
 from hybrid_rl.experience.source import SourceSettings
 from hybrid_rl.updates import UpdateSettings
 
-FROZEN_MODELS = ("reference", "critic", "reward_model")  # the models the trainer brings in and sends away
+FROZEN_MODELS = ("reference", "critic", "reward_model", "teacher")  # the models the trainer brings in and sends away
 
 
-def trainer_settings(cfg: Config, *, world: int) -> TrainerSettings:
+def trainer_settings(cfg: Config, *, world: int, distil_only: bool = False) -> TrainerSettings:
+    """`distil_only`: the run has no reward of any kind (no reward function, no reward model), so its advantages
+    are the distillation term alone."""
     a, t, r = cfg.algorithm, cfg.trainer, cfg.rollout
     correction = CorrectionSettings(mode=resolve_correction(cfg), level=a.rollout_correction_level,
                                     low=a.rollout_correction_low, high=a.rollout_correction_high)
@@ -31,7 +33,7 @@ def trainer_settings(cfg: Config, *, world: int) -> TrainerSettings:
                           advantage=AdvantageSettings(gamma=a.gamma, lam=a.lam, norm_by_std=a.norm_by_std),
                           kl_in_reward=a.kl_in_reward, kl_estimator=a.kl_estimator, max_new_tokens=r.max_new_tokens,
                           overlong_buffer=a.overlong_buffer, overlong_penalty=a.overlong_penalty,
-                          rm_weight=cfg.reward.model_weight)
+                          rm_weight=cfg.reward.model_weight, opd_coef=a.opd_coef, distil_only=distil_only)
     source = SourceSettings(n=r.n, prompts_per_step=cfg.data.prompts_per_step, dynamic_sampling=a.dynamic_sampling,
                             max_sampling_rounds=a.max_sampling_rounds, offline_pairs=a.offline_pairs,
                             max_staleness=r.max_staleness, seed=t.seed, max_restarts=cfg.sidecar.max_restarts)

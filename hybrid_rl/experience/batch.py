@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid_rl.algos import kl, masked_sum, overlong_penalty
+from hybrid_rl.algos import aggregate, kl, masked_sum, opd_advantages, overlong_penalty
 from hybrid_rl.algos.correction import CorrectionInputs, CorrectionSettings, rollout_correction, token_log_ratio
 from hybrid_rl.algos.estimators import AdvantageInputs, AdvantageSettings, get_estimator
 from hybrid_rl.algos.groups import episode_rows
@@ -36,6 +36,8 @@ class BatchSettings:
     overlong_buffer: int
     overlong_penalty: float
     rm_weight: float
+    opd_coef: float = 0.0  # on-policy distillation (with the teacher's log-probs in the passes)
+    distil_only: bool = False  # no reward at all: the advantages are the distillation term alone
 
 
 def global_rows(local: torch.Tensor, rows: torch.Tensor, size: int) -> torch.Tensor:
@@ -76,8 +78,12 @@ def train_batch(share: Share, scores: torch.Tensor, passes: PassOutputs, s: Batc
         x = AdvantageInputs(scores, share.index.groups, share.rows, mask, passes.values, kl_tok,
                             kl_coef if kl_tok is not None else 0.0, reduce=all_reduce, episodes=share.index.episodes)
         adv, returns = get_estimator(s.estimator)(x, s.advantage)
+    if passes.teacher_logp is not None and s.opd_coef:
+        assert passes.old_logp is not None, "distillation needs the student's log-probs before the update"
+        adv = opd_advantages(None if s.distil_only else adv, passes.old_logp, passes.teacher_logp, mask, s.opd_coef)
     return TrainBatch(samples, mask, scores[share.rows], passes.old_logp, adv, passes.ref_logp, passes.values,
-                      returns, share.paired, sampler_logprobs(samples, width), token_staleness(samples, width, version))
+                      returns, share.paired, sampler_logprobs(samples, width), token_staleness(samples, width, version),
+                      passes.teacher_logp)
 
 
 def loss_mask(samples: list[Sample], width: int) -> torch.Tensor:
@@ -189,6 +195,16 @@ def _by_staleness(staleness: torch.Tensor, ratio: torch.Tensor, max_staleness: i
         out[f"async/staleness_tokens_{d}"] = age
         out[f"async/is_ratio_mean_{d}"] = age * ratio
     return out
+
+
+def distillation_metrics(batch: TrainBatch, old_logp: torch.Tensor) -> dict[str, float]:
+    """`opd/reverse_kl`: KL(student || teacher) estimated on the student's samples (k1 per token), the mean over
+    the whole batch's sequences (all ranks) of each sequence's token mean. Collective."""
+    k = kl(old_logp, batch.teacher_logp, "k1", mask=batch.mask)
+    nonempty = float((batch.mask.sum(-1) > 0).sum())
+    row_mean_sum = float(aggregate(k, batch.mask, "seq-mean-token-mean", num_seqs=1.0))  # sum of the row means
+    total, rows = all_reduce_sum([row_mean_sum, nonempty])
+    return {"opd/reverse_kl": total / max(rows, 1.0)}
 
 
 def kl_to_reference(batch: TrainBatch, old_logp: torch.Tensor, estimator: str) -> float:

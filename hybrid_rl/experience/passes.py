@@ -1,4 +1,4 @@
-"""The no-grad model passes of a step on this rank's share: old log-probs, reference, critic, reward model.
+"""The no-grad model passes of a step on this rank's share: old log-probs, reference, teacher, critic, reward model.
 
 The trainer brackets each pass with the offload manager's `resident` (models offloaded between
 steps come in for their pass). Outputs are `[B, T]` on the CPU
@@ -48,5 +48,6 @@ def scores_pass(model: torch.nn.Module, samples: list[Sample], *, budget: int) -
 class PassOutputs:
     old_logp: torch.Tensor | None = None  # [B, T]; None when the update's own forward gives it
     ref_logp: torch.Tensor | None = None  # [B, T]
+    teacher_logp: torch.Tensor | None = None  # [B, T] the distillation teacher's log-probs of the sampled tokens
     values: torch.Tensor | None = None  # [B, T]
     rm_scores: torch.Tensor | None = None  # [B]

@@ -40,5 +40,5 @@ Who holds what, as `build.py`, `colocated/hybrid.py` and `trainer.py` arrange it
   exists yet (AdamW's states come with the first step, vLLM with the first weight sync).
 
 Phases (the trainer's timer names, plus `startup`, `sync` and `critic_update`): startup, sync,
-rollout, old_logp, reference, critic, reward_model, update, critic_update.
+rollout, old_logp, reference, critic, reward_model, teacher, update, critic_update.
 """

@@ -22,6 +22,7 @@ from hybrid_rl.planner.vllm_memory import kv_cache_bytes, plan_sync_reserve, vll
 COST = {
     "offload.reference": (1, "moves the reference to {target} and back around its pass"),
     "offload.reward_model": (1, "moves the reward model to {target} and back around its pass"),
+    "offload.teacher": (1, "moves the distillation teacher to {target} and back around its pass"),
     "offload.critic": (2, "moves the critic and its AdamW state to {target} and back around its pass and update"),
     "trainer.micro_batch_tokens": (2, "more, smaller micro-batches"),
     "rollout.kv_cache_gb": (3, "fewer sequences decoded at once"),

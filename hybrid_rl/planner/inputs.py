@@ -8,7 +8,8 @@ from hybrid_rl.planner.activations import Attention
 from hybrid_rl.planner.param_count import ArchDims, ParamShape
 from hybrid_rl.types import MATH_MAX_LEN, Head
 
-OFFLOADABLE = ("reference", "critic", "reward_model")  # offloaded after their pass / update (`offload.<name>`)
+# Offloaded after their pass / update (`offload.<name>`).
+OFFLOADABLE = ("reference", "critic", "reward_model", "teacher")
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class OffloadSpec:
     reference: str = "none"
     critic: str = "none"
     reward_model: str = "none"
+    teacher: str = "none"
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,7 @@ class PlanInputs:
     reference: ModelSpec | None = None
     critic: ModelSpec | None = None
     reward_model: ModelSpec | None = None
+    teacher: ModelSpec | None = None  # on-policy distillation's frozen teacher
     reference_from_actor: bool = False  # LoRA: the reference pass is the actor with its adapter disabled
     activation_checkpointing: bool = False
     attention: Attention = "sdpa"

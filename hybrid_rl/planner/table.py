@@ -43,7 +43,7 @@ def render(plan: MemoryPlan, measured: dict[str, float] | None = None) -> str:
     return "\n".join(lines)
 
 
-COMPONENTS = ("process", "actor", "reference", "critic", "reward_model", "allocator", "vllm", "loading")
+COMPONENTS = ("process", "actor", "reference", "critic", "reward_model", "teacher", "allocator", "vllm", "loading")
 ITEMS = ("CUDA", "NCCL", "params", "grads", "AdamW", "compute", "activations", "fragmentation", "weights", "KV",
          "kept", "runtime", "weight sync")
 

@@ -142,7 +142,7 @@ def cuda_resident_overhead_bytes(x: PlanInputs) -> int:
 def trainer_items(x: PlanInputs, name: str, *, first_step: bool = False) -> list[Item]:
     active = {"old_logp": ("actor", "pass"), "update": ("actor", "train"), "critic_update": ("critic", "train"),
               "reference": ("actor" if x.reference_from_actor else "reference", "pass"), "critic": ("critic", "pass"),
-              "reward_model": ("reward_model", "pass")}.get(name, ("", ""))
+              "reward_model": ("reward_model", "pass"), "teacher": ("teacher", "pass")}.get(name, ("", ""))
     items: list[Item] = []
     for comp in ("actor", *OFFLOADABLE):
         spec = getattr(x, comp)

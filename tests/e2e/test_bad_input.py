@@ -36,7 +36,11 @@ def bad_files(tmp_path_factory, tiny_models) -> dict[str, str]:
     config = json.loads((Path(tiny_models["qwen2"]) / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
     (fp8 / "config.json").write_text(json.dumps(config))
-    return {k: str(v) for k, v in {"dir": d, "gpt2": gpt2, "fp8": fp8, **{p.stem: p for p in d.glob("*.jsonl")}}.items()}
+    from hybrid_rl.model.tiny import TinySpec, build_tiny_model
+
+    other_vocab = build_tiny_model(d / "other_vocab", TinySpec(vocab_size=300))  # a tokenizer of its own
+    return {k: str(v) for k, v in {"dir": d, "gpt2": gpt2, "fp8": fp8, "other_vocab": other_vocab,
+                                   **{p.stem: p for p in d.glob("*.jsonl")}}.items()}
 
 
 CASES = {
@@ -53,6 +57,8 @@ CASES = {
     "unknown reward function": (["reward.fn=no_such_pkg.rewards:score"], "no_such_pkg"),
     "deeply nested dataset row": (["data.train_files=[{nested}]"], "nested.jsonl line 2: the row is nested"),
     "reward naming a process function": (["reward.fn=subprocess:run"], "'subprocess:run': refused"),
+    "teacher with another vocabulary": (["teacher.path={other_vocab}", "algorithm.opd_coef=1"],
+                                        "has another vocabulary than model.path="),
 }
 
 
@@ -79,7 +85,7 @@ def test_tp_that_does_not_divide_the_world_is_rejected_before_any_work(tiny_mode
 
 def test_unknown_recipe_lists_the_known_ones():
     r = _train("--config-name=grpoo")
-    assert r.returncode == 2 and "known recipes: dapo, dpo, dr_grpo, grpo" in r.stderr
+    assert r.returncode == 2 and "known recipes: cispo, dapo, dpo, dr_grpo, grpo, gspo" in r.stderr
 
 
 @pytest.mark.slow

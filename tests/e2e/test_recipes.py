@@ -132,6 +132,48 @@ def test_every_recipe_runs_two_steps_and_logs_its_metrics(tiny_models, task_file
         assert any((out / "tensorboard").iterdir()), f"{name}: no TensorBoard events"
 
 
+# GSPO and CISPO split each batch into 4 mini-batches (their ratios matter off-policy), and on-policy distillation
+# needs the student's log-probs before the update: all three run a separate old-log-prob pass.
+PARITY = {"reward.fn": "tests.e2e.rewards:length_parity"}
+OBJECTIVE_RUNS = {
+    "gspo": (PARITY, ROLLOUT_KEYS | PPO_ACTOR | OLD_LOGP_PASS | {"reward/mean", "reward/length_parity/mean"}),
+    "cispo": (PARITY, ROLLOUT_KEYS | PPO_ACTOR | OLD_LOGP_PASS | {"reward/mean", "reward/length_parity/mean"}),
+    # Pure distillation (no reward) from a teacher of another architecture with the student's tokenizer, offloaded
+    # to disk between its passes.
+    "opd": ({"offload.teacher": "disk"}, ROLLOUT_KEYS | PPO_ACTOR | OLD_LOGP_PASS | {"opd/reverse_kl",
+                                                                                   "timing/teacher_s"}),
+}
+
+
+def test_objective_recipes_run_two_steps_and_log_their_metrics(tiny_models, task_files, tmp_path):
+    """The GSPO, CISPO and on-policy distillation recipes as shipped (bf16). GSPO and CISPO get a reward whose
+    scores vary, so that they train; OPD has no reward at all, so whatever it trains comes from the teacher."""
+    teacher = {"opd": {"teacher.path": tiny_models["llama"]}}
+    runs = [{"name": name, "recipe": name, "overrides": tiny_overrides(
+        tiny_models["qwen2"], task_files, tmp_path / name, fp32=False, **extra, **teacher.get(name, {}))}
+        for name, (extra, _) in OBJECTIVE_RUNS.items()]
+    result = run_torchrun(WORKER, json.dumps(runs), tmp_path=tmp_path, timeout=900)
+    failed = {name: r["error"] for name, r in result.items() if not r["ok"]}
+    assert not failed, failed
+    for name, (_, expected) in OBJECTIVE_RUNS.items():
+        steps = {d["step"]: d for d in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())}
+        assert {1, 2} <= set(steps), f"{name}: steps logged {sorted(steps)}"
+        missing = (COMMON_KEYS | expected) - set(steps[2])
+        assert not missing, f"{name}: metrics missing {sorted(missing)}"
+        numbers = PPO_ACTOR | {"actor/grad_norm"} | ({"opd/reverse_kl"} & expected)
+        for step in (1, 2):
+            m = steps[step]
+            assert all(math.isfinite(m[k]) for k in numbers), (name, step, m)
+            assert 0 <= m["actor/clip_frac"] <= 1, (name, step)
+        assert max(steps[s]["actor/grad_norm"] for s in (1, 2)) > 0, name  # advantages vary: the objective trains
+        assert (tmp_path / name / "checkpoints" / "step_2" / "COMPLETE").exists(), f"{name}: no final checkpoint"
+    assert result["opd"]["offloaded"].get("teacher", 0) > 0  # the teacher went to disk between its passes
+    opd = [d for d in map(json.loads, (tmp_path / "opd" / "metrics.jsonl").read_text().splitlines())
+           if "opd/reverse_kl" in d]  # the training steps' lines (not the validation lines)
+    assert [d["step"] for d in opd] == [1, 2]
+    assert all(d["opd/reverse_kl"] != 0 for d in opd)  # two random models: their log-probs differ
+    assert "memory/teacher/plan_gib" in opd[-1]  # the planner counts the teacher's pass
+
 def _check_correction(name: str, steps: dict[int, dict], *, applied: bool) -> None:
     """Rollout-correction metrics are finite and in range every step; without a correction nothing is cut."""
     for step, m in steps.items():

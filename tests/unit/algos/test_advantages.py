@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from hybrid_rl.algos import ADVANTAGES, gae, get_advantage, grpo, reinforce_pp, rloo
+from hybrid_rl.algos import ADVANTAGES, gae, get_advantage, grpo, opd_advantages, reinforce_pp, rloo
 
 NAN = float("nan")
 
@@ -159,3 +159,31 @@ def test_registry_maps_names_to_functions():
 def test_unknown_estimator_lists_the_known_ones():
     with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'.*'gae'.*'grpo'.*'reinforce_pp'.*'rloo'"):
         get_advantage("ppo")
+
+
+# ------------------------------------------------------------------------------------ on-policy distillation
+
+
+def test_opd_advantages_by_hand():
+    # A_hat = (A - coef * (student - teacher)) * mask, no clamp, no whitening:
+    #   token 0: 0.5 - (-1 + 1.5) = 0;  token 1: 0.5 - (-2 + 2) = 0.5;  token 2: 0.5 - (-3 + 60) = -56.5
+    #   token 3: masked (NaN everywhere) -> 0
+    adv = torch.tensor([[0.5, 0.5, 0.5, NAN]], requires_grad=True)
+    student = torch.tensor([[-1.0, -2.0, -3.0, NAN]], requires_grad=True)
+    teacher = torch.tensor([[-1.5, -2.0, -60.0, NAN]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    out = opd_advantages(adv, student, teacher, mask)
+    assert_close(out, torch.tensor([[0.0, 0.5, -56.5, 0.0]]))
+    assert not out.requires_grad  # a target, never differentiated
+    # coef 0.5: 0.5 - 0.25 = 0.25; 0.5; 0.5 - 28.5 = -28
+    assert_close(opd_advantages(adv, student, teacher, mask, coef=0.5), torch.tensor([[0.25, 0.5, -28.0, 0.0]]))
+    # Pure distillation (no estimator): A = 0
+    assert_close(opd_advantages(None, student, teacher, mask), torch.tensor([[-0.5, 0.0, -57.0, 0.0]]))
+    # Composes with an estimator's output: GRPO advantages of a 2-sample group, scores 1 and 0 -> +-1/(std+eps)
+    g = grpo(torch.tensor([1.0, 0.0]), [0, 0], torch.ones(2, 1))
+    out = opd_advantages(g, torch.tensor([[-1.0], [-1.0]]), torch.tensor([[-2.0], [-0.5]]), torch.ones(2, 1))
+    assert_close(out, g - torch.tensor([[1.0], [-0.5]]))
+
+
+def test_opd_is_not_an_estimator():
+    assert "opd" not in ADVANTAGES and opd_advantages not in ADVANTAGES.values()

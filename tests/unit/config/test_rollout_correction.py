@@ -66,6 +66,6 @@ def test_bad_values_name_the_key_and_what_is_allowed(key, value, message):
 @pytest.mark.parametrize("name", ["dpo", "online_dpo"])
 def test_dpo_refuses_a_correction(name):
     validate(_cfg(name=name, objective="dpo"))  # none is fine
-    with pytest.raises(ConfigError, match="algorithm.rollout_correction=mis reweights the ppo_clip policy gradient; "
+    with pytest.raises(ConfigError, match="algorithm.rollout_correction=mis reweights the policy gradient of ppo_clip, gspo, cispo; "
                                           "algorithm.objective=dpo has none to reweight"):
         validate(_cfg(name=name, objective="dpo", rollout_correction="mis"))

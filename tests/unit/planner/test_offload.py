@@ -31,3 +31,19 @@ def test_cpu_offload_frees_nothing_on_a_cpu_device(tiny_models):
     plan = plan_for(cfg, 2, device=DeviceSpec("cpu", 64 * 2**30))
     assert set(_off(plan, "update", "critic").values()) == {""}
     assert any("offload.critic=cpu frees nothing" in n for n in plan.notes)
+
+
+def test_the_distillation_teacher_is_counted_with_its_own_pass_and_offload(tiny_models):
+    cfg = load_config("opd", [f"model.path={tiny_models['qwen2']}", "data.train_files=[/x.jsonl]",
+                              f"teacher.path={tiny_models['mid']}", "offload.teacher=cpu"])
+    plan = plan_for(cfg, 2, device=DeviceSpec("cuda", 64 * 2**30))
+    assert "teacher" in [p.name for p in plan.phases]
+    teacher = [i for i in plan.phase("teacher").items if i.component == "teacher"]
+    kinds = {i.what.split(" (")[0].split(",")[0] for i in teacher}
+    assert kinds == {"params", "compute copies", "activations"}, kinds
+    assert all(i.offloaded == "" for i in teacher)  # in for its pass
+    for phase in ("rollout", "old_logp", "update"):
+        assert _off(plan, phase, "teacher") == {"params": "cpu"}, phase
+    # The teacher (12 layers, 256 wide) is several times the student's size, and its shards are counted.
+    student = next(i for i in plan.phase("teacher").items if i.component == "actor" and i.what.startswith("params"))
+    assert next(i for i in teacher if i.what.startswith("params")).bytes > 3 * student.bytes
