@@ -70,6 +70,9 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
         "mistral": TinySpec(arch="mistral"),
         "mistral_tied": TinySpec(arch="mistral", tie_embeddings=True),
         "llama": TinySpec(arch="llama"),
+        # A mixture of experts (8 experts, top 2, every layer sparse), untied and tied.
+        "qwen3_moe": TinySpec(arch="qwen3_moe"),
+        "qwen3_moe_tied": TinySpec(arch="qwen3_moe", tie_embeddings=True, seed=1),
         "mid": TinySpec(hidden=256, layers=12, heads=4, kv_heads=2, intermediate=1024),
     }
     return {name: str(build_tiny_model(root / name, spec)) for name, spec in specs.items()}

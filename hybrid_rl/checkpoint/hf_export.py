@@ -56,7 +56,7 @@ def export_hf(model: nn.Module, tokenizer: Any, out_dir: str | Path, *, rank: in
         stream = transform(stream)
     error = None
     writer = _ShardWriter(out.with_name(out.name + ".tmp"), tied=_tied_names(hf_model), dtype=dtype,
-                          max_shard_bytes=max_shard_bytes) if rank == 0 else None
+                          max_shard_bytes=max_shard_bytes, hf_model=hf_model) if rank == 0 else None
     for name, tensor in stream:  # every rank drains the stream: each entry is a collective
         if writer is None or error is not None:
             continue
@@ -79,17 +79,19 @@ def export_hf(model: nn.Module, tokenizer: Any, out_dir: str | Path, *, rank: in
 class _ShardWriter:
     """Rank 0's side of the stream: HF names, tied copies dropped, cast, written shard by shard."""
 
-    def __init__(self, tmp: Path, *, tied: set[str], dtype: torch.dtype | None, max_shard_bytes: int):
+    def __init__(self, tmp: Path, *, tied: set[str], dtype: torch.dtype | None, max_shard_bytes: int,
+                 hf_model: nn.Module | None = None):
         if tmp.exists():  # left by an export that crashed
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
         self.dir, self.tied, self.dtype, self.max_shard_bytes = tmp, tied, dtype, max_shard_bytes
+        self.hf_model = hf_model
         self.shard: dict[str, torch.Tensor] = {}
         self.shard_bytes = self.total_bytes = 0
         self.files: list[tuple[str, list[str]]] = []
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        for hf, t in hf_tensors({name: tensor}, tied=self.tied, dtype=self.dtype).items():
+        for hf, t in as_saved(self.hf_model, hf_tensors({name: tensor}, tied=self.tied, dtype=self.dtype)).items():
             nbytes = t.numel() * t.element_size()
             if self.shard and self.shard_bytes + nbytes > self.max_shard_bytes:
                 self._flush()
@@ -149,6 +151,18 @@ def hf_tensors(full: dict[str, torch.Tensor], *, tied: set[str], dtype: torch.dt
         t = t.detach()
         out[name] = (t if dtype is None else t.to(dtype)).contiguous()
     return out
+
+
+def as_saved(hf_model: nn.Module | None, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors as `save_pretrained` writes them: transformers' own reverse of the conversions it applies when
+    it loads (a mixture of experts' fused `experts.gate_up_proj` [E, 2I, H] back to one `experts.<e>.gate_proj.weight`
+    and `up_proj.weight` per expert, which is what checkpoints hold and vLLM's loader reads). One fused tensor
+    converts on its own, so the export still holds one gathered weight at a time."""
+    if hf_model is None:
+        return tensors
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return {k: v.contiguous() for k, v in revert_weight_conversion(hf_model, tensors).items()}
 
 
 def _tied_names(hf_model: nn.Module) -> set[str]:

@@ -15,6 +15,11 @@ shards it with `dist.fsdp.shard_model`, and then calls `materialize`, which
    keeps its rows. LoRA B: zeros, LoRA A: kaiming-uniform(a=sqrt(5)) (as peft); a classification
    head (critic, reward model): normal(0, initializer_range), bias zeros (as transformers).
 
+A parameter its family fuses from several checkpoint tensors (a mixture of experts' `experts.gate_up_proj`
+[E, 2I, H], stored as one `experts.<e>.gate_proj.weight` / `up_proj.weight` per expert: `model.families`) is
+filled the way transformers fuses it when it loads, one expert at a time: a rank reads only the experts its
+rows of dim 0 hold.
+
 A checkpoint that lacks any other parameter is an error, not a random initialisation.
 """
 
@@ -29,6 +34,7 @@ import torch
 from torch import nn
 
 from hybrid_rl.distributed.fsdp import local_rows, local_tensor
+from hybrid_rl.model.families import ExpertPiece, FusedNames
 from hybrid_rl.model.lora import hf_name
 from hybrid_rl.model.weight_files import WeightFiles
 
@@ -65,11 +71,17 @@ def materialize(model: nn.Module, path: str, *, device: torch.device | str, seed
     aliases = _aliases(model)
     report, missing = LoadReport(), []
     files = WeightFiles(path)
+    fused = FusedNames(hf.config)
     for p in model.parameters():
         names = [hf_name(n) for n in aliases[id(p)]]
         key = next((k for n in names for k in _candidates(n, prefix) if k in files), None)
+        pieces = None if key is not None or not fused else next(
+            (pcs for n in names for k in _candidates(n, prefix) if (pcs := fused.pieces(k))
+             and all(pc.name in files for pc in pcs)), None)
         if key is not None:
             _load_rows(files, key, p, chunk_bytes, report)
+        elif pieces is not None:
+            _load_experts(files, pieces, p, chunk_bytes, report)
         elif _initialise(names[0], p, hf, prefix, seed, init_range):
             report.initialised.append(names[0])
         else:
@@ -136,6 +148,27 @@ def _load_rows(files: WeightFiles, key: str, p: nn.Parameter, chunk_bytes: int, 
         local[i - a: j - a].copy_(block)
         report.bytes_read += block.nbytes
         report.largest_read = max(report.largest_read, block.nbytes)
+    report.loaded += 1
+
+
+def _load_experts(files: WeightFiles, pieces: list[ExpertPiece], p: nn.Parameter, chunk_bytes: int,
+                  report: LoadReport) -> None:
+    """Fill this rank's experts (rows [a, b) of dim 0) of a fused parameter from their per-expert tensors."""
+    a, b = local_rows(p)
+    local = local_tensor(p)
+    for pc in pieces:
+        want = (pc.rows, *p.shape[2:])
+        if files.shape(pc.name) != want:
+            raise ValueError(f"checkpoint tensor {pc.name} has shape {files.shape(pc.name)}, the model expects {want}")
+        if not a <= pc.expert < b:
+            continue
+        step = max(1, chunk_bytes // max(1, files.row_bytes(pc.name)))
+        for i in range(0, pc.rows, step):
+            j = min(i + step, pc.rows)
+            block = files.rows(pc.name, i, j)
+            local[pc.expert - a, pc.offset + i: pc.offset + j].copy_(block)
+            report.bytes_read += block.nbytes
+            report.largest_read = max(report.largest_read, block.nbytes)
     report.loaded += 1
 
 

@@ -3,8 +3,8 @@
 Used by the tests, the demo and the CPU benchmarks: no download ever happens. The tokenizer is a
 byte-level BPE (digits split one by one, as Qwen2's) trained with `tokenizers` on a small synthetic
 corpus, saved as a `PreTrainedTokenizerFast` with a chat template; the models are Hugging Face
-`Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `LlamaForCausalLM` or `MistralForCausalLM` with GQA, tied
-or untied word embeddings, saved with `save_pretrained`
+`Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `LlamaForCausalLM`, `MistralForCausalLM` or the mixture of
+experts `Qwen3MoeForCausalLM` with GQA, tied or untied word embeddings, saved with `save_pretrained`
 (safetensors), so `transformers` and `vllm` load them like any Hub checkpoint.
 
     python -m hybrid_rl.model.tiny OUT_DIR --arch qwen2 --hidden 128 --layers 2
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("qwen2", "qwen3", "llama", "mistral")  # Hugging Face's Qwen2/Qwen3/Llama/MistralForCausalLM
+ARCHS = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe")  # Hugging Face's Qwen2/Qwen3/Llama/Mistral/Qwen3MoeForCausalLM
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -46,6 +46,10 @@ class TinySpec:
     max_positions: int = 1024
     vocab_size: int = 512
     seed: int = 0
+    # Mixture of experts (qwen3_moe only): every layer sparse, `experts` experts of width `moe_intermediate`, top-k.
+    experts: int = 8
+    top_k: int = 2
+    moe_intermediate: int = 64
 
 
 def _corpus(n_lines: int, seed: int) -> list[str]:
@@ -88,7 +92,7 @@ def build_tokenizer(vocab_size: int = 512, seed: int = 0):
 
 
 def _hf_config(spec: TinySpec, vocab_size: int, eos_id: int, pad_id: int):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=vocab_size,
@@ -109,6 +113,10 @@ def _hf_config(spec: TinySpec, vocab_size: int, eos_id: int, pad_id: int):
         return Qwen2Config(**common, use_sliding_window=False)
     if spec.arch == "qwen3":
         return Qwen3Config(**common, head_dim=spec.hidden // spec.heads)
+    if spec.arch == "qwen3_moe":
+        return Qwen3MoeConfig(**common, head_dim=spec.hidden // spec.heads, num_experts=spec.experts,
+                              num_experts_per_tok=spec.top_k, moe_intermediate_size=spec.moe_intermediate,
+                              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
     if spec.arch == "llama":
         return LlamaConfig(**common)
     if spec.arch == "mistral":
@@ -129,7 +137,7 @@ def build_tiny_model(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Path:
     # A wider init than HF's 0.02 so random tiny models produce varied (not constant) greedy text.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # 3-D: a mixture of experts' fused expert weights
                 p.normal_(0.0, 0.08 if "embed" in name or "lm_head" in name else 0.05)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -148,11 +156,14 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--intermediate", type=int, default=256)
     p.add_argument("--tie-embeddings", action="store_true")
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     spec = TinySpec(
         arch=a.arch, hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads,
-        intermediate=a.intermediate, tie_embeddings=a.tie_embeddings, seed=a.seed,
+        intermediate=a.intermediate, tie_embeddings=a.tie_embeddings, seed=a.seed, experts=a.experts,
+        top_k=a.top_k,
     )
     print(build_tiny_model(a.out_dir, spec))
 

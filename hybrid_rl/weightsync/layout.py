@@ -1,6 +1,8 @@
 """Where each Hugging Face weight lives in vLLM's tensor-parallel model.
 
-vLLM fuses `q/k/v_proj` into `qkv_proj` and `gate/up_proj` into `gate_up_proj`, splits linear
+vLLM fuses `q/k/v_proj` into `qkv_proj` and `gate/up_proj` into `gate_up_proj`, a mixture of experts'
+per-expert `gate/up_proj` into one `experts.routed_experts.w13_weight` [E, 2I/tp, H] (each expert's gate half, then its up half,
+each split over the TP ranks on its own) and `down_proj` into `...w2_weight` [E, H, I/tp], splits linear
 layers column- or row-wise over the TP ranks, replicates KV heads when there are fewer of them than
 TP ranks (GQA), and pads the vocabulary to a multiple of 64 before splitting it. This module
 encodes those rules per architecture as plain data, so the resharder can compute, for every rank,
@@ -16,6 +18,8 @@ import math
 import re
 from dataclasses import dataclass
 from typing import Literal
+
+from hybrid_rl.model.families import family_of, fused_owner
 
 Split = Literal["column", "kv_column", "row", "vocab", "replicate"]
 
@@ -34,6 +38,8 @@ class ModelDims:
     num_kv_heads: int
     head_dim: int
     tie_word_embeddings: bool
+    num_experts: int = 0  # a mixture of experts (model.families); 0: dense
+    moe_intermediate_size: int = 0
 
     @classmethod
     def from_hf_config(cls, config) -> ModelDims:
@@ -48,6 +54,8 @@ class ModelDims:
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            num_experts=family_of(config).num_experts(config),
+            moe_intermediate_size=getattr(config, "moe_intermediate_size", None) or 0,
         )
 
 
@@ -58,7 +66,8 @@ class Rule:
     pattern: re.Pattern[str]
     split: Split
     vllm_name: str  # a `re.sub` template applied to the HF name
-    part: str | None = None  # which block of a fused vLLM parameter ("q", "k", "v", "gate", "up")
+    part: str | None = None  # which block of a fused vLLM parameter ("q", "k", "v", "gate", "up"; experts: "w1",
+    # "w3", "w2", where group 2 of the pattern is the expert and vLLM's parameter is [E, ...], seen as [E * rows, ...])
 
 
 def _rule(pattern: str, split: Split, vllm_name: str | None = None, part: str | None = None) -> Rule:
@@ -83,7 +92,19 @@ _DECODER_RULES: tuple[Rule, ...] = (
     _rule(r"model\.norm\.weight", "replicate"),
 )
 
+_EXPERT = _LAYER + r"mlp\.experts\.(\d+)\."
+# Qwen3-MoE: the dense decoder's attention and norms, a replicated router, experts in vLLM's FusedMoE parameters.
+_QWEN3_MOE_RULES: tuple[Rule, ...] = (
+    *(r for r in _DECODER_RULES if "mlp" not in r.pattern.pattern),
+    _rule(_LAYER + r"mlp\.gate\.weight", "replicate"),
+    _rule(_EXPERT + r"gate_proj\.weight", "column", r"model.layers.\1.mlp.experts.routed_experts.w13_weight", "w1"),
+    _rule(_EXPERT + r"up_proj\.weight", "column", r"model.layers.\1.mlp.experts.routed_experts.w13_weight", "w3"),
+    _rule(_EXPERT + r"down_proj\.weight", "row", r"model.layers.\1.mlp.experts.routed_experts.w2_weight", "w2"),
+)
+EXPERT_PARTS = ("w1", "w3", "w2")
+
 ARCHITECTURES: dict[str, tuple[Rule, ...]] = {
+    "Qwen3MoeForCausalLM": _QWEN3_MOE_RULES,
     "Qwen2ForCausalLM": _DECODER_RULES,
     "Qwen3ForCausalLM": _DECODER_RULES,
     "LlamaForCausalLM": _DECODER_RULES,
@@ -156,6 +177,11 @@ class Layout:
         self._i_local = _even(d.intermediate_size, tp, "intermediate_size")
         self._part_offset = {"q": 0, "k": self._q_local, "v": self._q_local + self._kv_local, "gate": 0,
                              "up": self._i_local, None: 0}
+        if d.num_experts:
+            self._e_local = _even(d.moe_intermediate_size, tp, "moe_intermediate_size")
+            self._part_offset.update(w1=0, w3=self._e_local, w2=0)
+            # Rows of one expert in vLLM's [E, rows, cols] parameter seen as [E * rows, cols]
+            self._expert_rows = {"w1": 2 * self._e_local, "w3": 2 * self._e_local, "w2": d.hidden_size}
 
     def rule_for(self, hf_name: str) -> tuple[Rule, str]:
         for rule in self.rules:
@@ -171,8 +197,25 @@ class Layout:
         rule, vllm_name = self.rule_for(hf_name)
         module = vllm_name.rsplit(".", 1)[0]
         dim, start, stop = self._range(rule.split, full_shape, tp_rank, hf_name)
-        return TPSlice(hf_name, vllm_name, module, rule.split, tuple(full_shape), dim, start, stop,
-                       self._part_offset[rule.part])
+        offset = self._part_offset[rule.part]
+        if rule.part in EXPERT_PARTS:
+            offset += self.expert_of(hf_name) * self._expert_rows[rule.part]
+        return TPSlice(hf_name, vllm_name, module, rule.split, tuple(full_shape), dim, start, stop, offset)
+
+    def expert_of(self, hf_name: str) -> int:
+        """The expert a per-expert weight belongs to (its rule's group 2)."""
+        rule, _ = self.rule_for(hf_name)
+        return int(rule.pattern.fullmatch(hf_name).group(2))
+
+    def held_rows(self, hf_name: str, shape: tuple[int, ...], world: int) -> list[tuple[int, int]] | None:
+        """Rows of a per-expert weight each rank holds when the trainer shards its fused [E, ...] tensor along
+        the experts (FSDP2's Shard(0)): all of them on the expert's rank, none elsewhere; None for any other
+        weight (its own rows are sharded)."""
+        rule, _ = self.rule_for(hf_name)
+        if rule.part not in EXPERT_PARTS:
+            return None
+        owner = fused_owner(self.expert_of(hf_name), self.dims.num_experts, world)
+        return [(0, shape[0]) if r == owner else (shape[0], shape[0]) for r in range(world)]
 
     def _range(self, split: Split, shape: tuple[int, ...], t: int, name: str) -> tuple[int | None, int, int]:
         if split == "replicate":
@@ -202,4 +245,8 @@ class Layout:
             return self._q_local + 2 * self._kv_local
         if ".gate_up_proj." in vllm_name:
             return 2 * self._i_local
+        if vllm_name.endswith(".routed_experts.w13_weight"):
+            return self.dims.num_experts * 2 * self._e_local
+        if vllm_name.endswith(".routed_experts.w2_weight"):
+            return self.dims.num_experts * self.dims.hidden_size
         return full_rows

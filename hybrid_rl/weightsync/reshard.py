@@ -170,7 +170,8 @@ def _bucket(indices, params, layout, rank, world, tp_rank_of, sharded, elt, rece
     peers = range(world) if sharded else [rank]
     for i in indices:
         p = params[i]
-        held = fsdp_row_ranges(p.shape[0], world) if sharded else [(0, p.shape[0])] * world
+        held = (layout.held_rows(p.name, p.shape, world) or fsdp_row_ranges(p.shape[0], world)) if sharded \
+            else [(0, p.shape[0])] * world
         mine = layout.slice(p.name, p.shape, tp_rank_of(rank))
         for other in peers:
             theirs = layout.slice(p.name, p.shape, tp_rank_of(other))

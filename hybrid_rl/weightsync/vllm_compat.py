@@ -74,7 +74,9 @@ def shutdown_keeping_default_group(llm) -> None:
 
 def packed_linear_dense(module: torch.nn.Module, cols: torch.Tensor) -> torch.Tensor:
     """[out_per_partition, len(cols)]: the layer's weight at the input columns `cols`."""
-    eye = torch.eye(module.input_size_per_partition, dtype=module.params_dtype)[cols]
+    # A replicated linear (a MoE router's `GateLinear`) has the whole input on every rank
+    width = getattr(module, "input_size_per_partition", None) or module.input_size
+    eye = torch.eye(width, dtype=module.params_dtype)[cols]
     return module.quant_method.apply(module, eye, None).t()
 
 

