@@ -21,16 +21,23 @@ CONF_DIR = REPO / "conf"
 RECIPES_DIR = REPO / "recipes"
 
 
+def choice(default: str, *others: str) -> Any:
+    """A string field with a closed set of values, listed where the field is defined: validation, `--help` and the
+    generated reference read them from here (`allowed_values`)."""
+    return field(default=default, metadata={"choices": (default, *others)})
+
+
 @dataclass
 class LoraConfig:
     rank: int = 0  # 0 = full fine-tuning
-    alpha: float = 16.0
-    dropout: float = 0.0
+    alpha: float = 16.0  # LoRA scaling numerator: the update is alpha / rank * B @ A
+    dropout: float = 0.0  # dropout on the LoRA input
+    # module names that get adapters (peft's target_modules)
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                  "gate_proj", "up_proj", "down_proj"])
     # adapter: vLLM serves the adapter on the base weights sent once; merged: vLLM gets W + scaling * B @ A.
     # Colocated mode; sidecar mode always sends merged weights.
-    sync: str = "adapter"
+    sync: str = choice("adapter", "merged")
 
 
 @dataclass
@@ -38,10 +45,11 @@ class ModelConfig:
     path: str = "???"  # a local Hugging Face model folder
     # compute dtype of FSDP mixed precision (trained models' master weights stay float32). auto: bfloat16 on GPUs and on
     # CPUs with bf16 instructions (AVX512-BF16 or AMX), float32 on other CPUs, where bf16 is emulated and slower
-    dtype: str = "auto"
+    dtype: str = choice("auto", "float32", "bfloat16", "float16")
     # Stored dtype of the frozen models' shards (reference, reward model). auto = model.dtype: they compute in
     # model.dtype anyway, so storing them in it changes no number and halves them under bf16 (the GPU default).
-    frozen_dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    frozen_dtype: str = choice("auto", "float32", "bfloat16", "float16")
+    # recompute the actor's and the critic's decoder blocks in backward (a third more update compute, far less memory)
     activation_checkpointing: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
 
@@ -53,15 +61,16 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train_files: list[str] = field(default_factory=list)
+    train_files: list[str] = field(default_factory=list)  # JSONL or Parquet prompt files (required)
+    # held-out prompt files scored greedily at each validation ([] = no validation)
     val_files: list[str] = field(default_factory=list)
-    prompt_key: str = "prompt"
+    prompt_key: str = "prompt"  # the column holding each row's prompt (a string, or chat messages)
     apply_chat_template: bool = False  # render plain-string prompts as one user turn
-    max_prompt_tokens: int = 512
+    max_prompt_tokens: int = 512  # longer prompts are dropped and counted, never truncated
     max_response_tokens: int = 512  # DPO preference data only
-    prompts_per_step: int = 8
+    prompts_per_step: int = 8  # prompts per RL step (each gets rollout.n samples)
     val_prompts: int = 64  # held-out prompts scored at each validation (0 = all)
-    shuffle: bool = True
+    shuffle: bool = True  # shuffle the prompts every epoch (seeded by trainer.seed)
 
 
 @dataclass
@@ -82,26 +91,26 @@ class MultiTurnConfig:
 class RolloutConfig:
     # colocated: vLLM in-process on the training ranks (the hybrid engine); sidecar: a vLLM server process beside
     # the trainer on each pod, fed by the checkpoint engine (see `SidecarConfig`)
-    mode: str = "colocated"
+    mode: str = choice("colocated", "sidecar")
     tp: int = 1  # vLLM tensor parallelism (sidecar: the server's TP size, at most the pod's trainer ranks)
     n: int = 8  # samples per prompt
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    max_new_tokens: int = 256  # response budget per sample (a multi-turn trajectory's whole budget)
+    temperature: float = 1.0  # sampling temperature (the trainer's log-probs use the same)
+    top_p: float = 1.0  # must stay 1.0: truncated sampling would bias every importance ratio
+    top_k: int = -1  # must stay -1 (off), for the same reason as top_p
     # vLLM weights; synced weights are cast to it before they move. auto: as model.dtype's auto
-    dtype: str = "auto"
+    dtype: str = choice("auto", "float32", "bfloat16", "float16")
     max_model_len: int = 0  # 0 = max_prompt_tokens + max_new_tokens
     kv_cache_gb: float = 0.0  # 0 = auto: CUDA sizes it from gpu_memory_utilization; 0.5 GiB per rank on CPU
     gpu_memory_utilization: float = 0.0  # CUDA: vLLM's share of the GPU; 0 = auto (see `resolve_rollout`)
     enforce_eager: bool | None = None  # None = auto: eager on CPU; CUDA graphs + torch.compile on CUDA
-    release: str = "auto"  # vLLM memory in train mode: auto | keep | sleep | restart
+    release: str = choice("auto", "keep", "sleep", "restart")  # vLLM memory in train mode
     bucket_mb: float = 256.0  # weights moved per all-to-all during the sync
     verify: bool = True  # checksum every synced weight against what landed in vLLM
     verify_probe_cols: int = 32  # adjacent columns checked per 2-D weight (every row); the band moves each sync
     # CPU, bf16: vLLM's linears keep packed weights the sync writes in place (no rerun of vLLM's weight processing)
     cpu_packed_linears: bool = True
-    val_greedy: bool = True
+    val_greedy: bool = True  # held-out validation samples greedily (false: at rollout.temperature)
     # Asynchronous, off-policy training (sidecar mode; README "Asynchronous training"): the servers keep generating
     # while the trainer trains, and no sample trained at policy version v was started before version v - k. 0 is the
     # synchronous on-policy loop (the same samples and metrics as before the experience buffer existed).
@@ -149,41 +158,45 @@ class SidecarConfig:
 
 @dataclass
 class AlgorithmConfig:
-    name: str = "grpo"
+    name: str = "grpo"  # a label for logs; behaviour comes from the fields below, never from the name
     advantage: str = "grpo"  # gae | grpo | rloo | reinforce_pp
     objective: str = "ppo_clip"  # ppo_clip | gspo | cispo | dpo (algos/objectives.py OBJECTIVES)
     norm_by_std: bool = True  # GRPO only
-    gamma: float = 1.0
-    lam: float = 1.0
-    loss_agg: str = "token-mean"
+    gamma: float = 1.0  # discount of GAE and REINFORCE++ returns
+    lam: float = 1.0  # GAE's lambda
+    # how token losses become one number: token-mean or a sequence-level mean
+    loss_agg: str = choice("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
     clip_low: float | None = 0.2  # null: no lower bound on the ratio (cispo only, MiniMax-M1's choice)
-    clip_high: float = 0.2
+    clip_high: float = 0.2  # upper clip of the ratio (1 + clip_high); DAPO's clip-higher sets it above clip_low
     dual_clip: float = 0.0  # 0 = off; else c > 1
-    entropy_coef: float = 0.0
-    ppo_epochs: int = 1
+    entropy_coef: float = 0.0  # entropy bonus weight (0 = off)
+    ppo_epochs: int = 1  # passes over each batch
     mini_batches: int = 1  # optimizer steps per epoch
-    old_logp_pass: str = "auto"  # auto: skipped when the update's own forward gives the same numbers | always
+    # auto: skipped when the update's own forward gives the same numbers; always: run it
+    old_logp_pass: str = choice("auto", "always")
     # Rollout correction of the policy gradient for sampler/trainer mismatch (algos/correction.py): auto | none | tis |
     # mis. auto: tis in asynchronous runs (rollout.max_staleness > 0) with a policy-gradient objective, none otherwise
-    rollout_correction: str = "auto"
-    rollout_correction_level: str = "token"  # token | sequence (one ratio per sequence: the product of its tokens')
+    rollout_correction: str = choice("auto", "none", "tis", "mis")
+    # token: a ratio per token; sequence: one ratio per sequence, the product of its tokens'
+    rollout_correction_level: str = choice("token", "sequence")
     rollout_correction_low: float = 0.5  # mis: ratios below are masked out of the loss
     rollout_correction_high: float = 2.0  # tis: ratios above are truncated to it; mis: masked
-    use_reference: bool = True
-    kl_coef: float = 0.001
-    kl_estimator: str = "low_var_kl"
+    use_reference: bool = True  # keep a frozen reference model for the KL term (LoRA: the base with the adapter off)
+    kl_coef: float = 0.001  # weight of the KL to the reference (in the loss, or in the reward with kl_in_reward)
+    # KL estimator per token: k1, abs, k2, k3 / low_var_kl
+    kl_estimator: str = choice("low_var_kl", "k1", "abs", "k2", "k3")
     kl_in_reward: bool = False  # True: penalty in the token rewards; False: a loss term
     kl_target: float = 0.0  # > 0: adaptive KL coefficient towards this target
-    kl_horizon: int = 10000
-    use_critic: bool = False
-    value_clip: float = 0.5
+    kl_horizon: int = 10000  # adaptive KL controller's horizon in samples (with kl_target > 0)
+    use_critic: bool = False  # train a critic (value head on the policy's backbone): PPO with GAE
+    value_clip: float = 0.5  # clip range of the critic's value update
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, sample more
-    max_sampling_rounds: int = 4
+    max_sampling_rounds: int = 4  # dynamic sampling: rounds of prompts to find groups with signal, then an error
     overlong_buffer: int = 0  # DAPO overlong shaping: 0 = off
-    overlong_penalty: float = 1.0
-    dpo_beta: float = 0.1
-    dpo_kind: str = "sigmoid"
-    dpo_label_smoothing: float = 0.0
+    overlong_penalty: float = 1.0  # the penalty reached at the end of the overlong buffer (DAPO's shaping)
+    dpo_beta: float = 0.1  # DPO's beta
+    dpo_kind: str = choice("sigmoid", "ipo", "hinge")  # DPO loss: sigmoid, ipo or hinge
+    dpo_label_smoothing: float = 0.0  # cDPO's label smoothing (sigmoid only)
     # DPO on preference pairs from the dataset: nothing is generated or scored (`recipes/dpo.yaml`). False with
     # objective=dpo: online DPO, pairs built from the policy's own rollouts, ranked by reward.
     offline_pairs: bool = False
@@ -207,20 +220,20 @@ class AlgorithmConfig:
 @dataclass
 class OptimConfig:
     name: str = "adamw"  # adamw | adamw8bit (torchao's 8-bit moments); the actor's and the critic's (model/optimizers.py)
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    warmup_steps: int = 0
-    schedule: str = "constant"  # constant | cosine | linear
-    min_lr_ratio: float = 0.0
-    grad_clip: float = 1.0
+    lr: float = 1e-6  # peak learning rate of the actor
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay of the actor
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW's (beta1, beta2)
+    warmup_steps: int = 0  # linear warm-up steps
+    schedule: str = choice("constant", "cosine", "linear")  # learning-rate schedule after the warm-up
+    min_lr_ratio: float = 0.0  # cosine and linear schedules end at lr * min_lr_ratio
+    grad_clip: float = 1.0  # gradient norm clip (0 = off)
 
 
 @dataclass
 class CriticConfig:
     path: str = ""  # "" = initialise from model.path
-    lr: float = 1e-5
-    warmup_steps: int = 0
+    lr: float = 1e-5  # the critic's learning rate
+    warmup_steps: int = 0  # the critic's linear warm-up steps
 
 
 @dataclass
@@ -239,10 +252,11 @@ class RewardFnConfig:
 
 @dataclass
 class RewardConfig:
+    # weighted reward functions: [{name, weight, pattern}], names built in or pkg.module:function
     fns: list[RewardFnConfig] = field(default_factory=lambda: [RewardFnConfig()])
     fn: str = ""  # shorthand: one user reward function `pkg.module:function` (replaces `fns`)
     model_path: str = ""  # a sequence-classification reward model folder ("" = none)
-    model_weight: float = 1.0
+    model_weight: float = 1.0  # weight of the reward model's score in the reward
     num_workers: int = 2  # reward worker processes (0 = inline, for debugging)
     timeout_s: float = 10.0  # per sample
 
@@ -250,23 +264,24 @@ class RewardConfig:
 @dataclass
 class OffloadConfig:
     dir: str = ""  # "" = <output_dir>/offload
-    actor_params: str = "none"  # none | cpu | disk
-    actor_grads: str = "none"
-    actor_optim: str = "none"
-    reference: str = "none"
-    critic: str = "none"
-    reward_model: str = "none"
-    teacher: str = "none"
+    actor_params: str = choice("none", "cpu", "disk")  # where the actor's parameters wait during rollouts
+    actor_grads: str = choice("none", "cpu", "disk")  # where the actor's gradients wait during rollouts
+    actor_optim: str = choice("none", "cpu", "disk")  # where the actor's optimizer state waits during rollouts
+    reference: str = choice("none", "cpu", "disk")  # where the reference waits outside its pass
+    # where the critic and its optimizer state wait outside their pass and update
+    critic: str = choice("none", "cpu", "disk")
+    reward_model: str = choice("none", "cpu", "disk")  # where the reward model waits outside its pass
+    teacher: str = choice("none", "cpu", "disk")  # where the distillation teacher waits outside its pass
 
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = 100
-    output_dir: str = "outputs/run"
+    total_steps: int = 100  # RL steps of the run
+    output_dir: str = "outputs/run"  # metrics, checkpoints, export and logs; one run at a time holds it
     save_every: int = 0  # 0 = only at the end
-    keep_last: int = 2
-    resume: str = "auto"  # auto | never
-    seed: int = 0
+    keep_last: int = 2  # checkpoints kept (older ones are pruned)
+    resume: str = choice("auto", "never")  # auto: from the newest complete checkpoint in output_dir, if any
+    seed: int = 0  # seeds data order, sampling and initialisation
     micro_batch_tokens: int = 8192  # token budget of one packed forward/backward
     val_every: int = 0  # 0 = before and after training only
     max_bad_steps: int = 3  # consecutive NaN/Inf steps before the run stops
@@ -275,9 +290,10 @@ class TrainerConfig:
     # bf16 rollout and a working sync: 0.006-0.018 (tiny models), 0.038-0.042 (SmolLM2-135M); a broken sync: 0.24
     # and up. null or 0: off.
     max_logprob_diff: float | None = 0.15
-    export: bool = True
-    show_progress: bool = True
-    memory_check: str = "error"  # the memory plan at start-up does not fit: error (stop before loading) | warn
+    export: bool = True  # write the trained policy as a Hugging Face folder at the end (export/)
+    show_progress: bool = True  # a progress bar on rank 0
+    # the memory plan at start-up does not fit: error (stop before loading) | warn
+    memory_check: str = choice("error", "warn")
 
 
 @dataclass
@@ -434,26 +450,20 @@ def _drop_hydra(obj: Any) -> Config:
 # ---------------------------------------------------------------------------------------------
 # Validation: every allowed value in one place, checked before anything heavy starts.
 
-CHOICES = {
-    "model.dtype": ("auto", "float32", "bfloat16", "float16"),
-    "model.frozen_dtype": ("auto", "float32", "bfloat16", "float16"),
-    "rollout.dtype": ("auto", "float32", "bfloat16", "float16"),
-    "rollout.release": ("auto", "keep", "sleep", "restart"),
-    "rollout.mode": ("colocated", "sidecar"),
-    "rollout.multi_turn.template": ("auto", "chatml", "qwen3", "llama3", "mistral"),
-    "algorithm.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
-    "algorithm.kl_estimator": ("k1", "abs", "k2", "k3", "low_var_kl"),
-    "algorithm.dpo_kind": ("sigmoid", "ipo", "hinge"),
-    "algorithm.old_logp_pass": ("auto", "always"),
-    "algorithm.rollout_correction": ("auto", "none", "tis", "mis"),
-    "algorithm.rollout_correction_level": ("token", "sequence"),
-    "optim.schedule": ("constant", "cosine", "linear"),
-    "model.lora.sync": ("adapter", "merged"),
-    "trainer.resume": ("auto", "never"),
-    "trainer.memory_check": ("error", "warn"),
-    **{f"offload.{k}": ("none", "cpu", "disk")
-       for k in ("actor_params", "actor_grads", "actor_optim", "reference", "critic", "reward_model", "teacher")},
-}
+def _field_choices(cls: type, prefix: str = "") -> dict[str, tuple[str, ...]]:
+    import typing
+
+    out: dict[str, tuple[str, ...]] = {}
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        if is_dataclass(hints[f.name]):
+            out.update(_field_choices(hints[f.name], f"{prefix}{f.name}."))
+        elif "choices" in f.metadata:
+            out[f"{prefix}{f.name}"] = f.metadata["choices"]
+    return out
+
+
+CHOICES: dict[str, tuple[str, ...]] = _field_choices(Config)  # key -> allowed values, from the fields themselves
 POSITIVE = ("rollout.n", "rollout.max_new_tokens", "rollout.bucket_mb", "data.prompts_per_step",
             "data.max_prompt_tokens", "trainer.total_steps", "trainer.micro_batch_tokens", "trainer.keep_last",
             "algorithm.ppo_epochs", "algorithm.mini_batches", "optim.lr", "rollout.tp", "trainer.max_bad_steps",
@@ -691,9 +701,10 @@ def _registry_choices() -> dict[str, tuple[str, ...]]:
     from hybrid_rl.algos.advantages import ADVANTAGES
     from hybrid_rl.algos.objectives import OBJECTIVES
     from hybrid_rl.model.optimizers import OPTIMIZERS
+    from hybrid_rl.rollout.chat_template import FAMILIES
 
     return {"algorithm.objective": tuple(OBJECTIVES), "algorithm.advantage": tuple(ADVANTAGES),
-            "optim.name": tuple(OPTIMIZERS)}
+            "optim.name": tuple(OPTIMIZERS), "rollout.multi_turn.template": ("auto", *FAMILIES)}
 
 
 def allowed_values(key: str) -> tuple[str, ...]:
