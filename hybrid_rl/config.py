@@ -323,8 +323,9 @@ def register() -> None:
 
 
 def load_config(config_name: str, overrides: list[str], *, platform: str | None = None) -> Config:
-    """Compose `config_name` (a recipe in recipes/ or a config in conf/) with `key=value` overrides, and resolve its
-    `auto` dtypes for `platform` (`cuda` | `cpu`; None: this machine's)."""
+    """Compose `config_name` (a recipe in recipes/, a config in conf/, or the path of a `.yaml` file such as a run's
+    `config.yaml`) with `key=value` overrides, and resolve its `auto` dtypes for `platform` (`cuda` | `cpu`; None:
+    this machine's)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
@@ -338,6 +339,11 @@ def load_config(config_name: str, overrides: list[str], *, platform: str | None 
     known = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
     # Recipes compose `base` and each other; conf/ holds the plain defaults (`config`).
     config_dir = RECIPES_DIR if (RECIPES_DIR / f"{config_name}.yaml").exists() else CONF_DIR
+    if config_name.endswith(".yaml"):  # a file of its own: a run's resolved config.yaml, say
+        path = Path(config_name).resolve()
+        if not path.is_file():
+            raise ConfigError(f"--config-name={config_name}: no such file")
+        config_dir, config_name = path.parent, path.stem
     if not (config_dir / f"{config_name}.yaml").exists():
         raise ConfigError(f"--config-name={config_name}: no such recipe; known recipes: {', '.join(known)}")
     try:
@@ -350,6 +356,15 @@ def load_config(config_name: str, overrides: list[str], *, platform: str | None 
     validate(obj)
     resolve_dtypes(obj, platform or local_platform())
     return obj
+
+
+def resolved_yaml(cfg: Config) -> str:
+    """The config as a YAML file that composes back to the same config (`--config-name PATH/config.yaml`): every
+    value as resolved, on top of the schema."""
+    import yaml
+
+    return "# The resolved config of this run; rerun it with --config-name <this file>.\ndefaults: [base, _self_]\n" + \
+        yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
 
 
 def local_platform() -> str:

@@ -61,11 +61,13 @@ def _run(cfg) -> int:
     """Check, build and train, holding the output folder."""
     from hybrid_rl.build import build, check_inputs
     from hybrid_rl.checkpoint.compat import check_resume
-    from hybrid_rl.config import to_dict
+    from hybrid_rl.config import resolved_yaml, to_dict
     from hybrid_rl.errors import HybridRLError, InputError
 
     try:
         check_inputs(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+        if int(os.environ.get("RANK", 0)) == 0:  # the resolved config beside the metrics, from the start
+            (Path(cfg.trainer.output_dir) / "config.yaml").write_text(resolved_yaml(cfg))
         if cfg.trainer.resume != "never":
             _say_changed(check_resume(Path(cfg.trainer.output_dir) / "checkpoints", to_dict(cfg),
                                       rank=int(os.environ.get("RANK", 0))))

@@ -310,6 +310,10 @@ class User:
         if override(argv, "data.val_files"):
             assert any("val/reward_mean" in m for m in metrics), "no validation ran"
         assert (out / "checkpoints/step_2/COMPLETE").is_file() and (out / "export/config.json").is_file()
+        from hybrid_rl.config import load_config, to_dict  # the run's resolved config composes back to itself
+
+        again = to_dict(load_config(str(out / "config.yaml"), []))
+        assert again["trainer"]["output_dir"] == str(out) and again["model"]["path"] == self.tiny_model
         self.trained.append(out)
         return f"trained {len(metrics)} steps"
 
