@@ -15,6 +15,10 @@ from hybrid_rl.utils.env import set_runtime_defaults
 set_runtime_defaults()
 
 REPO = Path(__file__).resolve().parents[1]
+# Processes the tests start (torchrun workers, tool and reward workers, servers) import test helpers by module path
+# (`tests.e2e.rewards:length_parity`): the repository goes on their path, as it is on pytest's. The installed project
+# itself needs no path: `make install` installs it (editable).
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
 # tests/gpu checks the training side on a CUDA device (`make test-gpu`, which sets HR_GPU_TESTS=1); `make test` and CI,
 # on machines without one, do not collect it.
