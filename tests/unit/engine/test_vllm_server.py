@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from hybrid_rl.sidecar.auth import MIDDLEWARE, NAMESPACE_ENV, SECRET_ENV, TOKEN_ENV, run_secret, server_token
 from hybrid_rl.sidecar.completions import UNAVAILABLE, Router, parse_choice, request_body
 from hybrid_rl.sidecar.server_adapter import AdapterFolders
 from hybrid_rl.sidecar.shm_reclaim import ShmReclaimer
@@ -47,8 +48,11 @@ def test_the_server_starts_from_dummy_weights_with_the_projects_transfer_backend
     tp2 = server_command(_spec(tp=2, cuda=True, sleep_mode=True, kv_cache_gb=None, gpu_memory_utilization=0.4))
     assert "--distributed-executor-backend" not in tp2 and "--no-enable-chunked-prefill" not in tp2
     assert "--enable-sleep-mode" in tp2 and tp2[tp2.index("--gpu-memory-utilization") + 1] == "0.4"
-    env = server_env(base={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "X": "1"})
-    assert env == {"X": "1", "VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "INFO"}
+    assert cmd[cmd.index("--middleware") + 1] == MIDDLEWARE  # every path needs the run's token
+    env = server_env(base={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "X": "1", SECRET_ENV: "k" * 64})
+    assert env == {"X": "1", "VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "INFO", TOKEN_ENV: server_token()}
+    assert server_env(_spec(namespace="hrl-x"), base={})[NAMESPACE_ENV] == "hrl-x"
+    assert not any(server_token() in a or run_secret() in a for a in cmd), "no secret on the command line"
     wrapped = _die_with_parent(cmd)
     assert wrapped[-len(cmd):] == cmd and (wrapped == cmd or wrapped[1:3] == ["--pdeathsig", "TERM"])
 
