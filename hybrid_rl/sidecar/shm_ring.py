@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from hybrid_rl.sidecar.auth import SecretError, check_private
+from hybrid_rl.sidecar.leftovers import identity, sweep_rings
 from hybrid_rl.utils.shm import SHM_DIR
 from hybrid_rl.weightsync.layout import TPSlice
 from hybrid_rl.weightsync.reshard import verify_targets
@@ -171,7 +172,7 @@ def abort_path(namespace: str, shm_dir: Path = SHM_DIR) -> Path:
 def ring_paths(namespace: str, tp_rank: int, slots: int, shm_dir: Path = SHM_DIR) -> dict[str, Path]:
     base = f"{namespace}-tp{tp_rank}"
     paths = {"ctl": shm_dir / f"{base}-ctl", "report": shm_dir / f"{base}-report",
-             "manifest": shm_dir / f"{base}-manifest.json"}
+             "manifest": shm_dir / f"{base}-manifest.json", "owner": shm_dir / f"{base}-owner"}
     paths.update({f"slot{s}": shm_dir / f"{base}-slot{s}" for s in range(slots)})
     return paths
 
@@ -213,10 +214,14 @@ class ShmRing:
         self.paths = ring_paths(namespace, tp_rank, slots, shm_dir)
         self.owner = create
         if create:  # tmpfs allocates on write: a ring that does not fit would kill the writer with SIGBUS later
+            _sweep_once(Path(shm_dir))
             have = sum(p.stat().st_size for p in self.paths.values() if p.exists())
             check_space(slots * (slot_bytes + 16) - have, Path(shm_dir), f"the shared-memory ring {namespace}-tp{tp_rank}")
         made: list[Path] = []  # the files this writer created, removed again if a later one is refused
         try:
+            if create:  # who wrote it: a later start removes it once this process is gone (`leftovers.py`)
+                write_private(self.paths["owner"], identity().encode())
+                made.append(self.paths["owner"])
             self.ctl = _map(self.paths["ctl"], slots * 2 * 8, create=create, made=made).view(torch.int64).view(slots, 2)
             self.buffers = [_map(self.paths[f"slot{s}"], slot_bytes, create=create, made=made) for s in range(slots)]
         except BaseException:
@@ -335,6 +340,16 @@ class ShmRing:
                 p.unlink(missing_ok=True)
             for key in ("report", "manifest"):
                 self.paths[key].with_name(self.paths[key].name + ".tmp").unlink(missing_ok=True)
+
+
+_swept: set[Path] = set()
+
+
+def _sweep_once(shm_dir: Path) -> None:
+    """A writer's first ring in `shm_dir`: rings of killed runs go first (their writers dead, nobody mapping them)."""
+    if shm_dir not in _swept:
+        _swept.add(shm_dir)
+        sweep_rings(shm_dir)
 
 
 class ShmSpaceError(RuntimeError):

@@ -42,6 +42,7 @@ from hybrid_rl.sidecar.auth import (
     require_secret_for,
     server_token,
 )
+from hybrid_rl.sidecar.leftovers import pidfile_of, stop_orphan, write_pidfile
 from hybrid_rl.sidecar.shm_reclaim import ShmReclaimer, group_pids
 from hybrid_rl.sidecar.vllm_plugin import BACKEND
 from hybrid_rl.weightsync.vllm_compat import lora_slot_rank
@@ -210,12 +211,14 @@ class VLLMServer:
             raise ServerError(str(e)) from None
         self.http.headers.update(auth_headers())  # the token the server gets below (the same run secret)
         Path(self.spec.log_path).parent.mkdir(parents=True, exist_ok=True)
+        stop_orphan(pidfile_of(self.spec.log_path))  # a server an earlier, killed trainer left running
         logf = open(self.spec.log_path, "ab")  # noqa: SIM115 - the child keeps it
         try:
             self.proc = subprocess.Popen(_die_with_parent(server_command(self.spec)), env=server_env(self.spec),
                                          stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
         finally:
             logf.close()
+        write_pidfile(pidfile_of(self.spec.log_path), self.proc.pid)
         self.starts += 1
         self._spawned_at = time.monotonic()
         self.shm.started(self.proc.pid)
@@ -264,6 +267,7 @@ class VLLMServer:
         _signal_group(self.proc.pid, signal.SIGKILL)  # stragglers of the group (workers)
         _wait_group(self.proc.pid)
         self.shm.reclaim()
+        pidfile_of(self.spec.log_path).unlink(missing_ok=True)
         self.proc = None
         self._announced = False
 
