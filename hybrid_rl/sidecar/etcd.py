@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 import etcd3gw
+import requests
 from etcd3gw import exceptions as etcd_errors
 
 from hybrid_rl.sidecar.auth import etcd_key
@@ -56,7 +57,10 @@ class Etcd:
             raise ValueError(f"etcd endpoint {endpoint!r}: expected http://HOST:PORT")
         self.endpoint, self.prefix, self.wait_s = f"{url.scheme}://{url.hostname}:{url.port}", prefix.rstrip("/"), wait_s
         self.client = etcd3gw.client(host=url.hostname, port=url.port, protocol=url.scheme,
-                                     timeout=request_timeout_s, api_path="/v3/", **tls_options(url.scheme))
+                                     timeout=request_timeout_s, api_path="/v3/", session=tls_session(url.scheme))
+        self._user = (os.environ.get(USER_ENV, ""), os.environ.get(PASSWORD_ENV, ""))
+        if self._user[0]:
+            self.call("authenticating", self._authenticate)
         self._sign_key = sign_key  # None: the run's (`auth.etcd_key`, from this process's run secret)
         self.dropped = 0  # values that did not verify (logged once per key)
         self._warned: set[str] = set()
@@ -73,12 +77,27 @@ class Etcd:
                                   "(`etcd --listen-client-urls ... --advertise-client-urls ...`) or point "
                                   "sidecar.etcd at a running one") from None
 
+    def _authenticate(self) -> None:
+        """etcd's user auth (`HYBRID_RL_ETCD_USER` and `_PASSWORD`): a token every later request carries."""
+        name, password = self._user
+        self.client.session.headers.pop("Authorization", None)  # etcd refuses a request carrying an expired token
+        answer = self.client.post(self.client.get_url("/auth/authenticate"), json={"name": name, "password": password})
+        self.client.session.headers["Authorization"] = answer["token"]
+
     def call(self, what: str, fn: Callable[[], T]) -> T:
-        """`fn()`, retried while etcd is unreachable, for `wait_s` seconds at most."""
+        """`fn()`, retried while etcd is unreachable, for `wait_s` seconds at most (and once after authenticating
+        again when etcd's auth token expired)."""
         deadline, warned = time.monotonic() + self.wait_s, False
         while True:
             try:
-                result = fn()
+                try:
+                    result = fn()
+                except etcd_errors.Etcd3Exception as e:
+                    if not self._user[0] or isinstance(e, _UNREACHABLE) or \
+                            "auth token" not in (e.detail_text or ""):
+                        raise
+                    self._authenticate()
+                    result = fn()
                 if warned:
                     log.warning("etcd at %s answers again; going on", self.endpoint)
                 return result
@@ -212,16 +231,24 @@ def _mac(key: bytes, full_key: str, text: str) -> str:
     return hmac.new(key, f"{full_key}\0{text}".encode(), hashlib.sha256).hexdigest()
 
 
+USER_ENV, PASSWORD_ENV = "HYBRID_RL_ETCD_USER", "HYBRID_RL_ETCD_PASSWORD"  # etcd's user auth (never in a config)
 TLS_ENV = {"ca_cert": "HYBRID_RL_ETCD_CA", "cert_cert": "HYBRID_RL_ETCD_CERT", "cert_key": "HYBRID_RL_ETCD_KEY"}
 
 
-def tls_options(scheme: str) -> dict[str, str]:
+def tls_session(scheme: str) -> requests.Session:
     """etcd over TLS (`sidecar.etcd=https://HOST:PORT`): the CA that signed etcd's certificate and this client's own
-    certificate and key (etcd's `--client-cert-auth`), from `HYBRID_RL_ETCD_CA`, `_CERT` and `_KEY`."""
-    options = {arg: os.environ[env] for arg, env in TLS_ENV.items() if os.environ.get(env)}
-    if options and scheme != "https":
-        raise ValueError(f"{', '.join(TLS_ENV[a] for a in options)} set but sidecar.etcd is not https://")
-    return options
+    certificate and key (etcd's `--client-cert-auth`), from `HYBRID_RL_ETCD_CA`, `_CERT` and `_KEY`. The session
+    ignores `REQUESTS_CA_BUNDLE` and the like, which requests would otherwise prefer to the CA given here."""
+    env = {arg: os.environ[name] for arg, name in TLS_ENV.items() if os.environ.get(name)}
+    if env and scheme != "https":
+        raise ValueError(f"{', '.join(TLS_ENV[a] for a in env)} set but sidecar.etcd is not https://")
+    session = requests.Session()
+    if "ca_cert" in env:
+        session.trust_env = False
+        session.verify = env["ca_cert"]
+    if "cert_cert" in env and "cert_key" in env:
+        session.cert = (env["cert_cert"], env["cert_key"])
+    return session
 
 
 def _text(b: bytes | str) -> str:
