@@ -56,6 +56,7 @@ from hybrid_rl.sidecar.checkpoint_engine import CheckpointEngine, PushOptions
 from hybrid_rl.sidecar.completions import CompletionClient
 from hybrid_rl.sidecar.etcd import Etcd, EtcdUnavailable, Registration
 from hybrid_rl.sidecar.etcd_server import EtcdProcess
+from hybrid_rl.sidecar.leftovers import sweep_private_etcd
 from hybrid_rl.sidecar.multi_turn import MultiTurnSidecar
 from hybrid_rl.sidecar.pod_link import pod_link
 from hybrid_rl.sidecar.rollout import SidecarOptions, SidecarRollout
@@ -394,6 +395,7 @@ def _private_etcd(cfg: Config, dims: ParallelDims) -> tuple[str, EtcdProcess | N
     if dims.rank == 0:
         data = Path(cfg.trainer.output_dir) / f"etcd-private-{os.getpid()}"
         try:
+            sweep_private_etcd(data.parent)  # what a killed earlier run left
             data.parent.mkdir(parents=True, exist_ok=True)
             proc = EtcdProcess(data, die_with_parent=True)
             proc.start()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -115,3 +116,17 @@ def stop_orphan(path: Path, timeout_s: float = 30.0) -> bool:
         if not alive(ident):
             return True
     return True
+
+
+def sweep_private_etcd(folder: Path) -> list[Path]:
+    """Remove the data folders (`etcd-private-<pid>`) of private etcds whose run (that pid) is gone."""
+    removed = []
+    for data in Path(folder).glob("etcd-private-*"):
+        pid = data.name.rsplit("-", 1)[1]
+        if pid.isdigit() and int(pid) != os.getpid() and start_time(int(pid)) is None and data.is_dir():
+            shutil.rmtree(data, ignore_errors=True)
+            data.with_suffix(".log").unlink(missing_ok=True)
+            removed.append(data)
+    if removed:
+        log.warning("removed the private etcd data of killed runs: %s", ", ".join(map(str, removed)))
+    return removed

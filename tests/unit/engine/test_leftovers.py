@@ -1,6 +1,7 @@
 """What a SIGKILL leaves behind is removed by the next start, and nothing of a live run: real rings in /dev/shm made by
 real processes, a real orphaned process group."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import uuid
 import pytest
 
 from hybrid_rl.sidecar import shm_ring
-from hybrid_rl.sidecar.leftovers import alive, identity, pidfile_of, stop_orphan, write_pidfile
+from hybrid_rl.sidecar.leftovers import alive, identity, pidfile_of, stop_orphan, sweep_private_etcd, write_pidfile
 from hybrid_rl.sidecar.shm_ring import ShmRing
 from hybrid_rl.utils.shm import SHM_DIR
 
@@ -81,3 +82,13 @@ def test_the_next_start_stops_a_server_its_killed_trainer_left_running(tmp_path)
     # A pidfile whose process is gone (or whose pid now names another process) stops nothing
     write_pidfile(pidfile_of(log), orphan.pid)
     assert stop_orphan(pidfile_of(log)) is False
+
+
+def test_a_killed_runs_private_etcd_data_is_removed_and_a_live_ones_kept(tmp_path):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead, live = tmp_path / f"etcd-private-{gone.pid}", tmp_path / f"etcd-private-{os.getppid()}"
+    for d in (dead, live):
+        (d / "member").mkdir(parents=True)
+    assert sweep_private_etcd(tmp_path) == [dead]
+    assert not dead.exists() and live.exists()
