@@ -16,6 +16,7 @@ from hybrid_rl.utils.env import set_runtime_defaults
 set_runtime_defaults()
 
 import logging  # noqa: E402
+import secrets  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -42,14 +43,17 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, EtcdUnavailable) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
+    nonce = secrets.token_hex(8)  # this launch's ring names: unguessable before they exist
     run(cfg, etcd, log_path=Path(cfg.trainer.output_dir) / f"vllm_server_pod{sc.pod}.log",
-        namespace=lambda run_id: sidecar_namespace(cfg, sc.pod, run_id=run_id), spec=server_spec,
+        namespace=lambda run_id: sidecar_namespace(cfg, sc.pod, run_id=run_id, nonce=nonce), spec=server_spec,
         prefix=lambda run_id: sidecar_prefix(cfg, run_id))
     return 0
 
 
 def run(cfg, etcd, *, log_path: Path, namespace, spec, prefix) -> None:
+    import dataclasses
     import os
+    import re
 
     import torch
 
@@ -63,8 +67,11 @@ def run(cfg, etcd, *, log_path: Path, namespace, spec, prefix) -> None:
                       start_timeout_s=sc.start_timeout_s)
     receiver = None
     try:
-        sidecar.server.spawn()  # it loads (a minute) while the trainer starts
+        _install_secret(Path(cfg.trainer.output_dir), sc.pod_wait_s)
         run_id = sc.run_id or _live_run(etcd, sc.pod_wait_s)
+        # The server starts knowing the one ring namespace it may map (`HYBRID_RL_SHM_NAMESPACE`)
+        sidecar.server.spec = dataclasses.replace(sidecar.server.spec, namespace=namespace(run_id))
+        sidecar.server.spawn()  # it loads (a minute) while the trainer starts
         etcd.prefix = prefix(run_id).rstrip("/")  # the run's own keys from here on
         log.info("pod %d serves run %s (keys under %s)", sc.pod, run_id, etcd.prefix)
         sidecar.register()
@@ -78,15 +85,34 @@ def run(cfg, etcd, *, log_path: Path, namespace, spec, prefix) -> None:
         sidecar.ensure_running()
         log.info("pod %d joined the trainer's pod group; waiting for weight updates", sc.pod)
         spec_ = sidecar.server.spec
-        adapters = AdapterFolders(Path(cfg.trainer.output_dir) / f"adapter_sync_pod{sc.pod}", keep=spec_.max_loras + 1) \
-            if spec_.max_lora_rank else None  # `model.lora.sync=adapter`: the versions this pod's server may serve
-        receiver = PodReceiver(group, sidecar, namespace=namespace(run_id), slots=sc.slots, timeout_s=sc.update_timeout_s,
+        # labels from the pod group are this run's versions only (`<run id>-v<n>`): each names a folder under the root
+        adapters = AdapterFolders(Path(cfg.trainer.output_dir) / f"adapter_sync_pod{sc.pod}", keep=spec_.max_loras + 1,
+                                  labels=rf"{re.escape(run_id)}-v\d+") if spec_.max_lora_rank else None  # `model.lora.sync=adapter`: the versions this pod's server may serve
+        receiver = PodReceiver(group, sidecar, namespace=sidecar.server.spec.namespace, slots=sc.slots, timeout_s=sc.update_timeout_s,
                                adapters=adapters)
         receiver.run()
     finally:
         if receiver is not None:
             receiver.close()
         sidecar.close()
+
+
+def _install_secret(folder: Path, wait_s: float) -> None:
+    """The run's secret: `HYBRID_RL_SECRET` in this process's environment, or the trainer's `<output_dir>/secret`
+    (a shared folder, or the file copied here with its 0600 mode), waited for while the trainer starts."""
+    import os
+
+    from hybrid_rl.sidecar.auth import SECRET_ENV, SECRET_FILE, install_secret, read_secret
+
+    if os.environ.get(SECRET_ENV):
+        return
+    path, deadline = folder / SECRET_FILE, time.monotonic() + wait_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no run secret: set {SECRET_ENV} or give this pod the trainer's {path} (mode 0600) "
+                               f"within {wait_s:.0f} s")
+        time.sleep(1.0)
+    install_secret(read_secret(path))
 
 
 def _live_run(etcd, wait_s: float) -> str:

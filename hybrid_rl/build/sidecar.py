@@ -29,11 +29,13 @@ from hybrid_rl.model.lora import BaseWeights, LoraWeights, is_lora
 from hybrid_rl.planner.result import MemoryPlan
 from hybrid_rl.planner.vllm_memory import auto_gpu_memory_utilization, sync_reserve_bytes
 from hybrid_rl.sidecar.agent import AgentSidecar
+from hybrid_rl.sidecar.auth import share_run_secret
 from hybrid_rl.sidecar.black_box import load_agent
 from hybrid_rl.sidecar.checkpoint_engine import CheckpointEngine, PushOptions, PushTarget, RankPlace
 from hybrid_rl.sidecar.completions import CompletionClient
 from hybrid_rl.sidecar.etcd import Etcd, EtcdUnavailable, Registration
 from hybrid_rl.sidecar.etcd_server import EtcdProcess
+from hybrid_rl.sidecar.leftovers import sweep_private_etcd
 from hybrid_rl.sidecar.multi_turn import MultiTurnSidecar
 from hybrid_rl.sidecar.pod_link import pod_link
 from hybrid_rl.sidecar.rollout import SidecarRollout
@@ -79,10 +81,11 @@ def sidecar_run_id(cfg: Config, dims: ParallelDims) -> str:
     return rid
 
 
-def sidecar_namespace(cfg: Config, pod: int, server: int = 0, run_id: str = "") -> str:
-    """A server's shared-memory namespace: unique per run (etcd endpoint, prefix and run id), pod and server."""
+def sidecar_namespace(cfg: Config, pod: int, server: int = 0, run_id: str = "", nonce: str = "") -> str:
+    """A server's shared-memory namespace: unique per run (etcd endpoint, prefix and run id), pod and server, and
+    unguessable before the launch that makes it (`nonce`: random per launch; nobody can create its files first)."""
     digest = hashlib.sha1(f"{cfg.sidecar.etcd}{sidecar_prefix(cfg)}".encode()).hexdigest()[:10]
-    return f"hrl-{digest}-{run_id}-pod{pod}" + (f"-s{server}" if server else "")
+    return f"hrl-{digest}-{run_id}-pod{pod}" + (f"-s{server}" if server else "") + (f"-{nonce}" if nonce else "")
 
 
 def servers_per_node(cfg: Config, local_world: int) -> int:
@@ -151,6 +154,7 @@ def _private_etcd(cfg: Config, dims: ParallelDims) -> tuple[str, EtcdProcess | N
     if dims.rank == 0:
         data = Path(cfg.trainer.output_dir) / f"etcd-private-{os.getpid()}"
         try:
+            sweep_private_etcd(data.parent)  # what a killed earlier run left
             data.parent.mkdir(parents=True, exist_ok=True)
             proc = EtcdProcess(data, die_with_parent=True)
             proc.start()
@@ -185,6 +189,7 @@ def _sidecar_plain(cfg: Config, dims: ParallelDims, actor: Model, offload: Offlo
     d = resolve_rollout(r, "cuda" if torch.cuda.is_available() else "cpu")
     endpoint, private_etcd = _private_etcd(cfg, dims)
     run_id = sidecar_run_id(cfg, dims)
+    nonce = share_run_secret(cfg.trainer.output_dir, rank=dims.rank, broadcast=broadcast_object)
     etcd = Etcd(endpoint, sidecar_prefix(cfg, run_id), wait_s=sc.etcd_wait_s)
     announcement = None
     if dims.rank == 0:
@@ -203,7 +208,8 @@ def _sidecar_plain(cfg: Config, dims: ParallelDims, actor: Model, offload: Offlo
     if local < r.tp * servers and local % r.tp == 0:
         name = "vllm_server.log" if index == 0 else f"vllm_server.{index}.log"
         spec = server_spec(cfg, port=sc.port + group, log_path=Path(cfg.trainer.output_dir) / name, group=group,
-                           groups=servers, host=sc.host if node == 0 else socket.getfqdn())
+                           groups=servers, host=sc.host if node == 0 else socket.getfqdn(),
+                           namespace=sidecar_namespace(cfg, 0, index, run_id, nonce))
         cuda_auto = spec.cuda and spec.gpu_memory_utilization is None
         sidecar = Sidecar(spec, etcd, pod=0, index=index, ttl_s=sc.lease_ttl_s, start_timeout_s=sc.start_timeout_s,
                           prepare=partial(measured_utilization, bucket_bytes=int(r.bucket_mb * 2**20))
@@ -217,7 +223,7 @@ def _sidecar_plain(cfg: Config, dims: ParallelDims, actor: Model, offload: Offlo
     link = pod_link(etcd, dims, host=sc.host, tp=r.tp, pods=sc.pods, wait_s=sc.pod_wait_s,
                     op_timeout_s=sc.pod_timeout_s) if sc.pods > 1 else None
     engine = CheckpointEngine(RankPlace(dims.rank, dims.world, servers=servers, local_world=local_world),
-                              PushTarget(layout, sidecar_namespace(cfg, 0, index, run_id), device=device(),
+                              PushTarget(layout, sidecar_namespace(cfg, 0, index, run_id, nonce), device=device(),
                                          dtype=DTYPES[r.dtype], link=link,
                                          server=(lambda: sidecar.server) if sidecar is not None else None),
                               options)
@@ -238,8 +244,10 @@ def _sidecar_plain(cfg: Config, dims: ParallelDims, actor: Model, offload: Offlo
                           sharded=any(is_sharded(p) for p in actor.module.parameters()), adapter=adapter)
     inflight = max_inflight(cfg, dims.world, total_servers)  # until the servers' KV capacity is read
     links = ServerLinks(engine=engine, etcd=etcd, sidecar=sidecar,
-                        client=CompletionClient(max_inflight=inflight, progress_timeout_s=sc.progress_timeout_s),
-                        stream=CompletionClient(max_inflight=inflight, progress_timeout_s=sc.progress_timeout_s),
+                        client=CompletionClient(max_inflight=inflight, progress_timeout_s=sc.progress_timeout_s,
+                                                vocab=actor.module.config.vocab_size),
+                        stream=CompletionClient(max_inflight=inflight, progress_timeout_s=sc.progress_timeout_s,
+                                                vocab=actor.module.config.vocab_size),
                         run_id=run_id, private_etcd=private_etcd, announcement=announcement)
     return SidecarRollout(synced, links, opts, sampling=sampling_settings(cfg), dims=dims, offload=offload,
                           tokenizer=tokenizer)
@@ -267,7 +275,7 @@ def measured_utilization(spec: ServerSpec, *, bucket_bytes: int, mem_get_info=No
 
 
 def server_spec(cfg: Config, *, port: int, log_path: Path, group: int = 0, groups: int = 1,
-                host: str | None = None) -> ServerSpec:
+                host: str | None = None, namespace: str = "") -> ServerSpec:
     """A vLLM sidecar, from the rollout config (resolved for this platform): server `group` of the `groups` on its
     node, on the GPUs of its TP group (CUDA) or its share of the cores (CPU)."""
     r, sc = cfg.rollout, cfg.sidecar
@@ -285,7 +293,8 @@ def server_spec(cfg: Config, *, port: int, log_path: Path, group: int = 0, group
                       python=sc.python or sys.executable, kv_cache_gb=d.kv_cache_gb,
                       gpu_memory_utilization=d.gpu_memory_utilization, sleep_mode=d.release == "sleep", cuda=cuda,
                       max_num_seqs=sc.max_num_seqs, devices=devices if cuda and groups > 1 else (), cpus=cpus,
-                      max_lora_rank=cfg.model.lora.rank if adapter_sync(cfg) else 0, max_loras=adapter_versions(cfg))
+                      max_lora_rank=cfg.model.lora.rank if adapter_sync(cfg) else 0, max_loras=adapter_versions(cfg),
+                      namespace=namespace)
 
 
 def adapter_versions(cfg: Config) -> int:

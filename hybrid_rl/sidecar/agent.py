@@ -15,7 +15,7 @@ is an infrastructure failure (left out of the group statistics and the loss).
 from __future__ import annotations
 
 import logging
-import uuid
+import secrets
 from dataclasses import replace
 
 import torch
@@ -50,7 +50,7 @@ class AgentSidecar(MultiTurnSidecar):
 
     def _trajectory(self, r: Request, sampling: Sampling, router: Router) -> Arrival:
         row = dict(r.row or {})
-        ep = play(self.endpoint, self.agent, row, episode=f"{r.key}-{uuid.uuid4().hex[:8]}", seed=r.seed,
+        ep = play(self.endpoint, self.agent, row, episode=episode_id(r.key), seed=r.seed,
                   sampling=sampling, router=_Pinned(router, r))
         if ep.error or not ep.trajectories:
             why = ep.error or "the agent made no model call"
@@ -94,3 +94,9 @@ class _Pinned:
 
     def done(self, url: str, cost: int) -> None:
         self.router.done(url, cost)
+
+
+def episode_id(key: int) -> str:
+    """An episode's id, the only credential of its chat-endpoint URL: 128 random bits (unguessable by another
+    process on the node that could reach the endpoint)."""
+    return f"{key}-{secrets.token_hex(16)}"

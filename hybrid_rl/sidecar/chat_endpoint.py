@@ -63,6 +63,9 @@ class _Episode:
     lock: threading.Lock = field(default_factory=threading.Lock)  # an episode's calls are made one after another
 
 
+MAX_BODY_BYTES = 8 * 2**20  # one call's JSON (the conversation so far, tools): a larger body is refused (413)
+
+
 class ChatEndpoint:
     """`/episodes/<id>/v1/chat/completions` on a local port, each episode's calls recorded as token ids."""
 
@@ -234,7 +237,15 @@ def _handler(endpoint: ChatEndpoint) -> type[BaseHTTPRequestHandler]:
                 return self._answer(404, {"error": {"message": f"no route {self.path}; use "
                                                                "/episodes/<id>/v1/chat/completions"}})
             try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                size = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                size = -1
+            if not 0 <= size <= MAX_BODY_BYTES:  # read nothing of it; the connection closes after the answer
+                self.close_connection = True
+                return self._answer(413, {"error": {"message": f"request body of {size} bytes: at most "
+                                                               f"{MAX_BODY_BYTES} are read"}})
+            try:
+                body = json.loads(self.rfile.read(size) or b"{}")
                 return self._answer(200, endpoint.complete(parts[1], body))
             except (KeyError, ValueError, TypeError) as e:
                 return self._answer(400, {"error": {"message": str(e), "type": "invalid_request_error"}})

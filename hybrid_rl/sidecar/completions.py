@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import queue
 import threading
 from collections import OrderedDict
@@ -33,6 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import requests
 
+from hybrid_rl.sidecar.auth import auth_headers
 from hybrid_rl.sidecar.vllm_server import SERVED_MODEL
 from hybrid_rl.types import Generation, Request, Sampling
 
@@ -110,21 +112,33 @@ def request_body(prompt: list[int], sampling: Sampling, seed: int, model: str = 
             "stream": True}
 
 
-def parse_choice(choice: dict) -> Generation:
-    """One choice of the endpoint's answer; ValueError for one that is not a whole generation."""
+def parse_choice(choice: dict, *, max_tokens: int | None = None, vocab: int | None = None) -> Generation:
+    """One choice of the endpoint's answer; ValueError for one that is not a whole generation, or that a correct
+    server could not have sent for the request (more than `max_tokens` tokens, an id outside the model's `vocab`,
+    a log-prob that is not a finite number <= 0): such an answer would crash the trainer's gather or weigh a
+    token without bound."""
     if choice["finish_reason"] not in ("stop", "length"):
         raise ValueError(f"the request ended with finish_reason={choice['finish_reason']!r}")
     ids = tuple(int(t) for t in choice["token_ids"])
     lps = tuple(float(x["logprob"]) for x in (choice["logprobs"] or {}).get("content") or ())
     if len(lps) != len(ids):
         raise ValueError(f"the server returned {len(ids)} token ids but {len(lps)} log-probs")
+    if max_tokens is not None and len(ids) > max_tokens:
+        raise ValueError(f"the server returned {len(ids)} tokens for a request of at most {max_tokens}")
+    if vocab is not None and ids and not 0 <= min(ids) <= max(ids) < vocab:
+        raise ValueError(f"the server returned token ids outside the model's vocabulary [0, {vocab}): "
+                         f"{[t for t in ids if not 0 <= t < vocab][:5]}")
+    if not all(math.isfinite(x) and x <= 0.0 for x in lps):
+        raise ValueError(f"the server returned log-probs that are not finite numbers <= 0: "
+                         f"{[x for x in lps if not (math.isfinite(x) and x <= 0.0)][:5]}")
     spans = tuple((str(v["version"]), int(v["start"]), int(v["end"])) for v in choice.get("weight_versions") or ())
     if ids and (not spans or spans[0][1] != 0 or spans[-1][2] != len(ids)):
         raise ValueError(f"the server's weight-version spans {spans} do not cover the {len(ids)} tokens")
     return Generation(0, ids, lps, choice["finish_reason"], spans)
 
 
-def parse_stream(lines: Iterable[bytes | str]) -> Generation:
+def parse_stream(lines: Iterable[bytes | str], *, max_tokens: int | None = None,
+                 vocab: int | None = None) -> Generation:
     """The server-sent events of one streamed request (n = 1), joined into one choice for `parse_choice`: token ids
     and log-probs arrive per step, the finish reason and weight-version spans with the last step."""
     ids, lps, finish, spans = [], [], None, None
@@ -146,15 +160,16 @@ def parse_stream(lines: Iterable[bytes | str]) -> Generation:
     if finish is None:
         raise ValueError("the server's stream ended before the request finished")
     return parse_choice({"token_ids": ids, "logprobs": {"content": lps}, "finish_reason": finish,
-                         "weight_versions": spans})
+                         "weight_versions": spans}, max_tokens=max_tokens, vocab=vocab)
 
 
 class CompletionClient:
     """Sends requests to servers (chosen per request by a `Router`) with `max_inflight` in flight; a request fails
     when no token arrives for `progress_timeout_s`."""
 
-    def __init__(self, *, max_inflight: int, progress_timeout_s: float):
+    def __init__(self, *, max_inflight: int, progress_timeout_s: float, vocab: int | None = None):
         self.max_inflight, self.progress_timeout_s = max_inflight, progress_timeout_s
+        self.vocab = vocab  # the model's vocabulary size: answers with other ids are refused (`parse_choice`)
         self.pool = ThreadPoolExecutor(max_inflight, thread_name_prefix="rollout-http")
         self._local = threading.local()
         self._arrivals: queue.SimpleQueue[tuple[int, Generation | None, str]] = queue.SimpleQueue()
@@ -172,6 +187,7 @@ class CompletionClient:
     def _session(self) -> requests.Session:
         if not hasattr(self._local, "session"):
             self._local.session = requests.Session()
+            self._local.session.headers.update(auth_headers())  # the servers refuse requests without the run's token
         return self._local.session
 
     def _one(self, url: str, body: dict) -> Generation:
@@ -181,7 +197,7 @@ class CompletionClient:
             if r.status_code != 200:
                 raise RuntimeError(f"{url}{GENERATE} answered {r.status_code}: {r.text[:500]}")
             try:
-                g = parse_stream(r.iter_lines())
+                g = parse_stream(r.iter_lines(), max_tokens=body["sampling_params"]["max_tokens"], vocab=self.vocab)
             except requests.ConnectionError as e:  # a read timeout mid-stream surfaces as a connection error
                 raise RuntimeError(f"{url}{GENERATE}: no token for {self.progress_timeout_s:.0f} s "
                                    f"(sidecar.progress_timeout_s) or the connection broke: {e}") from None

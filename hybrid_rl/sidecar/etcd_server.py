@@ -36,6 +36,9 @@ class EtcdProcess:
         url, peer = self.endpoint, f"http://127.0.0.1:{self.peer_port}"
         log = open(self.data_dir.with_suffix(".log"), "ab")  # noqa: SIM115 - the child keeps it
         setpriv = shutil.which("setpriv") if self.die_with_parent else None
+        if self.die_with_parent and setpriv is None:
+            raise RuntimeError("`setpriv` (util-linux) is not installed: the private etcd could not be tied to the "
+                               "run's life and would outlive a killed run; install util-linux")
         self.proc = subprocess.Popen(
             [*([setpriv, "--pdeathsig", "TERM"] if setpriv else []), self.binary, "--name", "test", "--data-dir", str(self.data_dir), "--listen-client-urls", url,
              "--advertise-client-urls", url, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,

@@ -16,15 +16,34 @@ from __future__ import annotations
 
 import datetime
 import json
+import socket
 
 import torch
 import torch.distributed as dist
 
+MAX_JSON_BYTES = 256 * 2**20  # a control message (header, shard manifest) larger than this is refused unread
+
 
 def pod_store(host: str, port: int, *, member: int, tp: int, pods: int, timeout_s: float) -> dist.TCPStore:
-    """The groups' rendezvous: member 0 hosts it (`port` 0: a free one, then `store.port`), the others connect."""
-    return dist.TCPStore(host, port, tp + pods - 1, member == 0, datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    """The groups' rendezvous: member 0 hosts it (`port` 0: a free one, then `store.port`), the others connect.
+    The host listens on `host` only (TCPStore alone would listen on every interface): a socket bound here is
+    handed to it."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if member != 0:
+        return dist.TCPStore(host, port, tp + pods - 1, False, timeout, wait_for_workers=False)
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(max(64, 2 * (tp + pods)))
+        store = dist.TCPStore(host, sock.getsockname()[1], tp + pods - 1, True, timeout, wait_for_workers=False,
+                              master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the descriptor now
+    return store
 
 
 def payload_device_for(*, cuda: bool, local_rank: int) -> torch.device | None:
@@ -82,7 +101,7 @@ class PodGroup:
         size = torch.tensor([data.numel()], dtype=torch.int64)
         self.broadcast(tp_rank, size)
         if value is None:
-            data = torch.empty(int(size[0]), dtype=torch.uint8)
+            data = torch.empty(bounded(int(size[0]), MAX_JSON_BYTES, "a control message"), dtype=torch.uint8)
         self.broadcast(tp_rank, data)
         return json.loads(bytes(data.numpy()).decode())
 
@@ -102,6 +121,13 @@ class PodGroup:
         opts.reduceOp = dist.ReduceOp.SUM
         self.groups[0].allreduce([t], opts).wait()
         return t.tolist()
+
+
+def bounded(n: int, limit: int, what: str) -> int:
+    """`n`, a size another process sent, before anything is allocated for it: ValueError unless 0 <= n <= limit."""
+    if not 0 <= n <= limit:
+        raise ValueError(f"{what} of {n} bytes announced by the pod group's writer: refused (limit {limit} bytes)")
+    return n
 
 
 def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:

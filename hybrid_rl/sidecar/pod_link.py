@@ -28,8 +28,8 @@ import torch
 from hybrid_rl.distributed.collectives import broadcast_object
 from hybrid_rl.distributed.mesh import ParallelDims
 from hybrid_rl.sidecar.etcd import Etcd
-from hybrid_rl.sidecar.pod_group import PodGroup, payload_device_for, pod_store
-from hybrid_rl.sidecar.server_adapter import AdapterFolders, load_on_server
+from hybrid_rl.sidecar.pod_group import PodGroup, bounded, payload_device_for, pod_store
+from hybrid_rl.sidecar.server_adapter import ADAPTER_FILES, AdapterFolders, load_on_server
 from hybrid_rl.sidecar.server_update import ServerUpdate
 from hybrid_rl.sidecar.shm_ring import Manifest, RingAborted, RingTimeout, ShmRing, bucket_bytes, write_manifest
 from hybrid_rl.sidecar.sidecar_server import Sidecar
@@ -39,6 +39,7 @@ from hybrid_rl.weightsync.reshard import WeightSyncError, checksums_match
 log = logging.getLogger(__name__)
 
 GROUP_KEY = "pods/group"
+MAX_ADAPTER_FILE_BYTES = 16 * 2**30  # one adapter file announced larger than this is refused before any allocation
 
 
 class GroupLink:
@@ -186,8 +187,10 @@ class PodReceiver:
         server that lost its base since the last full update (restarted from dummy weights) refuses it and stays
         out of dispatch: the trainer then sends the base again (it pushes everything when a server is behind)."""
         files = {}
+        if set(sizes) - set(ADAPTER_FILES) or len(sizes) != len(ADAPTER_FILES):
+            raise ValueError(f"adapter update {version!r} announces files {sorted(sizes)}, not {list(ADAPTER_FILES)}")
         for name, n in sizes.items():
-            buf = torch.empty(n, dtype=torch.uint8)
+            buf = torch.empty(bounded(int(n), MAX_ADAPTER_FILE_BYTES, f"adapter file {name!r}"), dtype=torch.uint8)
             self.group.broadcast_weights(0, buf)
             files[name] = bytes(buf.numpy())
         why = ""

@@ -20,6 +20,7 @@ that does not fit is refused), and the server must list the version among its mo
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -33,15 +34,25 @@ from hybrid_rl.weightsync.reshard import WeightSyncError
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
-class AdapterFolders:
-    """The adapter versions one server may still serve, each as a folder vLLM can (re)load: the newest `keep`."""
+SAFE_LABEL = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}"  # a version label that can only name a folder directly in the root
 
-    def __init__(self, root: str | Path, *, keep: int):
-        self.root, self.keep = Path(root), keep
+
+class AdapterFolders:
+    """The adapter versions one server may still serve, each as a folder vLLM can (re)load: the newest `keep`.
+    A version label is a folder name: it must match `labels` (the run's own pattern where the label comes from
+    another process) and its folder must lie directly under the root, or nothing is written or deleted."""
+
+    def __init__(self, root: str | Path, *, keep: int, labels: str = SAFE_LABEL):
+        self.root, self.keep, self.labels = Path(root), keep, re.compile(labels)
         self.versions: list[str] = []
 
     def path(self, version: str) -> Path:
-        return self.root / version
+        path = self.root / version
+        if not (self.labels.fullmatch(version) and re.fullmatch(SAFE_LABEL, version)) \
+                or path.resolve().parent != self.root.resolve():
+            raise WeightSyncError(f"adapter version label {version!r} refused: not of this run's form "
+                                  f"({self.labels.pattern}) or not a folder directly under {self.root}")
+        return path
 
     def add(self, version: str) -> list[str]:
         """`version`'s folder is written: it joins; returns the versions that fall out (their folders deleted)."""

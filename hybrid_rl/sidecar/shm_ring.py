@@ -26,11 +26,14 @@ from __future__ import annotations
 import json
 import os
 import time
+from contextlib import suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from hybrid_rl.sidecar.auth import SecretError, check_private
+from hybrid_rl.sidecar.leftovers import identity, sweep_rings
 from hybrid_rl.utils.shm import SHM_DIR
 from hybrid_rl.weightsync.layout import TPSlice
 from hybrid_rl.weightsync.reshard import verify_targets
@@ -42,6 +45,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class RingTimeout(TimeoutError):
     """The other side of the ring did not answer in time (its process died or hangs)."""
+
+
+class RingSquatted(RuntimeError):
+    """A ring file exists that this writer did not create, or that is not private to this user."""
 
 
 class RingAborted(RuntimeError):
@@ -112,14 +119,49 @@ def bucket_bytes(entries: list[Entry]) -> int:
 
 def write_manifest(ring: ShmRing, manifest: Manifest) -> None:
     """Writer: the shard manifest of the next update, beside the ring (atomic rename)."""
-    path = ring.paths["manifest"]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(manifest.to_json())
-    os.replace(tmp, path)
+    write_private(ring.paths["manifest"], manifest.to_json().encode())
 
 
 def read_manifest(ring: ShmRing) -> Manifest:
-    return Manifest.from_json(ring.paths["manifest"].read_text())
+    return Manifest.from_json(read_private(ring.paths["manifest"]).decode())
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """`data` into `path` through a file of this user only (mode 0600, created exclusively, no symlink followed),
+    renamed into place: nobody else can have prepared either name."""
+    tmp = path.with_name(path.name + ".tmp")
+    with suppress(FileNotFoundError):  # our own, left by an update that failed midway; another user's is refused
+        check_private(tmp)
+        tmp.unlink()
+    fd = _create(tmp)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def read_private(path: Path) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        check_private(path, os.fstat(fd))
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read()
+    finally:
+        os.close(fd)
+
+
+def _create(path: Path) -> int:
+    """A new file of this user only, or RingSquatted when the name is taken (by anyone: names are per launch)."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        try:
+            owner = os.lstat(path).st_uid
+        except OSError:
+            owner = "?"
+        raise RingSquatted(f"{path} exists already (owner uid {owner}): shared-memory ring names are new for each "
+                           "launch, so another process made it; refused") from None
 
 
 def abort_path(namespace: str, shm_dir: Path = SHM_DIR) -> Path:
@@ -130,22 +172,36 @@ def abort_path(namespace: str, shm_dir: Path = SHM_DIR) -> Path:
 def ring_paths(namespace: str, tp_rank: int, slots: int, shm_dir: Path = SHM_DIR) -> dict[str, Path]:
     base = f"{namespace}-tp{tp_rank}"
     paths = {"ctl": shm_dir / f"{base}-ctl", "report": shm_dir / f"{base}-report",
-             "manifest": shm_dir / f"{base}-manifest.json"}
+             "manifest": shm_dir / f"{base}-manifest.json", "owner": shm_dir / f"{base}-owner"}
     paths.update({f"slot{s}": shm_dir / f"{base}-slot{s}" for s in range(slots)})
     return paths
 
 
-def _map(path: Path, nbytes: int, *, create: bool) -> torch.Tensor:
-    """A uint8 tensor over the file's pages, shared with every process that maps it."""
+def _map(path: Path, nbytes: int, *, create: bool, made: list[Path]) -> torch.Tensor:
+    """A uint8 tensor over the file's pages, shared with every process that maps it. The writer creates the file
+    (exclusively, 0600); the reader maps only a regular file of its own user that nobody else may open, checked on
+    the open file itself and mapped through that descriptor (the name cannot be swapped in between)."""
     if create:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = _create(path)
+        made.append(path)
         try:
             os.ftruncate(fd, nbytes)
-        finally:
+        except BaseException:
             os.close(fd)
-    elif path.stat().st_size < nbytes:
-        raise ValueError(f"{path} holds {path.stat().st_size} bytes, fewer than the {nbytes} expected")
-    return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+            raise
+    else:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        try:
+            check_private(path, st)
+        except SecretError as e:
+            raise RingSquatted(f"shared-memory ring file refused: {e}") from None
+        if st.st_size < nbytes:
+            raise ValueError(f"{path} holds {st.st_size} bytes, fewer than the {nbytes} expected")
+        return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)
+    finally:
+        os.close(fd)
 
 
 class ShmRing:
@@ -158,10 +214,20 @@ class ShmRing:
         self.paths = ring_paths(namespace, tp_rank, slots, shm_dir)
         self.owner = create
         if create:  # tmpfs allocates on write: a ring that does not fit would kill the writer with SIGBUS later
+            _sweep_once(Path(shm_dir))
             have = sum(p.stat().st_size for p in self.paths.values() if p.exists())
             check_space(slots * (slot_bytes + 16) - have, Path(shm_dir), f"the shared-memory ring {namespace}-tp{tp_rank}")
-        self.ctl = _map(self.paths["ctl"], slots * 2 * 8, create=create).view(torch.int64).view(slots, 2)
-        self.buffers = [_map(self.paths[f"slot{s}"], slot_bytes, create=create) for s in range(slots)]
+        made: list[Path] = []  # the files this writer created, removed again if a later one is refused
+        try:
+            if create:  # who wrote it: a later start removes it once this process is gone (`leftovers.py`)
+                write_private(self.paths["owner"], identity().encode())
+                made.append(self.paths["owner"])
+            self.ctl = _map(self.paths["ctl"], slots * 2 * 8, create=create, made=made).view(torch.int64).view(slots, 2)
+            self.buffers = [_map(self.paths[f"slot{s}"], slot_bytes, create=create, made=made) for s in range(slots)]
+        except BaseException:
+            for p in made:
+                p.unlink(missing_ok=True)
+            raise
         if create:
             self.ctl.zero_()
         self.pinned: list[torch.Tensor] = []
@@ -189,8 +255,8 @@ class ShmRing:
     def open_reader(cls, namespace: str, tp_rank: int, *, shm_dir: Path = SHM_DIR, pin: bool = False) -> ShmRing:
         """Map a ring the writer made: its slot count and size are read from the files."""
         ctl = ring_paths(namespace, tp_rank, 0, shm_dir)["ctl"]
-        slots = ctl.stat().st_size // 16
-        slot_bytes = ring_paths(namespace, tp_rank, 1, shm_dir)["slot0"].stat().st_size
+        slots = os.lstat(ctl).st_size // 16
+        slot_bytes = os.lstat(ring_paths(namespace, tp_rank, 1, shm_dir)["slot0"]).st_size
         return cls(namespace, tp_rank, slots=slots, slot_bytes=slot_bytes, create=False, shm_dir=shm_dir, pin=pin)
 
     # -- the protocol ----------------------------------------------------------------------------
@@ -253,16 +319,13 @@ class ShmRing:
 
     def write_report(self, update: int, digests: torch.Tensor) -> None:
         """Reader: the checksums of what landed in update `update` (atomic: written aside, then renamed)."""
-        path = self.paths["report"]
-        tmp = path.with_name(path.name + ".tmp")
         payload = torch.cat([torch.tensor([float(update)], dtype=torch.float64), digests.double().cpu()])
-        tmp.write_bytes(payload.numpy().tobytes())
-        os.replace(tmp, path)
+        write_private(self.paths["report"], payload.numpy().tobytes())
 
     def read_report(self, update: int) -> torch.Tensor:
         """Writer: the reader's checksums of update `update` (RuntimeError when it wrote none for it)."""
         path = self.paths["report"]
-        raw = path.read_bytes() if path.exists() else b""
+        raw = read_private(path) if path.exists() else b""
         values = torch.frombuffer(bytearray(raw), dtype=torch.float64) if raw else torch.zeros(0, dtype=torch.float64)
         if values.numel() == 0 or int(values[0]) != update:
             raise RuntimeError(f"{path}: the vLLM server wrote no verification report for weight update {update}")
@@ -277,6 +340,16 @@ class ShmRing:
                 p.unlink(missing_ok=True)
             for key in ("report", "manifest"):
                 self.paths[key].with_name(self.paths[key].name + ".tmp").unlink(missing_ok=True)
+
+
+_swept: set[Path] = set()
+
+
+def _sweep_once(shm_dir: Path) -> None:
+    """A writer's first ring in `shm_dir`: rings of killed runs go first (their writers dead, nobody mapping them)."""
+    if shm_dir not in _swept:
+        _swept.add(shm_dir)
+        sweep_rings(shm_dir)
 
 
 class ShmSpaceError(RuntimeError):

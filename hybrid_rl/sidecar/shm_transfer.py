@@ -6,7 +6,8 @@ started with `--weight-transfer-config '{"backend": "hybrid_rl_shm"}'` runs it i
 The trainer (or a pod's receiver) drives it over vLLM's own HTTP endpoints:
 
 * `POST /init_weight_transfer_engine {"init_info": {"namespace": ..., "timeout_s": ...}}`: map this TP
-  rank's ring (`shm_ring.py`), made by the writer;
+  rank's ring (`shm_ring.py`), made by the writer; the namespace must be the one the server was started
+  with (`HYBRID_RL_SHM_NAMESPACE`), and every request carries the run's token (`auth.py`);
 * `POST /start_weight_update`: read the shard manifest the writer left beside the ring (which bucket holds
   which TP slices, the probe columns, the update number); begin vLLM's layerwise reload where vLLM has
   repacked its weights (CPU), else land in place (`vllm_weights.py`);
@@ -20,11 +21,13 @@ The trainer (or a pod's receiver) drives it over vLLM's own HTTP endpoints:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 from vllm.distributed import get_tensor_model_parallel_rank
 
+from hybrid_rl.sidecar.auth import NAMESPACE_ENV
 from hybrid_rl.sidecar.shm_ring import ShmRing, read_manifest
 from hybrid_rl.sidecar.vllm_plugin import BACKEND  # noqa: F401 - the name this backend is registered under
 from hybrid_rl.weightsync.reshard import block_checksum, probe_for
@@ -59,6 +62,11 @@ class ShmTransfer(LandingEngine):
         self.manifest = None  # shm_ring.Manifest of the update in progress
 
     def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
+        # The namespace is fixed when the server starts (its environment): a request cannot point it at other rings.
+        pinned = os.environ.get(NAMESPACE_ENV, "")
+        if not pinned or init_info.namespace != pinned:
+            raise PermissionError(f"shared-memory namespace {init_info.namespace!r} refused: this server maps "
+                                  f"{pinned!r} only ({NAMESPACE_ENV} at its start)")
         if self.ring is not None:
             self.ring.close()
         self.ring = ShmRing.open_reader(init_info.namespace, get_tensor_model_parallel_rank(),

@@ -32,6 +32,17 @@ from pathlib import Path
 
 import requests
 
+from hybrid_rl.sidecar.auth import (
+    MIDDLEWARE,
+    NAMESPACE_ENV,
+    SECRET_ENV,
+    TOKEN_ENV,
+    SecretError,
+    auth_headers,
+    require_secret_for,
+    server_token,
+)
+from hybrid_rl.sidecar.leftovers import pidfile_of, stop_orphan, write_pidfile
 from hybrid_rl.sidecar.shm_reclaim import ShmReclaimer, group_pids
 from hybrid_rl.sidecar.vllm_plugin import BACKEND
 from hybrid_rl.weightsync.vllm_compat import lora_slot_rank
@@ -69,6 +80,7 @@ class ServerSpec:
     # > 0 (`model.lora.sync=adapter`): LoRA enabled, adapters up to this rank, loaded at run time by name
     max_lora_rank: int = 0
     max_loras: int = 1  # adapter versions one batch may mix (asynchronous runs keep older ones in flight)
+    namespace: str = ""  # the one shared-memory namespace its transfer backend will map (pinned at start)
 
     @property
     def url(self) -> str:
@@ -85,7 +97,9 @@ def server_command(spec: ServerSpec) -> list[str]:
            # Log-probs after temperature scaling: what the sampler drew from, and what the trainer recomputes.
            "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log",
            # /inference/v1/generate: token ids in and out, with the weight version that sampled each token
-           "--enable-scale-out"]
+           "--enable-scale-out",
+           # Every path needs the run's token (`auth.ServerGuard`; the token itself comes by environment)
+           "--middleware", MIDDLEWARE]
     # One worker, no TP group to set up. (On CPU vLLM turns `uni` into `mp` when the engine core runs in its own
     # process, as here, so the worker is a process of its own there too: `VLLM::Worker`.)
     if s.tp == 1:
@@ -110,7 +124,11 @@ def server_command(spec: ServerSpec) -> list[str]:
 
 def server_env(spec: ServerSpec | None = None, base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
-    env["VLLM_SERVER_DEV_MODE"] = "1"  # the RL endpoints
+    env["VLLM_SERVER_DEV_MODE"] = "1"  # the RL endpoints (every path guarded by the run's token: `auth.py`)
+    env.pop(SECRET_ENV, None)  # the server needs its token, not the key the run signs etcd values with
+    env[TOKEN_ENV] = server_token()
+    if spec is not None and spec.namespace:
+        env[NAMESPACE_ENV] = spec.namespace
     if spec is not None and spec.max_lora_rank:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # /v1/load_lora_adapter: each adapter version by name
     # The trainer runs vLLM in-process; a server runs its engine core in its own process, as vLLM intends.
@@ -187,13 +205,20 @@ class VLLMServer:
         if not port_free(self.spec.host, self.spec.port):
             raise ServerError(f"sidecar port {self.spec.port} on {self.spec.host} is taken by another process: "
                               "choose a free one with sidecar.port")
+        try:
+            require_secret_for(self.spec.host)
+        except SecretError as e:
+            raise ServerError(str(e)) from None
+        self.http.headers.update(auth_headers())  # the token the server gets below (the same run secret)
         Path(self.spec.log_path).parent.mkdir(parents=True, exist_ok=True)
+        stop_orphan(pidfile_of(self.spec.log_path))  # a server an earlier, killed trainer left running
         logf = open(self.spec.log_path, "ab")  # noqa: SIM115 - the child keeps it
         try:
             self.proc = subprocess.Popen(_die_with_parent(server_command(self.spec)), env=server_env(self.spec),
                                          stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
         finally:
             logf.close()
+        write_pidfile(pidfile_of(self.spec.log_path), self.proc.pid)
         self.starts += 1
         self._spawned_at = time.monotonic()
         self.shm.started(self.proc.pid)
@@ -242,6 +267,7 @@ class VLLMServer:
         _signal_group(self.proc.pid, signal.SIGKILL)  # stragglers of the group (workers)
         _wait_group(self.proc.pid)
         self.shm.reclaim()
+        pidfile_of(self.spec.log_path).unlink(missing_ok=True)
         self.proc = None
         self._announced = False
 

@@ -12,6 +12,7 @@ import requests
 
 from hybrid_rl.distributed.mesh import free_port
 from hybrid_rl.rollout.chat_template import ToolSuffix, detect_family
+from hybrid_rl.sidecar.auth import auth_headers
 from hybrid_rl.sidecar.black_box import load_agent, play
 from hybrid_rl.sidecar.chat_endpoint import ChatEndpoint
 from hybrid_rl.sidecar.completions import GENERATE, CompletionClient, Router, parse_choice, request_body
@@ -85,7 +86,7 @@ def test_an_openai_client_agent_is_recorded_as_the_ids_the_server_saw_and_stitch
             body = request_body(list(c.prompt_ids), sampling, 11 + k * 7919)
             body["sampling_params"]["max_tokens"] = len(c.output_ids)
             body["stream"] = False  # one JSON answer (the client streams, for its progress timeout)
-            again = parse_choice(requests.post(f"{server.url}{GENERATE}", json=body, timeout=120).json()["choices"][0])
+            again = parse_choice(requests.post(f"{server.url}{GENERATE}", json=body, headers=auth_headers(), timeout=120).json()["choices"][0])
             assert list(again.token_ids) == list(c.output_ids)
             assert again.logprobs == pytest.approx(list(c.logprobs), abs=1e-4)
         # Stitched: one trajectory of two model turns (mask exactly on the sampled ids), and the rewritten

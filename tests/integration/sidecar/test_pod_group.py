@@ -8,6 +8,7 @@ another pod's receiver).
 import multiprocessing as mp
 import time
 
+import pytest
 import torch
 
 from hybrid_rl.distributed.mesh import free_port
@@ -72,3 +73,45 @@ def test_a_pod_waits_for_the_next_update_longer_than_the_start_up_wait():
     for p in procs:
         p.join(timeout=60)
     assert got == [(0, {"update": 1}), (1, {"update": 1})]
+
+
+def _listeners(port: int) -> set[str]:
+    """The local addresses something listens on at `port` (from /proc/net/tcp and tcp6, state 0A = LISTEN)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, _, state = line.split()[1:4]
+                address, p = local.rsplit(":", 1)
+                if state == "0A" and int(p, 16) == port:
+                    found.add(address)
+    return found
+
+
+def test_the_store_listens_on_the_given_address_only():
+    store = pod_store("127.0.0.1", 0, member=0, tp=1, pods=2, timeout_s=10)
+    assert _listeners(store.port) == {"0100007F"}, "127.0.0.1 only, not every interface"
+    client = pod_store("127.0.0.1", store.port, member=1, tp=1, pods=2, timeout_s=10)
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+
+
+def _forger(port: int, size: int) -> None:
+    """A pod-group writer that announces a control message of `size` bytes (and sends nothing after it)."""
+    store = pod_store("127.0.0.1", port, member=0, tp=1, pods=2, timeout_s=30)
+    group = PodGroup(store, member=0, tp=1, pods=2, timeout_s=30)
+    group.broadcast(0, torch.tensor([size], dtype=torch.int64))
+    time.sleep(2)
+
+
+def test_a_header_announcing_a_huge_size_is_refused_before_any_allocation():
+    ctx, port = mp.get_context("spawn"), free_port()
+    forger = ctx.Process(target=_forger, args=(port, 2**50))
+    forger.start()
+    try:
+        store = pod_store("127.0.0.1", port, member=1, tp=1, pods=2, timeout_s=30)
+        group = PodGroup(store, member=1, tp=1, pods=2, timeout_s=30)
+        with pytest.raises(ValueError, match=f"{2**50} bytes announced .* refused"):
+            group.broadcast_json(0)
+    finally:
+        forger.join(60)

@@ -48,6 +48,7 @@ from hybrid_rl.config import load_config  # noqa: E402
 from hybrid_rl.distributed.collectives import all_gather_object, barrier  # noqa: E402
 from hybrid_rl.model.loading import DTYPES  # noqa: E402
 from hybrid_rl.model.lora import gather_adapter, is_lora, merge_full_state_dict  # noqa: E402
+from hybrid_rl.sidecar.auth import auth_headers  # noqa: E402
 from hybrid_rl.sidecar.completions import CompletionClient, Router  # noqa: E402
 from hybrid_rl.sidecar.vllm_server import kv_capacity_from_metrics  # noqa: E402
 from hybrid_rl.train import setup_logging  # noqa: E402
@@ -94,10 +95,10 @@ def greedy_check(c, cfg, trainer) -> dict:
             out["hf"].append(g[0, len(r.prompt_ids):].tolist())
         out["server_version"] = c.rollout.sidecar.server.weight_version()
         out["served"] = {url: served(url) for url in servers}  # by the trainer's rollouts and the check above
-        out["kv_tokens"] = {url: kv_capacity_from_metrics(requests.get(f"{url}/metrics", timeout=30).text)
+        out["kv_tokens"] = {url: kv_capacity_from_metrics(requests.get(f"{url}/metrics", headers=auth_headers(), timeout=30).text)
                             for url in servers}
         out["own_server"] = c.rollout.sidecar.server.url
-        out["models"] = {url: sorted(m["id"] for m in requests.get(f"{url}/v1/models", timeout=30).json()["data"])
+        out["models"] = {url: sorted(m["id"] for m in requests.get(f"{url}/v1/models", headers=auth_headers(), timeout=30).json()["data"])
                          for url in servers}  # the base and the adapter versions each server lists
         out["per_server"], out["per_server_logprob_diff"] = {}, {}
         client = CompletionClient(max_inflight=4, progress_timeout_s=300)
@@ -133,7 +134,7 @@ def logprob_diff(hf, prompt: list[int], g, temperature: float) -> float:
 
 def served(url: str) -> float:
     """Generation requests the server finished (its Prometheus counter, every finish reason)."""
-    text = requests.get(f"{url}/metrics", timeout=30).text
+    text = requests.get(f"{url}/metrics", headers=auth_headers(), timeout=30).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("vllm:request_success_total{"))
 

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from hybrid_rl.sidecar.auth import MIDDLEWARE, NAMESPACE_ENV, SECRET_ENV, TOKEN_ENV, run_secret, server_token
 from hybrid_rl.sidecar.completions import UNAVAILABLE, Router, parse_choice, request_body
 from hybrid_rl.sidecar.server_adapter import AdapterFolders
 from hybrid_rl.sidecar.vllm_plugin import BACKEND
@@ -14,6 +15,7 @@ from hybrid_rl.sidecar.vllm_server import (
     SERVED_MODEL,
     ServerError,
     ServerSpec,
+    VLLMServer,
     _die_with_parent,
     server_command,
     server_env,
@@ -41,10 +43,21 @@ def test_the_server_starts_from_dummy_weights_with_the_projects_transfer_backend
     tp2 = server_command(_spec(tp=2, cuda=True, sleep_mode=True, kv_cache_gb=None, gpu_memory_utilization=0.4))
     assert "--distributed-executor-backend" not in tp2 and "--no-enable-chunked-prefill" not in tp2
     assert "--enable-sleep-mode" in tp2 and tp2[tp2.index("--gpu-memory-utilization") + 1] == "0.4"
-    env = server_env(base={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "X": "1"})
-    assert env == {"X": "1", "VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "INFO"}
+    assert cmd[cmd.index("--middleware") + 1] == MIDDLEWARE  # every path needs the run's token
+    env = server_env(base={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "X": "1", SECRET_ENV: "k" * 64})
+    assert env == {"X": "1", "VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "INFO", TOKEN_ENV: server_token()}
+    assert server_env(_spec(namespace="hrl-x"), base={})[NAMESPACE_ENV] == "hrl-x"
+    assert not any(server_token() in a or run_secret() in a for a in cmd), "no secret on the command line"
     wrapped = _die_with_parent(cmd)
     assert wrapped[-len(cmd):] == cmd and (wrapped == cmd or wrapped[1:3] == ["--pdeathsig", "TERM"])
+
+
+def test_a_server_reachable_from_other_machines_needs_the_run_secret(monkeypatch, tmp_path):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    server = VLLMServer(_spec(host="192.0.2.2", port=1, log_path=str(tmp_path / "s.log")))
+    with pytest.raises(ServerError, match="sidecar.host=192.0.2.2 is reachable from other machines.*no run secret"):
+        server.spawn()
+    assert server.proc is None and not (tmp_path / "s.log").exists()
 
 
 def test_a_generate_request_sends_token_ids_and_reads_ids_logprobs_and_weight_versions():
