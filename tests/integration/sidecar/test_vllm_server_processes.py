@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from hybrid_rl.sidecar.auth import SECRET_ENV
 from hybrid_rl.sidecar.shm_reclaim import ShmReclaimer
-from hybrid_rl.sidecar.vllm_server import ServerError, check_python, port_free
+from hybrid_rl.sidecar.vllm_server import ServerError, VLLMServer, check_python, port_free
+from tests.unit.sidecar.test_vllm_server import _spec
 
 
 def test_checks_before_start():
@@ -53,3 +55,11 @@ def test_a_killed_servers_shared_memory_is_reclaimed_and_nothing_else(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         foreign.unlink(missing_ok=True)
+
+
+def test_a_server_reachable_from_other_machines_needs_the_run_secret(monkeypatch, tmp_path):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    server = VLLMServer(_spec(host="192.0.2.2", port=1, log_path=str(tmp_path / "s.log")))
+    with pytest.raises(ServerError, match="sidecar.host=192.0.2.2 is reachable from other machines.*no run secret"):
+        server.spawn()
+    assert server.proc is None and not (tmp_path / "s.log").exists()

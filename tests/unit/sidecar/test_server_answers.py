@@ -4,6 +4,7 @@ import socket
 
 import pytest
 
+from hybrid_rl.rollout.chat_template import FAMILIES
 from hybrid_rl.sidecar.agent import episode_id
 from hybrid_rl.sidecar.chat_endpoint import MAX_BODY_BYTES, ChatEndpoint
 from hybrid_rl.sidecar.completions import CompletionClient, parse_choice, parse_stream
@@ -33,7 +34,7 @@ def test_an_answer_a_correct_server_cannot_give_is_refused():
 
 def test_the_chat_endpoint_refuses_a_huge_body_unread_and_episode_ids_carry_128_bits():
     client = CompletionClient(max_inflight=1, progress_timeout_s=5)
-    endpoint = ChatEndpoint(client, tokenizer=None, family=None)
+    endpoint = ChatEndpoint(client, tokenizer=None, family=FAMILIES["chatml"])  # the body is refused before either is read
     try:
         host, port = endpoint._http.server_address[:2]
         with socket.create_connection((host, port), timeout=10) as s:
