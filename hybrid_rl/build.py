@@ -41,7 +41,7 @@ from hybrid_rl.model.optimizers import build_optimizer
 from hybrid_rl.plan_inputs import detect_device, plan_for, training_records
 from hybrid_rl.planner.result import MemoryPlan
 from hybrid_rl.planner.table import render, verdict
-from hybrid_rl.planner.vllm_memory import auto_gpu_memory_utilization, plan_sync_reserve, sync_reserve_bytes
+from hybrid_rl.planner.vllm_memory import measured_share, plan_sync_reserve
 from hybrid_rl.rewards import RewardPool, Rubric, RubricItem, resolve_reward
 from hybrid_rl.rollout.agentic import AgentSetup
 from hybrid_rl.rollout.base import RolloutWorker
@@ -64,6 +64,7 @@ from hybrid_rl.sidecar.shm_ring import ShmSpaceError, check_space
 from hybrid_rl.sidecar.sidecar_server import Sidecar
 from hybrid_rl.sidecar.vllm_server import ServerError, ServerSpec, check_python, port_free
 from hybrid_rl.types import Head
+from hybrid_rl.utils.memory import gpus_free_bytes
 from hybrid_rl.utils.schedule import lr_multiplier
 from hybrid_rl.weightsync.layout import Layout, ModelDims, check_architecture
 from hybrid_rl.weightsync.source import ModuleWeights
@@ -123,6 +124,8 @@ def build(cfg: Config) -> Components:
     # With LoRA the reference is the actor's own frozen base (adapter disabled): no second copy.
     reference = _frozen(cfg.model.path, "lm", cfg, dims) if a.use_reference and not cfg.model.lora.rank else None
     critic = _critic(cfg, dims) if a.use_critic else None
+    if critic is not None:  # its optimizer state, once created, stays on the device through rollouts unless offloaded
+        rollout.keep_room_for(critic.optimizer, cfg.offload.critic)
     rm = _frozen(cfg.reward.model_path, "score", cfg, dims) if cfg.reward.model_path else None
     return Components(cfg, dims, tokenizer, actor, rollout, loader, val_records, rewards, reference, critic, rm,
                       offload, plan, run_id=rollout.run_id if isinstance(rollout, SidecarRollout) else "")
@@ -449,7 +452,8 @@ def _sidecar_plain(cfg: Config, dims: ParallelDims, actor: Model, offload: Offlo
                            groups=servers, host=sc.host if node == 0 else socket.getfqdn())
         cuda_auto = spec.cuda and spec.gpu_memory_utilization is None
         sidecar = Sidecar(spec, etcd, pod=0, index=index, ttl_s=sc.lease_ttl_s, start_timeout_s=sc.start_timeout_s,
-                          prepare=partial(measured_utilization, bucket_bytes=int(r.bucket_mb * 2**20))
+                          prepare=partial(measured_utilization, reserve_bytes=plan_sync_reserve(plan.inputs),
+                                          world=dims.world)
                           if cuda_auto else None)
         if not cuda_auto:
             sidecar.start(wait=False)  # it loads while the trainer builds its models; the first session waits
@@ -487,19 +491,25 @@ def _sidecar_plain(cfg: Config, dims: ParallelDims, actor: Model, offload: Offlo
                           adapter_timeout_s=sc.update_timeout_s)
 
 
-def measured_utilization(spec: ServerSpec, *, bucket_bytes: int, mem_get_info=None) -> ServerSpec:
-    """CUDA, `rollout.gpu_memory_utilization=0` (auto): the server's `--gpu-memory-utilization` is the share of its
-    first GPU free now (the trainer's models placed) less the weight sync's reserve, at most vLLM's own default;
-    without it vLLM would ask for 90% of GPUs the trainer is using."""
-    free, total = (mem_get_info or torch.cuda.mem_get_info)()
-    util = auto_gpu_memory_utilization(free, total, sync_reserve_bytes(bucket_bytes))
+def measured_utilization(spec: ServerSpec, state_to_come: int, *, reserve_bytes: int, world: int,
+                         mem_get_info=None) -> ServerSpec:
+    """CUDA, `rollout.gpu_memory_utilization=0` (auto): the server's `--gpu-memory-utilization`, by the colocated
+    engine's rule (`planner/vllm_memory.measured_share`) applied to its TP group's GPUs as they are now (the
+    trainer's models placed): the least free, less the optimizer state still to come (`state_to_come`) and NCCL's
+    point-to-point connections, less `reserve_bytes` (the sync's reserve and the safety margin), at most vLLM's own
+    default; without it vLLM would ask for 90% of GPUs the trainer is using. `mem_get_info(count)`: the free bytes
+    of the group's GPUs and their total (`utils/memory.gpus_free_bytes`)."""
+    free, total = (mem_get_info or gpus_free_bytes)(spec.tp)
+    util = measured_share(free, total, state_to_come=state_to_come, world=world, reserve_bytes=reserve_bytes)
     if util <= 0:
-        raise ServerError(f"rollout.gpu_memory_utilization=auto: only {free / 2**30:.1f} of the GPU's {total / 2**30:.1f} "
-                          "GiB are free once the trainer's models are placed, too little for the vLLM sidecar: offload "
-                          "more of the trainer (offload.*), give the servers their own GPUs, or set "
-                          "rollout.gpu_memory_utilization")
-    log.info("vLLM sidecar: --gpu-memory-utilization %.2f (%.1f of %.1f GiB free at its start)", util, free / 2**30,
-             total / 2**30)
+        raise ServerError(f"rollout.gpu_memory_utilization=auto: only {min(free) / 2**30:.1f} of the GPU's "
+                          f"{total / 2**30:.1f} GiB are free once the trainer's models are placed, "
+                          f"{state_to_come / 2**30:.1f} GiB of it for optimizer state to come, "
+                          f"{reserve_bytes / 2**30:.1f} GiB kept for the sync and the safety margin: too little for "
+                          "the vLLM sidecar: offload more of the trainer (offload.*), give the servers their own GPUs, "
+                          "or set rollout.gpu_memory_utilization")
+    log.info("vLLM sidecar: --gpu-memory-utilization %.2f (%.1f of %.1f GiB free at its start, %.1f GiB of it for "
+             "optimizer state to come)", util, min(free) / 2**30, total / 2**30, state_to_come / 2**30)
     return dataclasses.replace(spec, gpu_memory_utilization=util)
 
 
