@@ -130,7 +130,8 @@ class VLLMEngine:
         """Build `vllm.LLM` from dummy weights (no second read of the checkpoint).
 
         `pending_bytes`: device memory the trainer will hold at every later rollout but does not hold yet
-        (AdamW's state before the first step): the automatic share leaves room for it (`gpu_utilization`).
+        (the actor's and critic's optimizer state before their first steps): the automatic share leaves room for
+        it (`gpu_utilization`).
         """
         assert self.llm is None, "vLLM engine already started"
         from vllm import LLM
