@@ -130,6 +130,8 @@ def build(cfg: Config) -> Components:
     # With LoRA the reference is the actor's own frozen base (adapter disabled): no second copy.
     reference = _frozen(cfg.model.path, "lm", cfg, dims) if a.use_reference and not cfg.model.lora.rank else None
     critic = _critic(cfg, dims) if a.use_critic else None
+    if critic is not None:  # its optimizer state, once created, stays on the device through rollouts unless offloaded
+        rollout.keep_room_for(critic.optimizer, cfg.offload.critic)
     rm = _frozen(cfg.reward.model_path, "score", cfg, dims) if cfg.reward.model_path else None
     settings = trainer_settings(cfg, world=dims.world, distil_only=rewards is None and rm is None)
     return Components(settings=settings, dims=dims, tokenizer=tokenizer, actor=actor,

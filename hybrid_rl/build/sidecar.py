@@ -27,7 +27,7 @@ from hybrid_rl.model.handle import Model
 from hybrid_rl.model.loading import DTYPES
 from hybrid_rl.model.lora import BaseWeights, LoraWeights, is_lora
 from hybrid_rl.planner.result import MemoryPlan
-from hybrid_rl.planner.vllm_memory import auto_gpu_memory_utilization, sync_reserve_bytes
+from hybrid_rl.planner.vllm_memory import measured_share, plan_sync_reserve
 from hybrid_rl.sidecar.agent import AgentSidecar
 from hybrid_rl.sidecar.auth import share_run_secret
 from hybrid_rl.sidecar.black_box import load_agent
@@ -44,6 +44,7 @@ from hybrid_rl.sidecar.server_adapter import AdapterPublisher
 from hybrid_rl.sidecar.shm_ring import ShmSpaceError, check_space
 from hybrid_rl.sidecar.sidecar_server import Sidecar
 from hybrid_rl.sidecar.vllm_server import ServerError, ServerSpec, check_python, port_free
+from hybrid_rl.utils.memory import gpus_free_bytes
 from hybrid_rl.weightsync.layout import Layout, ModelDims
 from hybrid_rl.weightsync.source import ModuleWeights
 
@@ -212,7 +213,8 @@ def _sidecar_plain(cfg: Config, dims: ParallelDims, actor: Model, offload: Offlo
                            namespace=sidecar_namespace(cfg, 0, index, run_id, nonce))
         cuda_auto = spec.cuda and spec.gpu_memory_utilization is None
         sidecar = Sidecar(spec, etcd, pod=0, index=index, ttl_s=sc.lease_ttl_s, start_timeout_s=sc.start_timeout_s,
-                          prepare=partial(measured_utilization, bucket_bytes=int(r.bucket_mb * 2**20))
+                          prepare=partial(measured_utilization, reserve_bytes=plan_sync_reserve(plan.inputs),
+                                          world=dims.world)
                           if cuda_auto else None)
         if not cuda_auto:
             sidecar.start(wait=False)  # it loads while the trainer builds its models; the first session waits
@@ -258,19 +260,25 @@ def run_id_of(worker) -> str:
     return worker.run_id if isinstance(worker, SidecarRollout) else ""
 
 
-def measured_utilization(spec: ServerSpec, *, bucket_bytes: int, mem_get_info=None) -> ServerSpec:
-    """CUDA, `rollout.gpu_memory_utilization=0` (auto): the server's `--gpu-memory-utilization` is the share of its
-    first GPU free now (the trainer's models placed) less the weight sync's reserve, at most vLLM's own default;
-    without it vLLM would ask for 90% of GPUs the trainer is using."""
-    free, total = (mem_get_info or torch.cuda.mem_get_info)()
-    util = auto_gpu_memory_utilization(free, total, sync_reserve_bytes(bucket_bytes))
+def measured_utilization(spec: ServerSpec, state_to_come: int, *, reserve_bytes: int, world: int,
+                         mem_get_info=None) -> ServerSpec:
+    """CUDA, `rollout.gpu_memory_utilization=0` (auto): the server's `--gpu-memory-utilization`, by the colocated
+    engine's rule (`planner/vllm_memory.measured_share`) applied to its TP group's GPUs as they are now (the
+    trainer's models placed): the least free, less the optimizer state still to come (`state_to_come`) and NCCL's
+    point-to-point connections, less `reserve_bytes` (the sync's reserve and the safety margin), at most vLLM's own
+    default; without it vLLM would ask for 90% of GPUs the trainer is using. `mem_get_info(count)`: the free bytes
+    of the group's GPUs and their total (`utils/memory.gpus_free_bytes`)."""
+    free, total = (mem_get_info or gpus_free_bytes)(spec.tp)
+    util = measured_share(free, total, state_to_come=state_to_come, world=world, reserve_bytes=reserve_bytes)
     if util <= 0:
-        raise ServerError(f"rollout.gpu_memory_utilization=auto: only {free / 2**30:.1f} of the GPU's {total / 2**30:.1f} "
-                          "GiB are free once the trainer's models are placed, too little for the vLLM sidecar: offload "
-                          "more of the trainer (offload.*), give the servers their own GPUs, or set "
-                          "rollout.gpu_memory_utilization")
-    log.info("vLLM sidecar: --gpu-memory-utilization %.2f (%.1f of %.1f GiB free at its start)", util, free / 2**30,
-             total / 2**30)
+        raise ServerError(f"rollout.gpu_memory_utilization=auto: only {min(free) / 2**30:.1f} of the GPU's "
+                          f"{total / 2**30:.1f} GiB are free once the trainer's models are placed, "
+                          f"{state_to_come / 2**30:.1f} GiB of it for optimizer state to come, "
+                          f"{reserve_bytes / 2**30:.1f} GiB kept for the sync and the safety margin: too little for "
+                          "the vLLM sidecar: offload more of the trainer (offload.*), give the servers their own GPUs, "
+                          "or set rollout.gpu_memory_utilization")
+    log.info("vLLM sidecar: --gpu-memory-utilization %.2f (%.1f of %.1f GiB free at its start, %.1f GiB of it for "
+             "optimizer state to come)", util, min(free) / 2**30, total / 2**30, state_to_come / 2**30)
     return dataclasses.replace(spec, gpu_memory_utilization=util)
 
 

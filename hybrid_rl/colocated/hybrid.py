@@ -36,10 +36,10 @@ from hybrid_rl.distributed.mesh import ParallelDims
 from hybrid_rl.distributed.offload import (
     OffloadManager,
     grad_tensors,
-    optimizer_state_to_come,
     optimizer_tensors,
     param_tensors,
 )
+from hybrid_rl.model.optimizers import resident_state_to_come
 from hybrid_rl.types import Generation, Sampling
 from hybrid_rl.utils import memory
 from hybrid_rl.weightsync.reshard import (
@@ -96,6 +96,16 @@ class HybridEngine:
         self._path: str | None = None
         self._vllm_current = False  # vLLM holds the weights of the last sync (so only changes need sending)
         self._verbose = True  # log the first round trip's checklist at INFO
+        # Optimizers whose state is on the device during rollouts, with where it goes for them (`offload.*`):
+        # the actor's, and the critic's once built (`keep_room_for`).
+        self._resident: list[tuple[torch.optim.Optimizer, str]] = []
+        if self.optimizer is not None:
+            self._resident.append((self.optimizer, options.offload_optim))
+
+    def keep_room_for(self, optimizer: torch.optim.Optimizer, offload: str) -> None:
+        """Another optimizer whose state stays on the device through rollouts unless `offload` moves it (the
+        critic's, `offload.critic`): vLLM's automatic share leaves room for the state it has yet to create."""
+        self._resident.append((optimizer, offload))
 
     # -- modes -----------------------------------------------------------------------------------
 
@@ -159,11 +169,10 @@ class HybridEngine:
         self._verbose = False
 
     def _state_to_come(self) -> int:
-        """Device memory the trainer does not hold yet but will at every later rollout: AdamW's state before the
-        first step, unless `offload.actor_optim` moves it off the device for rollouts."""
-        if self.optimizer is None or (self.device.type == "cuda" and self.options.offload_optim != "none"):
-            return 0
-        return optimizer_state_to_come(self.optimizer)
+        """Device memory the trainer does not hold yet but will at every later rollout: the state of each resident
+        optimizer (the actor's, the critic's) before its first step, unless its `offload.*` moves it off the
+        device for rollouts."""
+        return resident_state_to_come(self._resident, self.device)
 
     def _reload_train_state(self) -> None:
         for name in ("actor.params", "actor.grads", "actor.optim"):

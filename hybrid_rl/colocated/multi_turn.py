@@ -38,6 +38,9 @@ class MultiTurnRollout:
     def session(self, version: int | None = None):
         return self.sampler.session(version)
 
+    def keep_room_for(self, optimizer, offload: str) -> None:
+        self.sampler.keep_room_for(optimizer, offload)
+
     def last_sync(self) -> SyncReport:
         return self.sampler.last_sync()
 

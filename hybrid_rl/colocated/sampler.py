@@ -33,6 +33,9 @@ class Sampler:
         syncs: colocated vLLM never keeps weights across a switch it did not make itself)."""
         return self.engine.rollout_mode()
 
+    def keep_room_for(self, optimizer, offload: str) -> None:
+        self.engine.keep_room_for(optimizer, offload)
+
     def last_sync(self) -> SyncReport:
         seconds = self.engine.report.seconds
         sync = ("sync_weights", "sync_adapter")  # the adapter's own step with `model.lora.sync=adapter`

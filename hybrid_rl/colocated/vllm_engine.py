@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 
 from hybrid_rl.colocated.cpu_shm import ShmLedger
+from hybrid_rl.planner.trainer_memory import nccl_p2p_bytes
 from hybrid_rl.planner.units import GIB
-from hybrid_rl.planner.vllm_memory import auto_gpu_memory_utilization
+from hybrid_rl.planner.vllm_memory import measured_share
 from hybrid_rl.types import Generation, Sampling
 from hybrid_rl.weightsync import vllm_compat
 from hybrid_rl.weightsync.layout import TPSlice
@@ -129,7 +130,8 @@ class VLLMEngine:
         """Build `vllm.LLM` from dummy weights (no second read of the checkpoint).
 
         `pending_bytes`: device memory the trainer will hold at every later rollout but does not hold yet
-        (AdamW's state before the first step): the automatic share leaves room for it (`gpu_utilization`).
+        (the actor's and critic's optimizer state before their first steps): the automatic share leaves room for
+        it (`gpu_utilization`).
         """
         assert self.llm is None, "vLLM engine already started"
         from vllm import LLM
@@ -199,7 +201,8 @@ class VLLMEngine:
     def gpu_utilization(self, pending_bytes: int = 0) -> float:
         """The configured share, or (auto) the rule the memory planner applies (`planner/vllm_memory.vllm_utilization`):
         the memory free when vLLM first starts, less what the trainer will hold at every later rollout but
-        does not hold yet (`pending_bytes`: AdamW's state before the first step), less the sync's reserve.
+        does not hold yet (`pending_bytes`: the actor's and critic's optimizer state before their first steps;
+        NCCL's point-to-point connections), less the sync's reserve (`planner/vllm_memory.measured_share`).
 
         Measured once, at the first start (the optimizer state already offloaded when configured): vLLM's own
         start-up check wants `utilization x total` free, and every later wake-up of its KV cache must find
@@ -213,19 +216,22 @@ class VLLMEngine:
                 t = torch.tensor([free], dtype=torch.int64, device="cuda")
                 dist.all_reduce(t, op=dist.ReduceOp.MIN)
                 free = int(t.item())
-            later = free - pending_bytes
-            util = auto_gpu_memory_utilization(later, total, self.spec.sync_reserve_bytes)
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            util = measured_share([free], total, state_to_come=pending_bytes, world=world,
+                                  reserve_bytes=self.spec.sync_reserve_bytes)
             if util < MIN_AUTO_UTILIZATION:
                 raise RuntimeError(
                     f"rollout.gpu_memory_utilization=auto: only {free / GIB:.1f} of the GPU's {total / GIB:.1f} GiB "
                     f"are free when vLLM starts (the trainer holds the rest), {pending_bytes / GIB:.1f} GiB of that "
-                    f"go to AdamW's state at the first step and {self.spec.sync_reserve_bytes / GIB:.1f} GiB stay "
+                    f"go to optimizer state at the first steps, {nccl_p2p_bytes(world) / GIB:.1f} GiB to NCCL's "
+                    f"point-to-point connections and {self.spec.sync_reserve_bytes / GIB:.1f} GiB stay "
                     "reserved for the weight sync and the safety margin, so vLLM would get nothing. Offload more "
-                    "(offload.actor_optim=cpu, offload.reference=cpu, ...) or set rollout.gpu_memory_utilization; "
+                    "(offload.actor_optim=cpu, offload.critic=cpu, ...) or set rollout.gpu_memory_utilization; "
                     "`python -m hybrid_rl.plan` shows what each item takes.")
             log.info("rollout.gpu_memory_utilization=auto: %.2f (%.1f of %.1f GiB free at vLLM's start, %.1f GiB of "
-                     "it for AdamW's state to come, %.1f GiB kept for the weight sync and the safety margin)", util,
-                     free / GIB, total / GIB, pending_bytes / GIB, self.spec.sync_reserve_bytes / GIB)
+                     "it for optimizer state to come, %.1f GiB for NCCL's point-to-point connections, %.1f GiB kept "
+                     "for the weight sync and the safety margin)", util, free / GIB, total / GIB, pending_bytes / GIB,
+                     nccl_p2p_bytes(world) / GIB, self.spec.sync_reserve_bytes / GIB)
             self._utilization = util
         return self._utilization
 

@@ -108,19 +108,6 @@ class _Component:
     pinned: bool = False  # "cpu" from an accelerator: pinned buffers, asynchronous copies
 
 
-def optimizer_state_to_come(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of AdamW state not created yet: two moments (`zeros_like` of the param's local shard) for every
-    trainable parameter without state. torch creates them in the first `optimizer.step()`; what is planned
-    around them before then (vLLM's share of the GPU) must count them, or the next rollout cannot fit."""
-    total = 0
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.requires_grad and not optimizer.state.get(p):
-                local = p.to_local() if hasattr(p, "to_local") else p
-                total += 2 * local.numel() * local.element_size()
-    return total
-
-
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The optimizer's state tensors (Adam moments, even of a one-element bias); the 0-dim `step` counters stay put.
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -69,10 +70,36 @@ OPTIMIZERS: dict[str, OptimizerKind] = {
 }
 
 
+_KINDS: weakref.WeakKeyDictionary[torch.optim.Optimizer, OptimizerKind] = weakref.WeakKeyDictionary()
+
+
 def build_optimizer(name: str, params: Iterable[torch.nn.Parameter], *, lr: float, betas: Iterable[float],
                     weight_decay: float = 0.0) -> torch.optim.Optimizer:
     b = tuple(betas)
-    return OPTIMIZERS[name].build(list(params), Settings(lr, (b[0], b[1]), weight_decay))
+    optimizer = OPTIMIZERS[name].build(list(params), Settings(lr, (b[0], b[1]), weight_decay))
+    _KINDS[optimizer] = OPTIMIZERS[name]
+    return optimizer
+
+
+def state_to_come(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state not created yet: the moments of every trainable parameter without state, at the
+    size its kind stores them (`state_bytes` of the local shard: 8-bit moments at about a quarter of AdamW's).
+    torch and torchao create them in the first `step()`; what is planned around them before then (vLLM's share
+    of the GPU) must count them, or the next rollout cannot fit. An optimizer not built here counts as AdamW."""
+    kind = _KINDS.get(optimizer, OPTIMIZERS["adamw"])
+    total = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and not optimizer.state.get(p):
+                total += kind.state_bytes((p.to_local() if hasattr(p, "to_local") else p).numel())
+    return total
+
+
+def resident_state_to_come(resident: Iterable[tuple[torch.optim.Optimizer, str]], device: torch.device) -> int:
+    """`state_to_come` of the optimizers whose state will be on `device` during rollouts: of `(optimizer, offload
+    target)` pairs (the actor's with `offload.actor_optim`, the critic's with `offload.critic`), those not moved off
+    a GPU for rollouts (`none`; on CPU offloading frees nothing a share is measured from)."""
+    return sum(state_to_come(opt) for opt, offload in resident if device.type != "cuda" or offload == "none")
 
 
 def _torchao_adamw8bit() -> type[torch.optim.Optimizer]:

@@ -16,7 +16,7 @@ from hybrid_rl.planner.phases import step_phases
 from hybrid_rl.planner.result import Fix, MemoryPlan, Phase
 from hybrid_rl.planner.trainer_memory import host_offload_bytes
 from hybrid_rl.planner.units import GIB, fmt
-from hybrid_rl.planner.vllm_memory import kv_cache_bytes, plan_sync_reserve, vllm_utilization
+from hybrid_rl.planner.vllm_memory import kv_cache_bytes, plan_sync_reserve, vllm_host_bytes, vllm_utilization
 
 # What each kind of change costs in speed, cheapest first (the order fixes are tried and listed in).
 COST = {
@@ -149,10 +149,10 @@ def notes_for(plan: MemoryPlan, first_rollout: Phase | None) -> Iterator[str]:
     for name in ("actor_params", "actor_grads", "actor_optim", *OFFLOADABLE):
         if getattr(x.offload, name) == "cpu" and x.device.kind == "cpu":
             yield f"offload.{name}=cpu frees nothing on a CPU-only device (use disk)"
-    host = host_offload_bytes(x)
+    host = host_offload_bytes(x) | vllm_host_bytes(x)
     if host:
         parts = ", ".join(f"{k} {fmt(v)}" for k, v in host.items())
-        yield (f"host memory per rank: {fmt(sum(host.values()))} of pinned offload buffers ({parts}), held for the "
+        yield (f"host memory per rank: {fmt(sum(host.values()))} of pinned buffers ({parts}), held for the "
                "run; a node needs that times its local ranks beyond the processes themselves")
     if x.offload.actor_grads != "none":
         yield ("offload.actor_grads has nothing to move: gradients are freed after every optimizer step "
@@ -181,9 +181,10 @@ def _kv_note(x: PlanInputs) -> Iterator[str]:
     capacity = kv_cache_bytes(x) // per_token
     if r.kv_cache_bytes is None and r.gpu_memory_utilization is None:
         yield (f"rollout.gpu_memory_utilization=auto: {vllm_utilization(x):.2f} of the device, the memory the trainer "
-               f"leaves free at the first sync (AdamW's state counted: it is resident at every later rollout) less "
-               f"{fmt(plan_sync_reserve(x))} for the sync and the safety margin; at run time the same rule is applied to the memory "
-               "measured when vLLM starts, less AdamW's state still to come")
+               f"leaves free at the first sync (the actor's and critic's optimizer state counted unless offloaded: it is "
+               f"resident at every later rollout) less {fmt(plan_sync_reserve(x))} for the sync and the safety margin; at "
+               "run time, in both deployments, the same rule is applied to the memory measured when vLLM starts, less "
+               "the optimizer state still to come and NCCL's point-to-point connections")
     line = f"KV cache {fmt(kv_cache_bytes(x))} holds {capacity} tokens per TP group"
     if r.max_model_len and capacity < r.max_model_len:
         line += f"; fewer than one sequence of max_model_len={r.max_model_len}: vLLM will refuse to start"

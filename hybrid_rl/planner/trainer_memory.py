@@ -24,6 +24,10 @@ CUDA_CONTEXT_BYTES = int(0.6 * GIB)  # CUDA context + torch's and NCCL's kernels
 # channels (the resharder's all-to-all); with rollout.tp > 1 vLLM's TP group twice (its PyNccl communicator and
 # torch's group), plus vLLM's custom all-reduce IPC buffers.
 NCCL_COMMUNICATOR_BYTES = int(0.3 * GIB)
+# The resharder's all-to-all connects each rank to every peer point to point, lazily, inside the first weight sync
+# (after vLLM measured its share): per peer NCCL_BUFFSIZE (4 MiB) x send/recv x its point-to-point channels
+# (typically 4 on NVLink). A typical figure, like the two above.
+NCCL_P2P_PER_PEER_BYTES = 32 * 2**20
 VLLM_CUSTOM_ALLREDUCE_BYTES = 64 * 2**20
 
 
@@ -93,8 +97,11 @@ def process_items(x: PlanInputs, phase: str) -> list[Item]:
     """The rank's process itself: on CPU its host memory before any model (and vLLM's import once started),
     on CUDA the context and NCCL buffers."""
     if x.device.kind == "cuda":
-        return [Item("process", "CUDA context and kernels (typical)", CUDA_CONTEXT_BYTES),
-                Item("process", f"NCCL: {nccl_communicators(x)} communicators (typical)", nccl_bytes(x))]
+        items = [Item("process", "CUDA context and kernels (typical)", CUDA_CONTEXT_BYTES),
+                 Item("process", f"NCCL: {nccl_communicators(x)} communicators (typical)", nccl_bytes(x))]
+        if p2p := nccl_p2p_bytes(x.world):
+            items.append(Item("process", f"NCCL p2p, {x.world - 1} peers (typical)", p2p))
+        return items
     vllm = x.rollout.enabled and phase != "startup"
     what = "python, torch, transformers" + (", vllm" if vllm else "")
     return [Item("process", what, CPU_PROCESS_BYTES + (CPU_VLLM_IMPORT_BYTES if vllm else 0))]
@@ -104,6 +111,12 @@ def nccl_communicators(x: PlanInputs) -> int:
     """NCCL communicators a rank holds (see `NCCL_COMMUNICATOR_BYTES`): none in a world of one."""
     trainer = 2 if x.world > 1 else 0
     return trainer + (2 if x.rollout.enabled and x.rollout.tp > 1 else 0)
+
+
+def nccl_p2p_bytes(world: int) -> int:
+    """The all-to-all's point-to-point connections of one rank (`NCCL_P2P_PER_PEER_BYTES` per peer), made in the
+    first weight sync: after vLLM's share is measured, so the share keeps room for them (`vllm_memory.measured_share`)."""
+    return max(world - 1, 0) * NCCL_P2P_PER_PEER_BYTES
 
 
 def nccl_bytes(x: PlanInputs) -> int:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 
 from hybrid_rl.planner.inputs import ModelSpec, PlanInputs
 from hybrid_rl.planner.result import Item, safety_margin_bytes
-from hybrid_rl.planner.trainer_memory import dtype_label, process_items, trainer_items
+from hybrid_rl.planner.trainer_memory import dtype_label, nccl_p2p_bytes, process_items, trainer_items
 from hybrid_rl.planner.units import GIB
 
 # What a started vLLM adds on CPU beyond its weights and KV cache (CPU kernels' workspace and packed-weight overhead,
@@ -68,6 +69,19 @@ def auto_gpu_memory_utilization(free_bytes: int, total_bytes: int, reserve_bytes
     own default). Zero or less means vLLM cannot start; callers say so."""
     share = (free_bytes - reserve_bytes) / total_bytes
     return min(MAX_AUTO_UTILIZATION, math.floor(share * 100) / 100)
+
+
+def measured_share(free_bytes: Iterable[int], total_bytes: int, *, state_to_come: int, world: int,
+                   reserve_bytes: int) -> float:
+    """vLLM's automatic share from memory measured on the GPUs it will run on, one rule for both deployments (the
+    colocated engine, `VLLMEngine.gpu_utilization`; a sidecar on the trainer's GPUs, `build.measured_utilization`):
+    the least any of them has free (a TP group runs on several; each must fit the same share), less what the
+    trainer does not hold yet but will at every later rollout (`state_to_come`: every optimizer state still to be
+    created and not offloaded for rollouts; the all-to-all's point-to-point connections, `nccl_p2p_bytes`, made
+    in the first sync), less `reserve_bytes` (`plan_sync_reserve`: the sync's reserve and the safety margin).
+    The planner applies the same rule to the memory it predicts (`vllm_utilization`)."""
+    later = state_to_come + nccl_p2p_bytes(world)
+    return auto_gpu_memory_utilization(min(free_bytes) - later, total_bytes, reserve_bytes)
 
 
 def vllm_utilization(x: PlanInputs) -> float:
@@ -147,6 +161,26 @@ def largest_module_bytes(x: PlanInputs) -> int:
             key = _vllm_module(p.name)
             sizes[key] = sizes.get(key, 0) + vllm_weight_bytes(ModelSpec((p,), x.actor.dims), r.tp, r.dtype_bytes)
     return max(sizes.values(), default=0)
+
+
+def vllm_host_bytes(x: PlanInputs) -> dict[str, int]:
+    """Host memory vLLM holds per rank (CUDA), beside the offload buffers (`trainer_memory.host_offload_bytes`).
+
+    A LoRA actor sleeps vLLM at level 1 (`colocated/hybrid.py`: only the adapted weights change, so the rest stays
+    and is not sent again): vLLM's sleep-mode allocator backs every weight allocation up in a pinned host tensor,
+    which torch's pinned allocator rounds up to a power of two and keeps cached after the wake-up, so it is held
+    for the run. Counted per vLLM weight tensor on this rank (fused q/k/v and gate/up are one tensor each)."""
+    r = x.rollout
+    if x.device.kind != "cuda" or not r.enabled or r.release != "sleep" or not x.actor.lora_rank:
+        return {}
+    sizes: dict[str, int] = {}
+    for p in x.actor.params:
+        if "lora_" not in p.name:
+            name = p.name.replace(".base_layer.", ".")
+            key = f"{_vllm_module(name)}.{name.rsplit('.', 1)[1]}"
+            sizes[key] = sizes.get(key, 0) + vllm_weight_bytes(ModelSpec((p,), x.actor.dims), r.tp, r.dtype_bytes)
+    return {"vLLM weights backed up by sleep level 1 (pinned, powers of two)":
+            sum(1 << (n - 1).bit_length() for n in sizes.values() if n)}
 
 
 def lora_adapter_bytes(spec: ModelSpec, dtype_bytes: int) -> int:

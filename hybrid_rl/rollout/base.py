@@ -1,7 +1,7 @@
 """The rollout interface: what the trainer generates with, whatever the deployment behind it.
 
 `rollout.mode` picks the implementation (`build.DEPLOYMENTS`, the registry of deployments); the trainer only
-ever calls these four methods, so a new deployment is a new class here, not a branch in the trainer:
+ever calls these methods, so a new deployment is a new class here, not a branch in the trainer:
 
 * ``colocated`` (`sampler.Sampler`): vLLM in-process on the training ranks (the hybrid engine); a
   session switches every rank into rollout mode (offload train state, sync weights) and back.
@@ -67,6 +67,10 @@ class RolloutWorker(Protocol):
 
     def last_sync(self) -> SyncReport:
         """The weight update of the last session entered."""
+
+    def keep_room_for(self, optimizer: torch.optim.Optimizer, offload: str) -> None:
+        """Another optimizer (the critic's) whose state stays on the device through rollouts unless `offload` moves
+        it: a generator sharing the trainer's GPUs sizes its memory share with room for the state still to come."""
 
     def close(self) -> None:
         """Stop the generator (before the process group goes)."""

@@ -74,6 +74,9 @@ class MultiTurnSidecar:
     def last_sync(self) -> SyncReport:
         return self.inner.last_sync()
 
+    def keep_room_for(self, optimizer, offload: str) -> None:
+        self.inner.keep_room_for(optimizer, offload)
+
     def recover(self) -> None:
         self.inner.recover()
 

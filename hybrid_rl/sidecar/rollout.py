@@ -45,6 +45,7 @@ from hybrid_rl.data import PromptRecord
 from hybrid_rl.distributed.collectives import all_gather_object, all_reduce_max, broadcast_object
 from hybrid_rl.distributed.mesh import ParallelDims
 from hybrid_rl.distributed.offload import OffloadManager, grad_tensors, optimizer_tensors, param_tensors
+from hybrid_rl.model.optimizers import resident_state_to_come
 from hybrid_rl.rollout.base import Arrival, RolloutError, SyncReport
 from hybrid_rl.rollout.exchange import gather_index
 from hybrid_rl.rollout.sampling import SamplingSettings, generation_eos, request_seed, sample_of
@@ -89,6 +90,20 @@ class SidecarRollout:
         # `model.lora.sync=adapter`: `weights` are the frozen base (pushed where a server lacks it), and each update
         # is the adapter alone, loaded under the update's version label, which requests name as their model.
         self.adapter, self.adapter_timeout_s = synced.adapter, options.adapter_timeout_s
+        # Optimizers whose state stays on the trainer's GPUs during rollouts unless offloaded: a server started on
+        # them (CUDA, automatic share) leaves room for the state they have yet to create (`state_to_come`).
+        self._resident = [(self.optimizer, options.offload_optim)] if self.optimizer is not None else []
+        if links.sidecar is not None:
+            links.sidecar.state_to_come = self.state_to_come
+
+    def keep_room_for(self, optimizer: torch.optim.Optimizer, offload: str) -> None:
+        self._resident.append((optimizer, offload))
+
+    def state_to_come(self) -> int:
+        """Device memory this rank's optimizers will hold at every later rollout but do not hold yet (the ranks of
+        a server's TP group hold shards of the same size)."""
+        device = next(self.policy.parameters()).device
+        return resident_state_to_come(self._resident, device)
 
     # -- the session -----------------------------------------------------------------------------
 

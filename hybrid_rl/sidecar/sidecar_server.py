@@ -30,14 +30,17 @@ def server_key(pod: int, index: int = 0) -> str:
 class Sidecar:
     def __init__(self, spec: ServerSpec, etcd: Etcd, pod: int, *, ttl_s: int, start_timeout_s: float,
                  health_every_s: float = 2.0, index: int = 0,
-                 prepare: Callable[[ServerSpec], ServerSpec] | None = None):
+                 prepare: Callable[[ServerSpec, int], ServerSpec] | None = None):
         self.server, self.etcd, self.pod, self.index = VLLMServer(spec), etcd, pod, index
         self.ttl_s, self.start_timeout_s, self.health_every_s = ttl_s, start_timeout_s, health_every_s
         self.version: str | None = None
         self.registration: Registration | None = None
         self._stop = threading.Event()
         self._watchdog: threading.Thread | None = None
-        self.prepare = prepare  # completes the spec just before the first start (CUDA: the measured memory share)
+        # Completes the spec just before the first start (CUDA: the measured memory share), given the device memory
+        # the trainer will hold at every later rollout but does not hold yet (`state_to_come`, the rollout's).
+        self.prepare = prepare
+        self.state_to_come: Callable[[], int] = lambda: 0
 
     def info(self) -> dict:
         s = self.server.spec
@@ -47,7 +50,7 @@ class Sidecar:
         """Start the server (dummy weights, no version) and register it; `wait=False`: `ensure_running` waits."""
         self.version = None
         if self.prepare is not None:
-            self.server.spec, self.prepare = self.prepare(self.server.spec), None
+            self.server.spec, self.prepare = self.prepare(self.server.spec, self.state_to_come()), None
         self.server.spawn()
         if wait:
             self.server.wait_ready(timeout_s=self.start_timeout_s)

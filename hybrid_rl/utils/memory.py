@@ -63,3 +63,15 @@ def describe() -> str:
         alloc, _ = device_bytes()
         s += f", cuda {alloc / gib:.2f} GiB"
     return s
+
+
+def gpus_free_bytes(count: int) -> tuple[list[int], int]:
+    """Free bytes of `count` GPUs from this process's own (a sidecar's TP group: the GPUs of the next trainer ranks)
+    and the first one's total. This process's GPU is read by CUDA; the others by NVML, as `nvidia-smi` reads them:
+    a CUDA reading would make a context (about 0.5 GiB) on GPUs other ranks train on."""
+    first = torch.cuda.current_device()
+    free, total = torch.cuda.mem_get_info(first)
+    out = [free]
+    for d in range(first + 1, first + count):
+        out.append(torch.cuda.get_device_properties(d).total_memory - torch.cuda.device_memory_used(d))
+    return out, total

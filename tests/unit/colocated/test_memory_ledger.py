@@ -1,15 +1,17 @@
 """vLLM's automatic GPU share across the first optimizer step, on a fake-CUDA memory ledger.
 
 A GPU run's memory timeline cannot be measured here, so a ledger follows it: what the trainer holds is
-read from the real tensors (a 2.5B-parameter Qwen2 built on the meta device: real shapes, no bytes; a
-real AdamW whose state appears at its first `step()`), what vLLM holds follows its sleep/wake calls,
-and `torch.cuda.mem_get_info` answers from the ledger. The real `HybridEngine` drives two
-rollout -> train switches around one optimizer step, with the real `VLLMEngine.gpu_utilization` rule;
-only vLLM's allocations are the ledger's (start: its check that `utilization x total` is free, then
-weights + KV cache = that share; sleep level 2 frees both; each wake-up allocates or fails like CUDA).
+read from the real tensors (a 2.5B-parameter Qwen2 actor and a 1.4B critic built on the meta device: real
+shapes, no bytes; real AdamWs whose state appears at their first `step()`), what vLLM holds follows its
+sleep/wake calls, and `torch.cuda.mem_get_info` answers from the ledger. The real `HybridEngine` drives two
+rollout -> train switches around one actor step and one critic step (PPO), with the real
+`VLLMEngine.gpu_utilization` rule; only vLLM's allocations are the ledger's (start: its check that
+`utilization x total` is free, then weights + KV cache = that share; sleep level 2 frees both; each wake-up
+allocates or fails like CUDA).
 
-Before the fix, the share was measured at the first start with no AdamW state yet: the second KV
-wake-up did not fit. With it, the KV cache wakes again after the first optimizer step, beside AdamW's state.
+The share is measured at the first start, before either optimizer has state: counting neither (the first
+rule) or only the actor's (the second), the second KV wake-up does not fit beside the critic's AdamW state,
+which stays on the GPU (`offload.critic=none`). Counting both, it does.
 """
 
 import pytest
@@ -20,7 +22,8 @@ from hybrid_rl.colocated.engine_parts import SyncTarget, TrainedPolicy
 from hybrid_rl.colocated.hybrid import HybridEngine, SwitchOptions
 from hybrid_rl.colocated.vllm_engine import EngineSpec, VLLMEngine
 from hybrid_rl.distributed.mesh import ParallelDims
-from hybrid_rl.distributed.offload import OffloadManager, optimizer_state_to_come
+from hybrid_rl.distributed.offload import OffloadManager
+from hybrid_rl.model.optimizers import state_to_come
 from hybrid_rl.planner.inputs import DeviceSpec, ModelSpec, PlanInputs, RolloutSpec
 from hybrid_rl.planner.param_count import ArchDims, model_params
 from hybrid_rl.planner.trainer_memory import cuda_resident_overhead_bytes
@@ -33,6 +36,9 @@ BUCKET = 256 * 2**20
 HF = Qwen2Config(hidden_size=2048, num_hidden_layers=24, intermediate_size=11008, num_attention_heads=16,
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=False,
                  architectures=["Qwen2ForCausalLM"])
+CRITIC = Qwen2Config(hidden_size=2048, num_hidden_layers=12, intermediate_size=11008, num_attention_heads=16,
+                     num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=False,
+                     architectures=["Qwen2ForCausalLM"])
 
 
 class CudaOutOfMemory(RuntimeError):
@@ -42,16 +48,18 @@ class CudaOutOfMemory(RuntimeError):
 class Ledger:
     """Device memory by owner: the CUDA overheads the plan counts, the trainer's tensors, vLLM's allocations."""
 
-    def __init__(self, total: int, overhead: int, policy: torch.nn.Module, optimizer: torch.optim.Optimizer):
-        self.total, self.overhead, self.policy, self.optimizer = total, overhead, policy, optimizer
+    def __init__(self, total: int, overhead: int, models: list[tuple[torch.nn.Module, torch.optim.Optimizer]]):
+        self.total, self.overhead, self.models = total, overhead, models
         self.vllm: dict[str, int] = {}
         self.timeline: list[tuple[str, int]] = []
 
     def trainer(self) -> int:
-        params = sum(p.nbytes + (p.grad.nbytes if p.grad is not None else 0) for p in self.policy.parameters())
-        state = sum(t.nbytes for s in self.optimizer.state.values() for t in s.values()
-                    if torch.is_tensor(t) and t.dim() > 0)  # the 0-dim `step` counters live on the host
-        return params + state
+        total = 0
+        for module, optimizer in self.models:
+            total += sum(p.nbytes + (p.grad.nbytes if p.grad is not None else 0) for p in module.parameters())
+            total += sum(t.nbytes for s in optimizer.state.values() for t in s.values()
+                         if torch.is_tensor(t) and t.dim() > 0)  # the 0-dim `step` counters live on the host
+        return total
 
     def used(self) -> int:
         return self.overhead + self.trainer() + sum(self.vllm.values())
@@ -127,15 +135,26 @@ def plan_inputs() -> PlanInputs:
                       rollout=RolloutSpec(enabled=True, tp=1, release="sleep", bucket_bytes=BUCKET))
 
 
-def run_two_steps(monkeypatch, tmp_path, *, count_state_to_come: bool) -> tuple[Ledger, PlanInputs]:
+def update(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """One update's backward (grads appear), then its optimizer step."""
+    for p in module.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def run_two_steps(monkeypatch, tmp_path, *, count: str) -> tuple[Ledger, PlanInputs]:
+    """`count`: the optimizer state the engine knows is to come: "none", "actor" or "both" (actor and critic)."""
     x = plan_inputs()
     with torch.device("meta"):
         policy = AutoModelForCausalLM.from_config(HF)
+        critic = AutoModelForCausalLM.from_config(CRITIC)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-5)
-    ledger = Ledger(TOTAL, cuda_resident_overhead_bytes(x), policy, optimizer)
+    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=1e-5)
+    ledger = Ledger(TOTAL, cuda_resident_overhead_bytes(x), [(policy, optimizer), (critic, critic_optimizer)])
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: ledger.mem_get_info())
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    if not count_state_to_come:  # the rule before the fix: whatever is free at the first start
+    if count == "none":  # the first rule: whatever is free at the first start
         monkeypatch.setattr(HybridEngine, "_state_to_come", lambda self: 0)
     spec = EngineSpec(model_path="unused", tp=1, dtype="bfloat16", max_model_len=2048, seed=0, enforce_eager=False,
                       sync_reserve_bytes=plan_sync_reserve(x), sleep_mode=True)
@@ -147,31 +166,33 @@ def run_two_steps(monkeypatch, tmp_path, *, count_state_to_come: bool) -> tuple[
                                      dtype=torch.bfloat16),
                           dims=ParallelDims(world=1, rank=0, local_rank=0, tp=1),
                           offload=OffloadManager(tmp_path, rank=0), options=options)
-    assert optimizer_state_to_come(optimizer) == 8 * sum(p.numel() for p in policy.parameters())
+    if count == "both":  # as build does once the critic is built (`offload.critic=none`: its state stays)
+        engine.keep_room_for(critic_optimizer, "none")
+    assert state_to_come(optimizer) == 8 * sum(p.numel() for p in policy.parameters())
+    assert state_to_come(critic_optimizer) == 8 * sum(p.numel() for p in critic.parameters())
     for step in range(2):
         with engine.rollout_mode():
             ledger.mark(f"rollout {step}")
-        for p in policy.parameters():  # the update's backward, then the step the trainer takes
-            p.grad = torch.zeros_like(p)
-        ledger.mark(f"backward {step}")
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        update(policy, optimizer)
         ledger.mark(f"optimizer step {step}")
-    assert optimizer_state_to_come(optimizer) == 0
+        update(critic, critic_optimizer)
+        ledger.mark(f"critic step {step}")
+    assert state_to_come(optimizer) == 0 and state_to_come(critic_optimizer) == 0
     return ledger, x
 
 
-def test_the_share_leaves_room_for_adamw_state_at_every_later_rollout(monkeypatch, tmp_path):
-    ledger, _ = run_two_steps(monkeypatch, tmp_path, count_state_to_come=True)
+def test_the_share_leaves_room_for_both_optimizers_state_at_every_later_rollout(monkeypatch, tmp_path):
+    ledger, _ = run_two_steps(monkeypatch, tmp_path, count="both")
     rollouts = [u for e, u in ledger.timeline if e.startswith("rollout")]
-    assert rollouts[1] > rollouts[0]  # AdamW's state appeared after the first step and stayed
+    assert rollouts[1] > rollouts[0]  # both AdamW states appeared after the first steps and stayed
     events = [e for e, _ in ledger.timeline]
-    after_step = ledger.timeline[events.index("optimizer step 0"):events.index("rollout 1")]
+    after_step = ledger.timeline[events.index("critic step 0"):events.index("rollout 1")]
     second_wake = [used for e, used in after_step if e == "+kv_cache"]
-    assert len(second_wake) == 1 and second_wake[0] <= TOTAL  # the KV cache woke again, beside AdamW's state
+    assert len(second_wake) == 1 and second_wake[0] <= TOTAL  # the KV cache woke again, beside both states
     assert ledger.peak <= TOTAL
 
 
-def test_the_old_rule_cannot_wake_the_kv_cache_after_the_first_step(monkeypatch, tmp_path):
+@pytest.mark.parametrize("count", ["none", "actor"])
+def test_a_rule_missing_an_optimizer_cannot_wake_the_kv_cache_after_the_first_steps(monkeypatch, tmp_path, count):
     with pytest.raises(CudaOutOfMemory, match="kv_cache"):
-        run_two_steps(monkeypatch, tmp_path, count_state_to_come=False)
+        run_two_steps(monkeypatch, tmp_path, count=count)

@@ -11,11 +11,18 @@ from transformers import Qwen2Config
 from hybrid_rl.config import load_config
 from hybrid_rl.plan import EXIT_FITS, main
 from hybrid_rl.plan_inputs import plan_for
+from hybrid_rl.planner import trainer_memory
 from hybrid_rl.planner.inputs import DeviceSpec
 from hybrid_rl.planner.result import SAFETY_MARGIN
-from hybrid_rl.planner.trainer_memory import NCCL_COMMUNICATOR_BYTES, host_offload_bytes
+from hybrid_rl.planner.trainer_memory import NCCL_COMMUNICATOR_BYTES, NCCL_P2P_PER_PEER_BYTES, host_offload_bytes
 from hybrid_rl.planner.units import GIB
-from hybrid_rl.planner.vllm_memory import vllm_kept_asleep_bytes
+from hybrid_rl.planner.vllm_memory import (
+    measured_share,
+    vllm_host_bytes,
+    vllm_kept_asleep_bytes,
+    vllm_utilization,
+    vllm_weight_bytes,
+)
 from tests.conftest import REPO
 
 # Published config.json values of Qwen2.5-7B-Instruct and Qwen2.5-32B-Instruct.
@@ -91,3 +98,33 @@ def test_pinned_offload_host_memory_is_counted(model_dirs):
     host = host_offload_bytes(plan.inputs)
     assert host == {"actor AdamW": plan.memory("actor").optim}
     assert any("host memory per rank" in n for n in plan.notes)
+
+
+def test_the_all_to_alls_point_to_point_connections_are_reserved_by_world_size(model_dirs, monkeypatch):
+    """NCCL connects the resharder's all-to-all to every peer inside the first sync, after vLLM measured its share:
+    the plan counts them by world size (a typical figure per peer), and the measured share leaves room for them."""
+    for world in (8, 32):
+        plan = _plan(model_dirs, "Qwen2.5-7B-Instruct", world, "rollout.tp=2", "model.activation_checkpointing=true")
+        for phase in ("sync", "rollout", "update"):
+            got = {i.what: i.bytes for i in plan.phase(phase).items if i.component == "process"}
+            assert got[f"NCCL p2p, {world - 1} peers (typical)"] == (world - 1) * NCCL_P2P_PER_PEER_BYTES
+    free, total = 60 * GIB, 80 * GIB
+    assert measured_share([free], total, state_to_come=0, world=1, reserve_bytes=0) == 0.75
+    assert measured_share([free], total, state_to_come=0, world=32, reserve_bytes=0) == 0.73  # 31 x 32 MiB less
+    share = vllm_utilization(plan.inputs)
+    monkeypatch.setattr(trainer_memory, "NCCL_P2P_PER_PEER_BYTES", 0)
+    assert share == vllm_utilization(plan.inputs) - 0.01  # the plan too: 31 peers: 0.97 GiB more kept outside vLLM
+
+
+def test_a_lora_runs_sleep_level_1_backup_is_counted_in_host_memory(model_dirs):
+    """LoRA sleeps vLLM at level 1: its weights are backed up in pinned host memory, each tensor rounded up to a
+    power of two by torch's pinned allocator, and kept for the run: in the plan's host memory per rank."""
+    lora = _plan(model_dirs, "Qwen2.5-7B-Instruct", 8, "rollout.tp=2", "model.lora.rank=16")
+    host = vllm_host_bytes(lora.inputs)
+    (what, backup), = host.items()
+    weights = vllm_weight_bytes(lora.inputs.actor, 2, 2)
+    assert weights < backup < 2 * weights and backup > 10 * GIB  # 7.1 GiB of weights on a TP rank: 13 GiB pinned
+    assert any(what in n and "host memory per rank" in n for n in lora.notes)
+    assert vllm_host_bytes(_plan(model_dirs, "Qwen2.5-7B-Instruct", 8, "rollout.tp=2").inputs) == {}  # level 2
+    assert vllm_host_bytes(_plan(model_dirs, "Qwen2.5-7B-Instruct", 8, "rollout.tp=2", "model.lora.rank=16",
+                                 "rollout.release=restart").inputs) == {}

@@ -101,18 +101,36 @@ def test_the_router_balances_outstanding_tokens_and_keeps_a_trajectory_on_its_se
     assert router.pick(Request(6, [1], 0), 1) == UNAVAILABLE
 
 
-def test_a_cuda_servers_memory_share_is_measured_once_the_trainer_is_placed():
-    from hybrid_rl.build import measured_utilization
+def test_a_cuda_servers_memory_share_follows_the_colocated_rule(monkeypatch):
+    """A sidecar on the trainer's GPUs gets its share by the colocated engine's rule: the least free memory of its
+    TP group's GPUs, less the optimizer state to come and NCCL's point-to-point connections, less the sync's
+    reserve and the safety margin (`planner/vllm_memory.measured_share`)."""
+    import torch
 
-    spec = _spec(cuda=True, kv_cache_gb=None)
-    got = measured_utilization(spec, bucket_bytes=256 * 2**20, mem_get_info=lambda: (50 * 2**30, 80 * 2**30))
-    assert got.gpu_memory_utilization == 0.60  # (50 - 0.75 - 1) / 80, rounded down
+    from hybrid_rl.build import measured_utilization
+    from hybrid_rl.colocated.vllm_engine import EngineSpec, VLLMEngine
+
+    gib, reserve, to_come = 2**30, 4 * 2**30, 13 * 2**30
+    spec = _spec(cuda=True, kv_cache_gb=None, tp=2)
+    got = measured_utilization(spec, to_come, reserve_bytes=reserve, world=8,
+                               mem_get_info=lambda n: ([60 * gib, 50 * gib][:n], 80 * gib))
+    # (50 - 13 - 7 x 32 MiB - 4) / 80 = 0.409, rounded down: the second GPU's free memory, not the first's
+    assert got.gpu_memory_utilization == 0.40
     flag = server_command(got)
-    assert flag[flag.index("--gpu-memory-utilization") + 1] == "0.6"
-    assert measured_utilization(spec, bucket_bytes=0, mem_get_info=lambda: (79 * 2**30, 80 * 2**30)
+    assert flag[flag.index("--gpu-memory-utilization") + 1] == "0.4"
+    # the colocated engine, given the same measurements, picks the same share
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (50 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    engine = VLLMEngine(EngineSpec(model_path="/m", tp=1, dtype="bfloat16", max_model_len=640, seed=0,
+                                   enforce_eager=True, sync_reserve_bytes=reserve))
+    one = measured_utilization(_spec(cuda=True, kv_cache_gb=None), to_come, reserve_bytes=reserve, world=1,
+                               mem_get_info=lambda n: ([50 * gib] * n, 80 * gib))
+    assert one.gpu_memory_utilization == engine.gpu_utilization(to_come) == 0.41
+    assert measured_utilization(spec, 0, reserve_bytes=0, world=1, mem_get_info=lambda n: ([79 * gib] * n, 80 * gib)
                                 ).gpu_memory_utilization == 0.9  # at most vLLM's own default
     with pytest.raises(ServerError, match="too little for the vLLM sidecar"):
-        measured_utilization(spec, bucket_bytes=0, mem_get_info=lambda: (2**29, 80 * 2**30))
+        measured_utilization(spec, to_come, reserve_bytes=reserve, world=1,
+                             mem_get_info=lambda n: ([16 * gib] * n, 80 * gib))
 
 
 def test_servers_per_node_one_per_tp_group_on_gpus_one_on_cpu_unless_set():
