@@ -61,7 +61,7 @@ $(STAMP): pyproject.toml $(LOCK) scripts/install_flash_attn.sh
 	@# project's plugin (sidecar mode) through its entry point. Its dependencies are the lock's, installed above.
 	@rm -rf "$$($(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"/hybrid_rl.pth \
 	       "$$($(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"/hybrid_rl-*.dist-info
-	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps -e .
 	@$(DROP_CUDA_EXTRAS)
 	@$(BIN)/python -c "import torch, vllm, transformers; print(f'installed: torch {torch.__version__}, vllm {vllm.__version__}, transformers {transformers.__version__}')" 2>&1 | tail -1
 	@touch $(STAMP)
