@@ -42,20 +42,9 @@ from hybrid_rl.distributed.offload import (
 from hybrid_rl.model.optimizers import resident_state_to_come
 from hybrid_rl.types import Generation, Sampling
 from hybrid_rl.utils import memory
-from hybrid_rl.weightsync.reshard import (
-    ReshardPlan,
-    SourceParam,
-    SyncStats,
-    WeightSyncError,
-    block_checksum,
-    build_plan,
-    checksums_match,
-    probe_for,
-    stream_slices,
-    target_label,
-    verify_targets,
-)
+from hybrid_rl.weightsync.reshard import ReshardPlan, SourceParam, SyncStats, WeightSyncError, build_plan, stream_slices
 from hybrid_rl.weightsync.source import ModuleWeights
+from hybrid_rl.weightsync.verify import block_checksum, checksums_match, probe_for, target_label, verify_targets
 from hybrid_rl.weightsync.vllm_weights import ROW_PATHS
 
 log = logging.getLogger(__name__)

@@ -50,16 +50,8 @@ from hybrid_rl.sidecar.shm_ring import (
 )
 from hybrid_rl.sidecar.vllm_server import ServerError, VLLMServer
 from hybrid_rl.weightsync.layout import Layout, TPSlice
-from hybrid_rl.weightsync.reshard import (
-    ReshardPlan,
-    SourceParam,
-    WeightSyncError,
-    build_plan,
-    checksums_match,
-    stream_buckets,
-    target_label,
-    verify_targets,
-)
+from hybrid_rl.weightsync.reshard import ReshardPlan, SourceParam, WeightSyncError, build_plan, stream_buckets
+from hybrid_rl.weightsync.verify import checksums_match, target_label, verify_targets
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,8 @@ from hybrid_rl.sidecar.server_update import ServerUpdate
 from hybrid_rl.sidecar.shm_ring import Manifest, RingAborted, RingTimeout, ShmRing, bucket_bytes, write_manifest
 from hybrid_rl.sidecar.sidecar_server import Sidecar
 from hybrid_rl.sidecar.vllm_server import ServerError
-from hybrid_rl.weightsync.reshard import WeightSyncError, checksums_match
+from hybrid_rl.weightsync.reshard import WeightSyncError
+from hybrid_rl.weightsync.verify import checksums_match
 
 log = logging.getLogger(__name__)
 

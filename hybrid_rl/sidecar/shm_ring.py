@@ -36,7 +36,7 @@ from hybrid_rl.sidecar.auth import SecretError, check_private
 from hybrid_rl.sidecar.leftovers import identity, sweep_rings
 from hybrid_rl.utils.shm import SHM_DIR
 from hybrid_rl.weightsync.layout import TPSlice
-from hybrid_rl.weightsync.reshard import verify_targets
+from hybrid_rl.weightsync.verify import verify_targets
 
 ALIGN = 64
 _WRITTEN, _CONSUMED = 0, 1

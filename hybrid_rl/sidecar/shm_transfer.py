@@ -30,7 +30,7 @@ from vllm.distributed import get_tensor_model_parallel_rank
 from hybrid_rl.sidecar.auth import NAMESPACE_ENV
 from hybrid_rl.sidecar.shm_ring import ShmRing, read_manifest
 from hybrid_rl.sidecar.vllm_plugin import BACKEND  # noqa: F401 - the name this backend is registered under
-from hybrid_rl.weightsync.reshard import block_checksum, probe_for
+from hybrid_rl.weightsync.verify import block_checksum, probe_for
 from hybrid_rl.weightsync.vllm_landing import LandingEngine
 from hybrid_rl.weightsync.vllm_weights import load_inplace, model_params, readback, staged, sync_path
 
@@ -99,7 +99,7 @@ class ShmTransfer(LandingEngine):
     def finish_weight_update(self) -> None:
         self.end_landing()
         m = self.manifest
-        # With tied embeddings the head is checked too, as the logits read it (`reshard.verify_targets`).
+        # With tied embeddings the head is checked too, as the logits read it (`verify.verify_targets`).
         requests = [(ts, probe_for(ts, m.probe_cols, m.update)) for _, ts in m.targets()]
         digests = readback(self.model, requests, _digest)
         self.ring.write_report(m.update, digests)

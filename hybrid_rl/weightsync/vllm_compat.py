@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from hybrid_rl.weightsync.reshard import band_start
+from hybrid_rl.weightsync.verify import band_start
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,8 @@ from collections.abc import Callable, Iterable
 import torch
 
 from hybrid_rl.weightsync.layout import TPSlice
-from hybrid_rl.weightsync.reshard import HEAD, WeightSyncError, take_columns
+from hybrid_rl.weightsync.reshard import WeightSyncError
+from hybrid_rl.weightsync.verify import HEAD, take_columns
 from hybrid_rl.weightsync.vllm_compat import (
     PACKED_ATTR,
     derived_linear,

@@ -31,7 +31,8 @@ from hybrid_rl.distributed.fsdp import shard_model
 from hybrid_rl.distributed.mesh import ParallelDims
 from hybrid_rl.distributed.offload import OffloadManager
 from hybrid_rl.weightsync.layout import Layout, ModelDims
-from hybrid_rl.weightsync.reshard import HEAD, WeightSyncError
+from hybrid_rl.weightsync.reshard import WeightSyncError
+from hybrid_rl.weightsync.verify import HEAD
 from hybrid_rl.weightsync.vllm_weights import (
     check_storages,
     load_inplace,

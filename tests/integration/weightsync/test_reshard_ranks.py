@@ -9,16 +9,8 @@ import torch.multiprocessing as mp
 
 from hybrid_rl.distributed.mesh import free_port
 from hybrid_rl.weightsync.layout import Layout
-from hybrid_rl.weightsync.reshard import (
-    SourceParam,
-    block_checksum,
-    build_plan,
-    checksums_match,
-    fsdp_row_ranges,
-    probe_for,
-    stream_buckets,
-    stream_slices,
-)
+from hybrid_rl.weightsync.reshard import SourceParam, build_plan, fsdp_row_ranges, stream_buckets, stream_slices
+from hybrid_rl.weightsync.verify import block_checksum, checksums_match, probe_for
 from tests.unit.weightsync.test_reshard import DIMS, full_weights
 
 

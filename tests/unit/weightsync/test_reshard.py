@@ -4,16 +4,8 @@
 import torch
 
 from hybrid_rl.weightsync.layout import Layout, ModelDims
-from hybrid_rl.weightsync.reshard import (
-    SourceParam,
-    SyncStats,
-    block_checksum,
-    build_plan,
-    checksums_match,
-    probe_for,
-    stream_buckets,
-    stream_slices,
-)
+from hybrid_rl.weightsync.reshard import SourceParam, SyncStats, build_plan, stream_buckets, stream_slices
+from hybrid_rl.weightsync.verify import block_checksum, checksums_match, probe_for
 
 DIMS = ModelDims("LlamaForCausalLM", vocab_size=100, hidden_size=64, intermediate_size=96, num_heads=2,
                  num_kv_heads=1, head_dim=32, tie_word_embeddings=False)
@@ -86,7 +78,7 @@ def test_one_rank_with_a_casting_landing_hands_on_the_sources_themselves():
 
 
 def test_probed_columns_are_adjacent_bands_that_cover_every_column_in_turn():
-    from hybrid_rl.weightsync.reshard import probe_columns, take_columns
+    from hybrid_rl.weightsync.verify import probe_columns, take_columns
 
     for ncols, max_cols in ((896, 32), (100, 32), (20, 32), (4864, 32), (7, 3)):
         bands = [probe_columns(ncols, max_cols, i) for i in range(-(-ncols // max_cols))]

@@ -6,7 +6,7 @@ import torch
 
 from hybrid_rl.sidecar.shm_ring import Manifest, layout_bucket
 from hybrid_rl.weightsync.layout import Layout, ModelDims
-from hybrid_rl.weightsync.reshard import target_label, verify_targets
+from hybrid_rl.weightsync.verify import target_label, verify_targets
 
 DIMS = ModelDims("Qwen2ForCausalLM", vocab_size=100, hidden_size=64, intermediate_size=96, num_heads=2,
                  num_kv_heads=1, head_dim=32, tie_word_embeddings=True)
