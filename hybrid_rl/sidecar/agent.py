@@ -27,7 +27,8 @@ from hybrid_rl.sidecar.black_box import Agent, play
 from hybrid_rl.sidecar.chat_endpoint import ChatEndpoint
 from hybrid_rl.sidecar.completions import Router
 from hybrid_rl.sidecar.multi_turn import MultiTurnSidecar
-from hybrid_rl.sidecar.rollout import SidecarRollout, token_versions_of
+from hybrid_rl.sidecar.rollout import SidecarRollout
+from hybrid_rl.sidecar.versions import token_versions_of
 from hybrid_rl.types import Generation, Request, Sampling
 
 log = logging.getLogger(__name__)

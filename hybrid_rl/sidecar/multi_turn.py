@@ -37,7 +37,8 @@ from hybrid_rl.rollout.multi_turn import TURN_SEED_STRIDE
 from hybrid_rl.rollout.sampling import request_seed, sample_of
 from hybrid_rl.rollout.tools.batcher import ToolBatcher
 from hybrid_rl.sidecar.completions import Router, drain_arrivals
-from hybrid_rl.sidecar.rollout import SidecarRollout, token_versions_of
+from hybrid_rl.sidecar.rollout import SidecarRollout
+from hybrid_rl.sidecar.versions import token_versions_of
 from hybrid_rl.types import Generation, Request, Rollout, Sampling
 
 log = logging.getLogger(__name__)

@@ -42,21 +42,23 @@ from typing import TypeVar
 import torch
 
 from hybrid_rl.data import PromptRecord
-from hybrid_rl.distributed.collectives import all_gather_object, all_reduce_max, broadcast_object
+from hybrid_rl.distributed.collectives import all_gather_object, all_reduce_max
 from hybrid_rl.distributed.mesh import ParallelDims
 from hybrid_rl.distributed.offload import OffloadManager, grad_tensors, optimizer_tensors, param_tensors
 from hybrid_rl.model.optimizers import resident_state_to_come
 from hybrid_rl.rollout.base import Arrival, RolloutError, SyncReport
 from hybrid_rl.rollout.exchange import gather_index
 from hybrid_rl.rollout.sampling import SamplingSettings, generation_eos, request_seed, sample_of
+from hybrid_rl.sidecar.agreed import on_every_rank, on_rank0
 from hybrid_rl.sidecar.checkpoint_engine import PushReport
 from hybrid_rl.sidecar.completions import Router
-from hybrid_rl.sidecar.etcd import Etcd, EtcdUnavailable
+from hybrid_rl.sidecar.etcd import EtcdUnavailable
 from hybrid_rl.sidecar.pod_link import GROUP_KEY
 from hybrid_rl.sidecar.rollout_parts import ServerLinks, SidecarOptions, SyncedPolicy
 from hybrid_rl.sidecar.server_adapter import load_on_server, read_files
+from hybrid_rl.sidecar.versions import servers_at, token_versions_of
 from hybrid_rl.sidecar.vllm_server import SERVED_MODEL, ServerError
-from hybrid_rl.types import Generation, Request, Rollout, Sampling
+from hybrid_rl.types import Request, Rollout, Sampling
 from hybrid_rl.weightsync.reshard import SourceParam, WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -263,32 +265,10 @@ class SidecarRollout:
             self.etcd.put("version", {"version": version, "update": self.engine.updates - 1})
 
     def _rank0(self, what: str, fn: Callable[[], T]) -> T:
-        """`fn()` on rank 0 (it owns the server and talks to etcd), its result or its error on every rank: a
-        failure there stops every rank alike instead of leaving the others in a collective."""
-        result, error = None, None
-        if self.dims.rank == 0:
-            try:
-                result = fn()
-            except Exception as e:  # noqa: BLE001 - re-raised on every rank below
-                error = f"{type(e).__name__}: {e}"
-        result, error = broadcast_object((result, error))
-        if error:
-            raise RolloutError(f"{what} failed on rank 0: {error}")
-        return result
+        return on_rank0(self.dims.rank, what, fn)
 
     def _leaders(self, what: str, fn: Callable[[], T]) -> list[T]:
-        """`fn()` on every rank (it acts on the leaders, which own a server; rank 0 also talks to etcd), the list of
-        results on every rank, or the first error raised on every rank alike."""
-        result, error = None, None
-        try:
-            result = fn()
-        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
-            error = f"rank {self.dims.rank}: {type(e).__name__}: {e}"
-        results = all_gather_object((result, error))
-        errors = [e for _, e in results if e]
-        if errors:
-            raise RolloutError(f"{what} failed on {errors[0]}")
-        return [r for r, _ in results]
+        return on_every_rank(self.dims.rank, what, fn)
 
     def last_sync(self) -> SyncReport:
         return self._report
@@ -410,19 +390,3 @@ class SidecarRollout:
             self.private_etcd.stop()
             shutil.rmtree(self.private_etcd.data_dir, ignore_errors=True)
             self.private_etcd.data_dir.with_suffix(".log").unlink(missing_ok=True)
-
-
-
-def servers_at(etcd: Etcd, version: str | None) -> list[str]:
-    """The URLs of the servers registered under the run's prefix that hold `version` (run id included: a server of
-    another run never matches)."""
-    rows = etcd.get_prefix("servers")
-    return [v["url"] for _, v in sorted(rows.items()) if version is not None and v.get("version") == version]
-
-
-def token_versions_of(g: Generation, policy_of: dict[str, int]) -> torch.Tensor:
-    """[response tokens] int64: the policy version of each token, from the server's weight-version spans."""
-    if not g.weight_spans:
-        return torch.zeros(0, dtype=torch.int64)
-    versions = torch.tensor([policy_of[v] for v, _, _ in g.weight_spans], dtype=torch.int64)
-    return versions.repeat_interleave(torch.tensor([end - start for _, start, end in g.weight_spans]))

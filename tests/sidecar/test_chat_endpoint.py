@@ -16,8 +16,8 @@ from hybrid_rl.sidecar.auth import auth_headers
 from hybrid_rl.sidecar.black_box import load_agent, play
 from hybrid_rl.sidecar.chat_endpoint import ChatEndpoint
 from hybrid_rl.sidecar.completions import GENERATE, CompletionClient, Router, parse_choice, request_body
-from hybrid_rl.sidecar.rollout import token_versions_of
 from hybrid_rl.sidecar.stitch import stitch
+from hybrid_rl.sidecar.versions import token_versions_of
 from hybrid_rl.sidecar.vllm_server import ServerSpec, VLLMServer
 from hybrid_rl.types import Sampling
 

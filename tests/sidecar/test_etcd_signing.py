@@ -15,7 +15,7 @@ from hybrid_rl.sidecar.auth import etcd_key
 from hybrid_rl.sidecar.etcd import Etcd, Registration
 from hybrid_rl.sidecar.etcd_server import EtcdProcess
 from hybrid_rl.sidecar.pod_link import GROUP_KEY
-from hybrid_rl.sidecar.rollout import servers_at
+from hybrid_rl.sidecar.versions import servers_at
 
 pytestmark = pytest.mark.slow
 PREFIX = "/hybrid_rl/signed/run1"

@@ -102,7 +102,7 @@ def test_two_runs_with_the_same_folder_name_on_one_etcd_stay_apart(etcd, tmp_pat
     from hybrid_rl.build import sidecar_namespace, sidecar_prefix, sidecar_run_id
     from hybrid_rl.distributed.mesh import ParallelDims
     from hybrid_rl.pod import _live_run
-    from hybrid_rl.sidecar.rollout import servers_at
+    from hybrid_rl.sidecar.versions import servers_at
 
     dims = ParallelDims(1, 0, 0, 1)
     cfgs = [load_config("grpo", ["model.path=/m", "data.train_files=[/t.jsonl]", f"sidecar.etcd={etcd.endpoint}",
