@@ -457,7 +457,6 @@ CHOICES = {
     "algorithm.rollout_correction_level": ("token", "sequence"),
     "optim.schedule": ("constant", "cosine", "linear"),
     "model.lora.sync": ("adapter", "merged"),
-    "model.moe.router_replay": ("none", "old", "rollout"),
     "trainer.resume": ("auto", "never"),
     "trainer.memory_check": ("error", "warn"),
     **{f"offload.{k}": ("none", "cpu", "disk")
@@ -711,9 +710,10 @@ def _registry_choices() -> dict[str, tuple[str, ...]]:
     from hybrid_rl.algos.advantages import ADVANTAGES
     from hybrid_rl.algos.objectives import OBJECTIVES
     from hybrid_rl.model.optimizers import OPTIMIZERS
+    from hybrid_rl.model.routing_replay import REPLAY_MODES
 
     return {"algorithm.objective": tuple(OBJECTIVES), "algorithm.advantage": tuple(ADVANTAGES),
-            "optim.name": tuple(OPTIMIZERS)}
+            "optim.name": tuple(OPTIMIZERS), "model.moe.router_replay": REPLAY_MODES}
 
 
 def allowed_values(key: str) -> tuple[str, ...]:

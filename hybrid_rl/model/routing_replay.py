@@ -26,6 +26,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+# `model.moe.router_replay`: none; old (R2: the update replays the trainer's own old-log-prob pass); rollout (R3:
+# every forward replays the experts vLLM chose)
+REPLAY_MODES = ("none", "old", "rollout")
+
 
 def routers(model: nn.Module) -> list[nn.Module]:
     """The MoE routers of `model` in layer order (a module with `top_k`, `num_experts` and a `weight`)."""
