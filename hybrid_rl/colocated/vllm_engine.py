@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hybrid_rl.colocated import routes
 from hybrid_rl.colocated.cpu_shm import ShmLedger
 from hybrid_rl.planner.units import GIB
 from hybrid_rl.planner.vllm_memory import auto_gpu_memory_utilization
@@ -163,8 +164,6 @@ class VLLMEngine:
         if cpu_shm:
             self._shm.record(before)
         if self.spec.capture_routes:
-            from hybrid_rl.colocated import routes
-
             self.llm.collective_rpc(routes.install)
         self._transfer_path = None
         # Captured at start-up (vLLM captures its graphs while it builds): every later sync must keep them.
@@ -328,17 +327,9 @@ class VLLMEngine:
         reqs = [{"prompt_token_ids": list(p)} for p in prompts for _ in range(n)]
         with batch_rng(batch_seed(seeds, n)):
             outs = self.llm.generate(reqs, params, use_tqdm=False, lora_request=self._adapter)
-        routes = self._take_routes() if self.spec.capture_routes else {}
-        return [[_generation(i, outs[i * n + j].outputs[0], routes.get(outs[i * n + j].request_id), len(prompts[i]))
+        got = routes.taken(self.llm) if self.spec.capture_routes else {}
+        return [[_generation(i, outs[i * n + j].outputs[0], got.get(outs[i * n + j].request_id), len(prompts[i]))
                  for j in range(n)] for i in range(len(prompts))]
-
-    def _take_routes(self) -> dict[str, torch.Tensor]:
-        """The routes each request of the last generate computed, by the request id `generate` returned (the
-        engine suffixes its own ids with `-<random>`); every TP rank of the group captured the same choices."""
-        from hybrid_rl.colocated import routes
-
-        taken = self.llm.collective_rpc(routes.take)[0]
-        return {rid.rsplit("-", 1)[0]: r for rid, r in taken.items()}
 
 
     # -- LoRA adapter (`model.lora.sync=adapter`) --------------------------------------------------
