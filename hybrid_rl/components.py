@@ -75,6 +75,9 @@ class TrainerSettings:
     source: SourceSettings
     offload: Mapping[str, str]  # frozen model name (reference, critic, reward_model, teacher) -> none|cpu|disk
     config: Mapping[str, Any] = field(default_factory=dict)  # the whole config as a plain dict, saved in checkpoints
+    # MoE routing replay (`model.moe.router_replay`, none for a dense model): rollout replays vLLM's experts in every
+    # forward; old records the old-log-prob pass's experts and replays them in the update
+    router_replay: str = "none"
 
 
 @dataclass

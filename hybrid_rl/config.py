@@ -41,6 +41,13 @@ class LoraConfig:
 
 
 @dataclass
+class MoeConfig:
+    # Routing replay for a mixture of experts: rollout (R3: the trainer's forwards use the experts vLLM chose),
+    # old (R2: the update uses the experts of the trainer's own old-log-prob pass) or none. Dense models ignore it
+    router_replay: str = choice("rollout", "old", "none")
+
+
+@dataclass
 class ModelConfig:
     path: str = "???"  # a local Hugging Face model folder
     # compute dtype of FSDP mixed precision (trained models' master weights stay float32). auto: bfloat16 on GPUs and on
@@ -52,6 +59,7 @@ class ModelConfig:
     # recompute the actor's and the critic's decoder blocks in backward (a third more update compute, far less memory)
     activation_checkpointing: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)  # mixture-of-experts models only
 
     @property
     def frozen_storage_dtype(self) -> str:
@@ -567,6 +575,7 @@ def validate(cfg: Config) -> None:
                           "mode the same ranks generate and train in turn, so generation cannot run ahead of training; "
                           "set rollout.mode=sidecar or rollout.max_staleness=0")
     _validate_truncation(cfg.rollout)
+    _validate_router_replay(cfg)
     if cfg.rollout.agent and cfg.rollout.mode != "sidecar":
         raise ConfigError("rollout.agent needs rollout.mode=sidecar: the agent's calls go through an endpoint in front "
                           "of the sidecar's vLLM servers")
@@ -576,6 +585,16 @@ def validate(cfg: Config) -> None:
     if not (isinstance(util, int | float) and 0 <= util <= 1):
         raise ConfigError(f"rollout.gpu_memory_utilization={util!r} must be in (0, 1], or 0 for auto (the GPU memory "
                           "free when vLLM starts, less a reserve for the weight sync)")
+
+
+def _validate_router_replay(cfg: Config) -> None:
+    """`rollout` replay needs the experts vLLM chose, which only the colocated engine captures so far."""
+    from hybrid_rl.model.families import is_moe_folder
+
+    if cfg.model.moe.router_replay == "rollout" and cfg.rollout.mode == "sidecar" and is_moe_folder(cfg.model.path):
+        raise ConfigError("model.moe.router_replay=rollout is not supported with rollout.mode=sidecar: the vLLM "
+                          "servers do not return the experts they chose; use rollout.mode=colocated, or "
+                          "model.moe.router_replay=old (replay the trainer's own old-log-prob pass) or none")
 
 
 def _validate_distillation(cfg: Config) -> None:

@@ -17,6 +17,7 @@ import signal
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ from hybrid_rl.experience.scoring import Pending, Ready, Scorer
 from hybrid_rl.experience.sources import TrainingError, open_source
 from hybrid_rl.metrics import MetricsLogger
 from hybrid_rl.model.lora import adapter_disabled, is_lora, merged_stream, save_adapter
+from hybrid_rl.model.routing_replay import Replay
 from hybrid_rl.planner.table import render
 from hybrid_rl.planner.watch import PhasePeaks, PlanWatch, peak_reading
 from hybrid_rl.types import Rollout, TrainBatch
@@ -66,6 +68,9 @@ class Trainer:
         self._stop = False
         self.metrics: MetricsLogger | None = None
         self.val_history: list[tuple[int, float]] = []
+        # MoE routing replay's accumulators of the step: the pass that measures the router metrics, the update's
+        self.router: Replay | None = None
+        self._update_replay: Replay | None = None
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -139,15 +144,28 @@ class Trainer:
     def _passes(self, mine: share.Share) -> PassOutputs:
         c, a = self.c, self.s.passes
         budget, temp, samples, out = a.budget, a.temperature, mine.samples, PassOutputs()
+        # MoE routing replay: rollout replays vLLM's routes in every policy pass (the first measures the router
+        # metrics); old records the old-log-prob pass's routes, which the update then replays
+        rollout, self.router = self.s.router_replay == "rollout", None
+        first = Replay() if self.s.router_replay != "none" else None
         if not a.old_logp_from_update:  # else the update's own forward gives them
             with self._phase("old_logp"):
-                out.old_logp = logprobs_pass(c.actor.module, samples, temperature=temp, budget=budget)
+                record = [None] * len(samples) if self.s.router_replay == "old" else None
+                out.old_logp = logprobs_pass(c.actor.module, samples, temperature=temp, budget=budget,
+                                             replay=first if rollout else None, record=record)
+                if record is not None:
+                    mine.samples[:] = samples = [replace(s, routes=r) for s, r in zip(samples, record, strict=True)]
+                elif rollout:
+                    self.router, first = first, None
         if c.reference is not None:
             with self._phase("reference"), self._resident("reference", c.reference.module):
-                out.ref_logp = logprobs_pass(c.reference.module, samples, temperature=temp, budget=budget)
+                out.ref_logp = logprobs_pass(c.reference.module, samples, temperature=temp, budget=budget,
+                                             replay=Replay() if rollout else None)
         elif a.use_reference and is_lora(c.actor.module):  # the frozen base is the reference
             with self._phase("reference"), adapter_disabled(c.actor.module):
-                out.ref_logp = logprobs_pass(c.actor.module, samples, temperature=temp, budget=budget)
+                out.ref_logp = logprobs_pass(c.actor.module, samples, temperature=temp, budget=budget,
+                                             replay=Replay() if rollout else None)
+        self._update_replay = first  # the update measures what no pass did
         if c.teacher is not None:
             with self._phase("teacher"), self._resident("teacher", c.teacher.module):
                 out.teacher_logp = logprobs_pass(c.teacher.module, samples, temperature=temp, budget=budget)
@@ -179,8 +197,11 @@ class Trainer:
     def _update(self, batch: TrainBatch) -> tuple[dict[str, float], bool]:
         with self.timer.phase("update"):
             with self.peaks.phase("update"):
+                replay = None if self.s.router_replay == "none" else self._update_replay or Replay()
                 stats, finite, seen = update_actor(self.c.actor, batch, self.objective, self.loss_settings,
-                                                   self.updates)
+                                                   self.updates, replay)
+                if self.router is not None or replay is not None:  # collective: every rank has the same mode
+                    stats.update((self.router or replay).metrics())
             if (critic := self.c.critic) is not None:
                 with self.peaks.phase("critic_update"), self._resident("critic", critic.module, critic.optimizer):
                     cstats, cfinite = update_critic(critic, batch, value_clip=self.s.value_clip,

@@ -47,6 +47,10 @@ class Sample:
     # was stitched into (`sidecar/stitch.py`). An episode's trajectories have consecutive uids in call order, and the
     # last one carries the episode's reward (`BatchIndex.episodes`)
     part: int = 0
+    # [tokens, MoE layers, top_k] uint8/int16: the experts the rollout's forward chose for the prompt and response
+    # tokens in order (a response's last token was never fed back, so at most length - 1 rows); empty: none recorded
+    # (dense models, replay off, generators that do not capture them)
+    routes: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0, 0, dtype=torch.uint8))
 
     @property
     def prompt_len(self) -> int:
@@ -199,6 +203,9 @@ class Generation:
     # (weight version, first token, end token) spans over the response, as a vLLM server stamps them (partial
     # rollouts: a request paused for a weight update continues under the next version); () when not recorded
     weight_spans: tuple[tuple[str, int, int], ...] = ()
+    # [prompt + response - 1 tokens, MoE layers, top_k] uint8/int16: the experts vLLM chose for each token it
+    # computed (`colocated/routes.py`); None: not captured
+    routes: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

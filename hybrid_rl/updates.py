@@ -28,8 +28,9 @@ from hybrid_rl.algos.objectives import (
     zero_like_loss,
 )
 from hybrid_rl.distributed.collectives import all_reduce, all_reduce_sum
-from hybrid_rl.model.forward import MicroBatch, micro_batches, policy_logprobs, token_values
+from hybrid_rl.model.forward import MicroBatch, micro_batches, policy_logprobs, replayed, token_values
 from hybrid_rl.model.handle import Model
+from hybrid_rl.model.routing_replay import Replay
 from hybrid_rl.types import Sample, TrainBatch
 
 
@@ -103,8 +104,11 @@ class StepStats:
 
 
 def update_actor(actor: Model, batch: TrainBatch, objective: Objective, settings: ObjectiveSettings,
-                 u: UpdateSettings) -> tuple[dict[str, float], bool, torch.Tensor | None]:
+                 u: UpdateSettings, replay: Replay | None = None) -> tuple[dict[str, float], bool, torch.Tensor | None]:
     """PPO-style epochs over mini-batches; returns (stats, finite, old log-probs). A non-finite step is not applied.
+
+    `replay` (MoE routing replay, an accumulator of what the routers did): every forward, and its checkpointed
+    recompute in backward, uses the samples' routes (`Sample.routes`).
 
     ``batch.old_logp`` None: the batch gets one optimizer step, so each micro-batch's own log-probs,
     detached, are the old ones (ratio 1, as a separate pass would give); they are returned `[B, T]`
@@ -121,22 +125,24 @@ def update_actor(actor: Model, batch: TrainBatch, objective: Objective, settings
             idx = [i for unit in units for i in unit]
             sub = batch.select(idx)
             d = denominators(sub, u.horizon)
-            for mb in micro_batches(sub.samples, u.budget, units=_renumbered(units)):
-                out = policy_logprobs(actor.module, mb, temperature=u.temperature, with_entropy=objective.entropy)
-                logp, ent = out if objective.entropy else (out, None)
-                if mb.is_filler:
-                    (zero_like_loss(logp) * u.world).backward()
-                    continue
-                w, dev = logp.shape[1], logp.device
-                if reuse:  # one mini-batch of all rows: the mini-batch's rows are the batch's
-                    if seen is None:
-                        seen = torch.zeros(batch.mask.shape, device=dev)
-                    seen[mb.indices, :w] = logp.detach().float()
-                old = logp.detach() if reuse else rows(sub.old_logp, mb, w, dev)
-                x = MicroInputs(logp, ent, rows(sub.mask, mb, w, dev), old, rows(sub.advantages, mb, w, dev),
-                                rows(sub.ref_logp, mb, w, dev), _mb_pairs(sub, mb), rows(sub.rollout_logp, mb, w, dev))
-                loss, s = objective.loss(x, settings, d)
-                (loss * u.world).backward()
+            for mb in micro_batches(sub.samples, u.budget, units=_renumbered(units), routes=replay is not None):
+                with replayed(actor.module, mb, replay):  # around backward too: a checkpointed recompute replays
+                    out = policy_logprobs(actor.module, mb, temperature=u.temperature, with_entropy=objective.entropy)
+                    logp, ent = out if objective.entropy else (out, None)
+                    if mb.is_filler:
+                        (zero_like_loss(logp) * u.world).backward()
+                        continue
+                    w, dev = logp.shape[1], logp.device
+                    if reuse:  # one mini-batch of all rows: the mini-batch's rows are the batch's
+                        if seen is None:
+                            seen = torch.zeros(batch.mask.shape, device=dev)
+                        seen[mb.indices, :w] = logp.detach().float()
+                    old = logp.detach() if reuse else rows(sub.old_logp, mb, w, dev)
+                    x = MicroInputs(logp, ent, rows(sub.mask, mb, w, dev), old, rows(sub.advantages, mb, w, dev),
+                                    rows(sub.ref_logp, mb, w, dev), _mb_pairs(sub, mb),
+                                    rows(sub.rollout_logp, mb, w, dev))
+                    loss, s = objective.loss(x, settings, d)
+                    (loss * u.world).backward()
                 stats.add(s)
                 pairs_used += 0 if x.pairs is None else len(x.pairs)
             norm, ok = _step(actor, u.grad_clip)

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from hybrid_rl.build.rollout import adapter_sync, agent_setup, sampling_settings, uses_tools
+from hybrid_rl.build.settings import router_replay
 from hybrid_rl.colocated.engine_parts import SyncTarget, TrainedPolicy
 from hybrid_rl.colocated.hybrid import HybridEngine, SwitchOptions
 from hybrid_rl.colocated.lora_sync import AdapterSync
@@ -41,14 +42,18 @@ def _engine(cfg: Config, dims: ParallelDims, actor: Model, offload: OffloadManag
     d = resolve_rollout(r, "cuda" if torch.cuda.is_available() else "cpu")  # as the memory planner resolves it
     adapter_on = adapter_sync(cfg)
     bucket_bytes = int(r.bucket_mb * 2**20)
+    # R3 replays vLLM's routes for the prompt too: with the prefix cache on, a cached prompt's tokens are not
+    # computed (no routes to capture), so it is off; the capture hook copies to the host, which CUDA graphs cannot
+    capture = router_replay(cfg) == "rollout"
     spec = EngineSpec(model_path=cfg.model.path, tp=r.tp, dtype=r.dtype,
                       max_model_len=r.max_model_len or cfg.data.max_prompt_tokens + r.max_new_tokens,
-                      seed=cfg.trainer.seed, enforce_eager=d.enforce_eager,
+                      seed=cfg.trainer.seed, enforce_eager=d.enforce_eager or capture,
                       gpu_memory_utilization=d.gpu_memory_utilization,
                       sync_reserve_bytes=plan_sync_reserve(plan.inputs), kv_cache_gb=d.kv_cache_gb,
                       sleep_mode=d.release == "sleep", shm_ledger_dir=str(Path(cfg.trainer.output_dir) / "vllm_shm"),
                       max_lora_rank=cfg.model.lora.rank if adapter_on else 0,
-                      cpu_packed_linears=r.cpu_packed_linears)
+                      cpu_packed_linears=r.cpu_packed_linears, enable_prefix_caching=not capture,
+                      capture_routes=capture)
     o = cfg.offload
     options = SwitchOptions(bucket_bytes=bucket_bytes, verify=r.verify, probe_cols=r.verify_probe_cols,
                             release=d.release, offload_params=o.actor_params, offload_grads=o.actor_grads,

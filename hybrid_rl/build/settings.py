@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from hybrid_rl.algos.correction import CorrectionSettings
@@ -11,8 +12,10 @@ from hybrid_rl.components import KLSettings, LoopSettings, PassSettings, Trainer
 from hybrid_rl.config import Config, resolve_correction, to_dict
 from hybrid_rl.experience.batch import BatchSettings
 from hybrid_rl.experience.source import SourceSettings
+from hybrid_rl.model.families import is_moe_folder
 from hybrid_rl.updates import UpdateSettings
 
+log = logging.getLogger(__name__)
 FROZEN_MODELS = ("reference", "critic", "reward_model", "teacher")  # the models the trainer brings in and sends away
 
 
@@ -47,4 +50,17 @@ def trainer_settings(cfg: Config, *, world: int, distil_only: bool = False) -> T
         passes=PassSettings(old_logp_from_update=a.old_logp_from_update, use_reference=a.use_reference,
                             temperature=r.temperature, budget=t.micro_batch_tokens),
         loss=loss, updates=updates, batch=batch, source=source,
-        offload={name: getattr(cfg.offload, name) for name in FROZEN_MODELS}, config=to_dict(cfg))
+        offload={name: getattr(cfg.offload, name) for name in FROZEN_MODELS}, config=to_dict(cfg),
+        router_replay=router_replay(cfg))
+
+
+def router_replay(cfg: Config) -> str:
+    """`model.moe.router_replay` for the model at hand: a dense model has no routes, so `none` (a warning when `old`
+    was asked for; the default, `rollout`, is the MoE default and says nothing about a dense model)."""
+    mode = cfg.model.moe.router_replay
+    if is_moe_folder(cfg.model.path):
+        return mode
+    if mode == "old":
+        log.warning("model.moe.router_replay=old is ignored: %s is a dense model (no experts to route)",
+                    cfg.model.path)
+    return "none"

@@ -85,3 +85,9 @@ def take(worker) -> dict[str, torch.Tensor]:
     out = {rid: torch.cat(parts) for rid, parts in cap.routes.items()}
     cap.routes.clear()
     return out
+
+
+def taken(llm) -> dict[str, torch.Tensor]:
+    """In the engine's process: the routes of every request since the last call, by the request id `generate`
+    returned (the engine suffixes its own ids with `-<random>`); every TP rank of a group captured the same."""
+    return {rid.rsplit("-", 1)[0]: r for rid, r in llm.collective_rpc(take)[0].items()}

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hybrid_rl.colocated import routes
 from hybrid_rl.colocated.cpu_shm import ShmLedger
 from hybrid_rl.planner.trainer_memory import nccl_p2p_bytes
 from hybrid_rl.planner.units import GIB
@@ -63,6 +64,7 @@ class EngineSpec:
     shm_ledger_dir: str | None = None  # CPU, TP > 1: where each rank records the shared-memory segments it made
     max_lora_rank: int = 0  # > 0: LoRA enabled (`model.lora.sync=adapter`), adapters up to this rank
     cpu_packed_linears: bool = True  # CPU: linears keep packed weights a sync writes in place (vllm_compat 4.)
+    capture_routes: bool = False  # MoE, R3: each generation carries the experts vLLM chose (`colocated/routes.py`)
 
 
 
@@ -163,6 +165,8 @@ class VLLMEngine:
             raise
         if cpu_shm:
             self._shm.record(before)
+        if self.spec.capture_routes:
+            self.llm.collective_rpc(routes.install)
         self._transfer_path = None
         # Captured at start-up (vLLM captures its graphs while it builds): every later sync must keep them.
         self._captured = self.storage_ptrs() if self.cuda_graphs else None
@@ -329,7 +333,9 @@ class VLLMEngine:
         reqs = [{"prompt_token_ids": list(p)} for p in prompts for _ in range(n)]
         with batch_rng(batch_seed(seeds, n)):
             outs = self.llm.generate(reqs, params, use_tqdm=False, lora_request=self._adapter)
-        return [[_generation(i, outs[i * n + j].outputs[0]) for j in range(n)] for i in range(len(prompts))]
+        got = routes.taken(self.llm) if self.spec.capture_routes else {}
+        return [[_generation(i, outs[i * n + j].outputs[0], got.get(outs[i * n + j].request_id), len(prompts[i]))
+                 for j in range(n)] for i in range(len(prompts))]
 
 
     # -- LoRA adapter (`model.lora.sync=adapter`) --------------------------------------------------
@@ -366,14 +372,17 @@ def batch_rng(seed: int):
         yield
 
 
-def _generation(index: int, c) -> Generation:
+def _generation(index: int, c, routes: torch.Tensor | None = None, prompt_len: int = 0) -> Generation:
     """One output as lists, no per-token Python work: `flat_logprobs` gives the sampled tokens' log-probs as one
     list (with `logprobs=0`, one entry per position: the sampled token's)."""
     ids, flat = list(c.token_ids), c.logprobs
     lps = flat.logprobs if flat is not None else []
     if len(lps) != len(ids):
         raise RuntimeError(f"vLLM returned {len(lps)} log-probs for {len(ids)} tokens (expected one per token)")
-    return Generation(index, ids, lps, "length" if c.finish_reason == "length" else "stop")
+    if routes is not None and routes.shape[0] != prompt_len + len(ids) - 1:
+        raise RuntimeError(f"vLLM's captured routes cover {routes.shape[0]} tokens, not the prompt and response "
+                           f"less the last ({prompt_len + len(ids) - 1}): were some served from the prefix cache?")
+    return Generation(index, ids, lps, "length" if c.finish_reason == "length" else "stop", routes=routes)
 
 
 def _drop_legacy_cpu_kv_setting(kv_cache_gb: float) -> None:

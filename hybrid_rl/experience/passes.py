@@ -11,7 +11,15 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid_rl.model.forward import gather_per_token, micro_batches, policy_logprobs, sequence_scores, token_values
+from hybrid_rl.model.forward import (
+    gather_per_token,
+    micro_batches,
+    policy_logprobs,
+    replayed,
+    sequence_scores,
+    token_values,
+)
+from hybrid_rl.model.routing_replay import Replay, record_routes
 from hybrid_rl.types import Sample
 
 
@@ -20,11 +28,25 @@ def width_of(samples: list[Sample]) -> int:
 
 
 @torch.no_grad()
-def logprobs_pass(model: torch.nn.Module, samples: list[Sample], *, temperature: float, budget: int) -> torch.Tensor:
-    """Log-probs `[B, T]` of the response tokens (reference or pre-update actor), on the CPU."""
-    mbs = micro_batches(samples, budget)
-    return gather_per_token(lambda mb: policy_logprobs(model, mb, temperature=temperature), mbs, len(samples),
-                            width_of(samples))
+def logprobs_pass(model: torch.nn.Module, samples: list[Sample], *, temperature: float, budget: int,
+                  replay: Replay | None = None, record: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+    """Log-probs `[B, T]` of the response tokens (reference or pre-update actor), on the CPU.
+
+    MoE routing replay: `replay` (an accumulator of what the routers did): the forwards use the samples' routes;
+    `record` (one slot per sample): each sample's own routes of this pass, `[length, layers, top_k]`, go there."""
+    mbs = micro_batches(samples, budget, routes=replay is not None)
+
+    def fn(mb):
+        if record is None or mb.is_filler:
+            with replayed(model, mb, replay):
+                return policy_logprobs(model, mb, temperature=temperature)
+        with record_routes(model) as rec:
+            out = policy_logprobs(model, mb, temperature=temperature)
+        for i, r in zip(mb.indices, rec.routes().split(list(mb.packed.seq_lens)), strict=True):
+            record[i] = r
+        return out
+
+    return gather_per_token(fn, mbs, len(samples), width_of(samples))
 
 
 @torch.no_grad()

@@ -17,9 +17,11 @@ Dense families fuse nothing. Another MoE family is one more `Family` in `FAMILIE
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -79,6 +81,16 @@ def family_of(config) -> Family:
     """The family of a transformers config (dense unless its architecture is registered as another)."""
     archs = getattr(config, "architectures", None) or [type(config).__name__.replace("Config", "ForCausalLM")]
     return FAMILIES[ARCHITECTURES.get(archs[0], "dense")]
+
+
+def is_moe_folder(path: str | Path) -> bool:
+    """Whether the Hugging Face model folder `path` holds a mixture of experts (its config.json's architecture is
+    registered as an MoE family); False when there is no config.json to read."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        return False
+    archs = json.loads(file.read_text()).get("architectures") or [""]
+    return FAMILIES[ARCHITECTURES.get(archs[0], "dense")].moe
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ sequence whose outputs are ignored and whose loss is zero) so that it still join
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ from hybrid_rl.data import PackedBatch, ResponseIndex, pack, split_by_token_budg
 from hybrid_rl.distributed.collectives import all_reduce_max
 from hybrid_rl.distributed.mesh import device
 from hybrid_rl.model.logprobs import logits_to_logprobs
+from hybrid_rl.model.routing_replay import Replay, replay_routes
 from hybrid_rl.types import Sample
 
 
@@ -32,6 +34,10 @@ class MicroBatch:
     indices: list[int]
     packed: PackedBatch
     response: ResponseIndex
+    # MoE routing replay: [packed tokens, layers, top_k] the experts each token uses, laid out like the tokens,
+    # and [packed tokens] bool, which of them were recorded (the others route themselves); None: no replay
+    routes: torch.Tensor | None = None
+    known: torch.Tensor | None = None
 
     @property
     def is_filler(self) -> bool:
@@ -39,10 +45,11 @@ class MicroBatch:
 
 
 def micro_batches(samples: list[Sample], token_budget: int, *,
-                  units: Sequence[Sequence[int]] | None = None) -> list[MicroBatch]:
+                  units: Sequence[Sequence[int]] | None = None, routes: bool = False) -> list[MicroBatch]:
     """Cut `samples` into packed micro-batches of at most `token_budget` tokens, as many on every rank.
 
     `units` (default: every sample alone) are lists of sample indices that share a micro-batch.
+    `routes`: each micro-batch carries its samples' MoE routes (`Sample.routes`) packed like their tokens.
     A collective: every rank calls it, with its own samples.
     """
     units = [[i] for i in range(len(samples))] if units is None else [list(u) for u in units]
@@ -50,7 +57,40 @@ def micro_batches(samples: list[Sample], token_budget: int, *,
     count = int(all_reduce_max([len(split_by_token_budget(lengths, token_budget))])[0])
     groups = split_by_token_budget(lengths, token_budget, min_micro_batches=min(count, len(units))) if units else []
     out = [_micro_batch(samples, sorted(i for g in group for i in units[g])) for group in groups]
+    if routes:
+        out = [_with_routes(mb, samples) for mb in out]
     return out + [_filler() for _ in range(count - len(out))]
+
+
+def _with_routes(mb: MicroBatch, samples: list[Sample]) -> MicroBatch:
+    """`mb` with its samples' routes packed token for token; rows a sample did not record (a response's last token,
+    which no rollout forward saw; a sample without routes) are unknown."""
+    shaped = [samples[i].routes for i in mb.indices if samples[i].routes.numel()]
+    if not shaped:
+        return mb
+    _, layers, top_k = shaped[0].shape
+    dev = mb.packed.input_ids.device
+    routes = torch.zeros(mb.packed.input_ids.shape[1], layers, top_k, dtype=shaped[0].dtype)
+    known = torch.zeros(routes.shape[0], dtype=torch.bool)
+    start = 0
+    for i in mb.indices:
+        r, n = samples[i].routes, samples[i].length
+        rows = min(int(r.shape[0]), n) if r.numel() else 0
+        routes[start: start + rows], known[start: start + rows] = r[:rows], True
+        start += n
+    return MicroBatch(mb.indices, mb.packed, mb.response, routes.to(dev), known.to(dev))
+
+
+@contextmanager
+def replayed(model, mb: MicroBatch, stats: Replay | None) -> Iterator[None]:
+    """Forwards (and, for checkpointed layers, their recompute in backward) inside use `mb`'s routes; what the
+    routers did is added to `stats`. Nothing happens without routes (dense models, fillers) or without `stats`."""
+    if stats is None or mb.routes is None:
+        yield
+        return
+    with replay_routes(model, mb.routes, mb.known) as r:
+        yield
+    stats.add(r)
 
 
 def _micro_batch(samples: list[Sample], idx: list[int]) -> MicroBatch:

@@ -26,6 +26,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+# `model.moe.router_replay`: none; old (R2: the update replays the trainer's own old-log-prob pass); rollout (R3:
+# every forward replays the experts vLLM chose)
+
 
 def routers(model: nn.Module) -> list[nn.Module]:
     """The MoE routers of `model` in layer order (a module with `top_k`, `num_experts` and a `weight`)."""
@@ -70,21 +73,58 @@ def record_routes(model: nn.Module):
 
 @dataclass
 class Replay:
-    agree: int = 0  # (token, layer) pairs whose own top-k set equals the replayed one (first firing of each layer)
-    total: int = 0
+    """What the trainer's routers did under replay, summed over the forwards of a context (first firing of each
+    layer only): their own choice's agreement with the replayed one, the replayed experts' load, router entropy."""
+
+    agree: int = 0  # replayed (token, layer) pairs whose own top-k set equals the replayed one
+    total: int = 0  # replayed (token, layer) pairs
+    load: torch.Tensor | None = None  # [layers, experts] tokens routed to each expert (what the experts computed)
+    entropy: float = 0.0  # sum over (token, layer) of the router distribution's entropy (nats)
+    routed: int = 0  # (token, layer) pairs behind `load` and `entropy`
 
     @property
     def agreement(self) -> float:
         return self.agree / self.total if self.total else 1.0
 
+    def add(self, other: Replay) -> None:
+        self.agree, self.total = self.agree + other.agree, self.total + other.total
+        self.entropy, self.routed = self.entropy + other.entropy, self.routed + other.routed
+        if other.load is not None:
+            self.load = other.load.clone() if self.load is None else self.load + other.load
+
+    def metrics(self) -> dict[str, float]:
+        """Of every rank (collective): `moe/router_agreement` (replayed pairs only), `moe/load_balance` (max/mean
+        tokens per expert, the mean over layers; 1 is perfectly even), `moe/router_entropy` (nats per token and
+        layer); none of them when no forward replayed anything (no sample carried routes). A rank whose forwards
+        replayed nothing (filler micro-batches only) joins with zeros."""
+        from hybrid_rl.distributed.collectives import all_reduce, all_reduce_max
+
+        layers, experts = self.load.shape if self.load is not None else (0, 0)
+        layers, experts = (int(x) for x in all_reduce_max([float(layers), float(experts)]))
+        load = self.load if self.load is not None else torch.zeros(layers, experts, dtype=torch.int64)
+        sums = all_reduce(torch.cat([torch.tensor([self.agree, self.total, self.entropy, self.routed],
+                                                  dtype=torch.float64), load.flatten().double()]))
+        agree, total, entropy, routed = sums[:4].tolist()
+        out = {"moe/router_agreement": agree / total} if total else {}
+        if routed and layers:
+            load = sums[4:].view(layers, experts)
+            out["moe/load_balance"] = float((load.max(-1).values / load.mean(-1).clamp_min(1e-12)).mean())
+            out["moe/router_entropy"] = entropy / routed
+        return out
+
 
 @contextmanager
-def replay_routes(model: nn.Module, routes: torch.Tensor):
-    """Forwards inside use `routes` ([tokens, layers, top_k], any integer dtype) as every layer's experts."""
+def replay_routes(model: nn.Module, routes: torch.Tensor, known: torch.Tensor | None = None):
+    """Forwards inside use `routes` ([tokens, layers, top_k], any integer dtype) as every layer's experts.
+
+    `known` ([tokens] bool, default all): the tokens whose routes are given; the others keep the trainer's own
+    choice and are not counted in the agreement (tokens no rollout forward saw: a response's last token)."""
     rs = routers(model)
     if routes.dim() != 3 or routes.shape[1] != len(rs):
         raise ValueError(f"routes must be [tokens, {len(rs)} MoE layers, top_k]; got {tuple(routes.shape)}")
     stats, seen = Replay(), set()
+    if rs:
+        stats.load = torch.zeros(len(rs), rs[0].num_experts, dtype=torch.int64)
 
     def hook(i: int, router: nn.Module):
         def fn(_module, _args, out):
@@ -93,11 +133,13 @@ def replay_routes(model: nn.Module, routes: torch.Tensor):
             if chosen.shape != own.shape:
                 raise ValueError(f"MoE layer {i}: replayed routes {tuple(chosen.shape)} for {tuple(own.shape)} "
                                  "selected experts (tokens x top_k) in this forward")
+            given = None if known is None else known.to(logits.device)
+            if given is not None:
+                chosen = torch.where(given[:, None], chosen, own)
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float)
             if i not in seen:  # the recompute of a checkpointed layer is not counted twice
                 seen.add(i)
-                stats.agree += int((own.sort(-1).values == chosen.sort(-1).values).all(-1).sum())
-                stats.total += own.shape[0]
-            probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+                _count(stats, i, own, chosen, given, probs.detach(), router.num_experts)
             weights = probs.gather(-1, chosen)
             if getattr(router, "norm_topk_prob", False):
                 weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -110,3 +152,16 @@ def replay_routes(model: nn.Module, routes: torch.Tensor):
     finally:
         for h in handles:
             h.remove()
+
+
+@torch.no_grad()
+def _count(stats: Replay, layer: int, own: torch.Tensor, chosen: torch.Tensor, given: torch.Tensor | None,
+           probs: torch.Tensor, experts: int) -> None:
+    """A layer's first firing into `stats`, outside autograd: a checkpointed forward must save the same tensors as
+    its recompute, which does not count."""
+    same = (own.sort(-1).values == chosen.sort(-1).values).all(-1)
+    stats.agree += int(same.sum() if given is None else (same & given).sum())
+    stats.total += own.shape[0] if given is None else int(given.sum())
+    stats.load[layer] += torch.bincount(chosen.flatten(), minlength=experts).cpu()
+    stats.entropy += float(-(probs * probs.clamp_min(1e-30).log()).sum())
+    stats.routed += own.shape[0]

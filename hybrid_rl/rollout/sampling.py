@@ -32,9 +32,10 @@ def sample_of(uid: int, record: PromptRecord, g: Generation, group: int, prompt:
     versions = torch.zeros(0, dtype=torch.int64) if token_versions is None else token_versions
     mask = torch.zeros(0, dtype=torch.bool) if loss_mask is None else loss_mask
     fields = {**record.fields, **extra_fields} if extra_fields else record.fields
+    routes = {} if g.routes is None else {"routes": g.routes}
     return Sample(uid, prompt, torch.as_tensor(g.token_ids, dtype=torch.int64),
                   torch.as_tensor(g.logprobs, dtype=torch.float32), g.finish_reason == "length", group, record.index,
-                  fields, versions, mask, part)
+                  fields, versions, mask, part, **routes)
 
 
 def generation_eos(tokenizer) -> list[int]:

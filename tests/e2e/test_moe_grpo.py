@@ -1,5 +1,7 @@
-"""A tiny Qwen3-MoE through a 2-step GRPO run, colocated on two CPU ranks: experts sharded over the ranks, synced
-into vLLM's fused-MoE weights and verified each step, exported in the per-expert form transformers and vLLM load."""
+"""A tiny Qwen3-MoE through a 2-step GRPO run (the MoE recipe: GSPO's objective, rollout routing replay, activation
+checkpointing), colocated on two CPU ranks: experts sharded over the ranks, synced into vLLM's fused-MoE weights and
+verified each step, vLLM's routes replayed in the trainer's forwards, exported in the per-expert form transformers
+and vLLM load."""
 
 import json
 import subprocess
@@ -17,7 +19,7 @@ pytestmark = pytest.mark.slow
 def test_two_grpo_steps_on_a_mixture_of_experts(tiny_models, task_files, tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "hybrid_rl.train",
-           "--config-name=grpo", *tiny_overrides(tiny_models["qwen3_moe"], task_files, out)]
+           "--config-name=grpo_moe", *tiny_overrides(tiny_models["qwen3_moe"], task_files, out)]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -25,6 +27,9 @@ def test_two_grpo_steps_on_a_mixture_of_experts(tiny_models, task_files, tmp_pat
     assert [s["step"] for s in trained] == [1, 2]
     for s in trained:
         assert s["rollout/logprob_diff_max"] < 1e-4  # float32 on both sides: vLLM computes what the trainer does
+        # measured before the replay overrides the trainer's routers: in float32 they choose as vLLM did
+        assert s["moe/router_agreement"] >= 0.99, s["moe/router_agreement"]
+        assert s["moe/load_balance"] >= 1.0 and 0 < s["moe/router_entropy"] < 2.08  # ln 8: at most uniform
     from transformers import AutoModelForCausalLM
 
     from hybrid_rl.model.weight_files import WeightFiles

@@ -1,0 +1,47 @@
+"""`model.moe.router_replay`: its choices, the trainer's setting for MoE and dense models, and sidecar mode's refusal
+of `rollout` replay (the servers return no routes)."""
+
+import logging
+
+import pytest
+
+from hybrid_rl.build.settings import trainer_settings
+from hybrid_rl.config import ConfigError, allowed_values, load_config
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from hybrid_rl.model.tiny import TinySpec, build_tiny_model
+
+    root = tmp_path_factory.mktemp("models")
+    return {name: str(build_tiny_model(root / name, TinySpec(arch=name))) for name in ("qwen3_moe", "qwen2")}
+
+
+def _cfg(path, *extra):
+    return load_config("grpo", [f"model.path={path}", "data.train_files=[x.jsonl]", *extra])
+
+
+def test_choices_and_default(models):
+    assert set(allowed_values("model.moe.router_replay")) == {"none", "old", "rollout"}
+    assert _cfg(models["qwen3_moe"]).model.moe.router_replay == "rollout"
+    with pytest.raises(ConfigError, match="model.moe.router_replay"):
+        _cfg(models["qwen3_moe"], "model.moe.router_replay=r3")
+
+
+def test_the_trainer_gets_the_mode_for_moe_and_none_for_dense(models, caplog):
+    for mode in ("none", "old", "rollout"):
+        s = trainer_settings(_cfg(models["qwen3_moe"], f"model.moe.router_replay={mode}"), world=2)
+        assert s.router_replay == mode
+    with caplog.at_level(logging.WARNING):
+        assert trainer_settings(_cfg(models["qwen2"]), world=2).router_replay == "none"
+        assert not caplog.records  # the default says nothing about a dense model
+        assert trainer_settings(_cfg(models["qwen2"], "model.moe.router_replay=old"), world=2).router_replay == "none"
+    assert len(caplog.records) == 1 and "ignored" in caplog.records[0].getMessage()
+
+
+def test_sidecar_mode_refuses_rollout_replay_of_an_moe_model(models):
+    with pytest.raises(ConfigError, match="router_replay=rollout is not supported with rollout.mode=sidecar"):
+        _cfg(models["qwen3_moe"], "rollout.mode=sidecar")
+    for cfg in (_cfg(models["qwen3_moe"], "rollout.mode=sidecar", "model.moe.router_replay=old"),
+                _cfg(models["qwen2"], "rollout.mode=sidecar")):
+        assert cfg.rollout.mode == "sidecar"
