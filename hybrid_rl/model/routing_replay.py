@@ -26,10 +26,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-# `model.moe.router_replay`: none; old (R2: the update replays the trainer's own old-log-prob pass); rollout (R3:
-# every forward replays the experts vLLM chose)
-
-
 def routers(model: nn.Module) -> list[nn.Module]:
     """The MoE routers of `model` in layer order (a module with `top_k`, `num_experts` and a `weight`)."""
     return [m for name, m in model.named_modules()
