@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+
 def routers(model: nn.Module) -> list[nn.Module]:
     """The MoE routers of `model` in layer order (a module with `top_k`, `num_experts` and a `weight`)."""
     return [m for name, m in model.named_modules()
