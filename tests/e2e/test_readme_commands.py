@@ -46,6 +46,8 @@ COVERED_ELSEWHERE = {
     "make test": "this suite",
     "make test-fast": "tests/unit, a subset of this suite",
     "make bench": "tests/e2e/test_benchmarks_smoke.py runs every benchmark script in its smoke mode",
+    "python benchmarks/distill.py": "tests/e2e/test_benchmarks_smoke.py runs it in its smoke mode (the full run is "
+                                    "30 steps of a real model)",
     "make demo": "tests/e2e/test_demo.py (40 steps); TASK=tools: tests/e2e/test_tools_demo.py (5 steps)",
     "make lint": "not run by `make test` (ruff + import-linter; the layer rules: tests/unit/*/test_import_rule.py)",
     "make test-gpu": "needs a CUDA GPU, which CI lacks: tests/gpu, run on an H200 on 2026-11-27 (README, \"What has and "
@@ -100,6 +102,8 @@ def program(argv: list[str]) -> str:
         return f"make {argv[1]}"
     if exe in ("python", "python3") and argv[1] == "-m":
         return f"python {argv[2]}"
+    if exe in ("python", "python3") and argv[1].endswith(".py"):
+        return f"python {argv[1]}"
     if exe == "torchrun":
         return f"torchrun {argv[argv.index('-m') + 1]}"
     if exe == "hf":
