@@ -85,7 +85,7 @@ def test_tp_that_does_not_divide_the_world_is_rejected_before_any_work(tiny_mode
 
 def test_unknown_recipe_lists_the_known_ones():
     r = _train("--config-name=grpoo")
-    assert r.returncode == 2 and "known recipes: cispo, dapo, dpo, dr_grpo, grpo, gspo" in r.stderr
+    assert r.returncode == 2 and "known recipes: cispo, dapo, dpo, dr_grpo, grpo, grpo_moe, gspo" in r.stderr
 
 
 @pytest.mark.slow

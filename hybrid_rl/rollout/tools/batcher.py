@@ -27,6 +27,11 @@ class ToolBatcher:
     def restarts(self) -> int:
         return self.runner.restarts
 
+    @property
+    def env_methods(self) -> set[str]:
+        """The environment's methods the runner answers (the tool loop asks whether a user simulator is among them)."""
+        return self.runner.env_methods
+
     def run(self, requests: list[ToolRequest]) -> list[ToolResult]:
         if self._closed:
             raise RuntimeError("the tool batcher is closed")

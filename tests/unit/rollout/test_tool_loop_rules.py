@@ -206,3 +206,17 @@ def test_each_family_is_detected_and_its_probe_exchange_renders(name, family):
     tok = tokenizer_for(name)
     assert detect_family(tok.chat_template) == FAMILIES[family]
     ToolSuffix(tok, FAMILIES[family], SCHEMAS)  # renders the probe tool exchange through the template
+
+
+def test_the_sidecars_tool_batcher_serves_the_tool_loop_like_the_runner():
+    """Sidecar mode hands the tool loop a ToolBatcher in the runner's place: the loop reads the environment's methods
+    from it at construction (whether a user simulator answers)."""
+    from hybrid_rl.rollout.tools.batcher import ToolBatcher
+
+    runner = ToolRunner([], ("respond", "quick"), workers=1, timeout_s=0.5)
+    batcher = ToolBatcher(runner)
+    try:
+        assert batcher.env_methods == {"respond", "quick"}
+    finally:
+        batcher.close()
+        runner.close()
