@@ -38,6 +38,7 @@ WORKER = Path(__file__).parent / "workers" / "run_sidecar.py"
 
 
 @TIMING  # kills timed against updates, an etcd outage against 3 s leases
+@pytest.mark.timeout(1800)  # the pod starts its server only once it has the run's secret: no overlap with the trainer
 def test_grpo_in_sidecar_mode_with_a_second_pod_a_killed_server_and_an_etcd_restart(tiny_models, task_files,
                                                                                    tmp_path):
     etcd = SharedEtcd(tmp_path / "etcd")
@@ -56,7 +57,7 @@ def test_grpo_in_sidecar_mode_with_a_second_pod_a_killed_server_and_an_etcd_rest
     try:
         args = {"overrides": overrides, "etcd": {"dir": str(etcd.data_dir), "port": etcd.port,
                                                  "peer_port": etcd.peer_port}}
-        r = run_torchrun(WORKER, json.dumps(args), nproc=2, tmp_path=tmp_path, timeout=900)
+        r = run_torchrun(WORKER, json.dumps(args), nproc=2, tmp_path=tmp_path, timeout=1500)
         pod.wait(120)  # the trainer's close tells the pod to stop
     finally:
         if pod.poll() is None:
