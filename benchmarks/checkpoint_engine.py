@@ -93,10 +93,11 @@ def _sidecar(cfg, a) -> dict:
     import torch
 
     from hybrid_rl.build import server_spec, sidecar_namespace, sidecar_prefix
-    from hybrid_rl.distributed.collectives import all_reduce_max, barrier
+    from hybrid_rl.distributed.collectives import all_reduce_max, barrier, broadcast_object
     from hybrid_rl.distributed.fsdp import shard_model
     from hybrid_rl.distributed.mesh import device, fsdp_mesh, init_distributed
     from hybrid_rl.model.loading import DTYPES, load_causal_lm
+    from hybrid_rl.sidecar.auth import share_run_secret
     from hybrid_rl.sidecar.checkpoint_engine import CheckpointEngine, PushOptions, PushTarget, RankPlace
     from hybrid_rl.sidecar.etcd import Etcd
     from hybrid_rl.sidecar.pod_link import pod_link
@@ -107,6 +108,9 @@ def _sidecar(cfg, a) -> dict:
     from hybrid_rl.weightsync.source import ModuleWeights
 
     dims = init_distributed(1)
+    # The run's secret, as build makes it: the servers answer only to it, etcd values are signed with it, and pod 1
+    # (a `hybrid_rl.pod`) waits for it in the output folder before it starts its server.
+    share_run_secret(cfg.trainer.output_dir, rank=dims.rank, broadcast=broadcast_object)
     module = load_causal_lm(a.model)
     shard_model(module, fsdp_mesh(dims), param_dtype=DTYPES[a.dtype])
     etcd = Etcd(cfg.sidecar.etcd, sidecar_prefix(cfg, RUN_ID), wait_s=60)
