@@ -48,6 +48,17 @@ class Recorded:
 
 
 @contextmanager
+def _hooked(rs: list[nn.Module], hook):
+    """`hook(i, router)`'s forward hook on every router for the body (the hooks removed however it ends)."""
+    handles = [r.register_forward_hook(hook(i, r)) for i, r in enumerate(rs)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextmanager
 def record_routes(model: nn.Module):
     """Collect each MoE layer's selected experts of the next forward (the first firing of each layer only:
     a checkpointed recompute fires them again with the same choice)."""
@@ -60,12 +71,8 @@ def record_routes(model: nn.Module):
                 rec.per_layer[i] = out[2].detach().to(route_dtype(router.num_experts)).cpu()
         return fn
 
-    handles = [r.register_forward_hook(hook(i, r)) for i, r in enumerate(rs)]
-    try:
+    with _hooked(rs, hook):
         yield rec
-    finally:
-        for h in handles:
-            h.remove()
 
 
 @dataclass
@@ -143,12 +150,8 @@ def replay_routes(model: nn.Module, routes: torch.Tensor, known: torch.Tensor | 
             return logits, weights.to(logits.dtype), chosen
         return fn
 
-    handles = [r.register_forward_hook(hook(i, r)) for i, r in enumerate(rs)]
-    try:
+    with _hooked(rs, hook):
         yield stats
-    finally:
-        for h in handles:
-            h.remove()
 
 
 @torch.no_grad()
