@@ -81,7 +81,7 @@ def run(cfg, etcd, *, log_path: Path, namespace, spec, prefix) -> None:
                           timeout_s=sc.pod_wait_s)
         device = payload_device_for(cuda=torch.cuda.is_available(), local_rank=int(os.environ.get("LOCAL_RANK", 0)))
         group = PodGroup(store, member=member, tp=where["tp"], pods=where["pods"], timeout_s=sc.pod_timeout_s,
-                         payload_device=device)
+                         payload_device=device, join_timeout_s=sc.pod_wait_s)
         sidecar.ensure_running()
         log.info("pod %d joined the trainer's pod group; waiting for weight updates", sc.pod)
         spec_ = sidecar.server.spec

@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import json
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -52,17 +53,39 @@ def payload_device_for(*, cuda: bool, local_rank: int) -> torch.device | None:
     return torch.device("cuda", local_rank) if cuda else None
 
 
+def wait_for_members(store: dist.Store, *, member: int, tp: int, pods: int, timeout_s: float) -> None:
+    """Mark `member` present in the store, then wait until every member is (at most `timeout_s`). Gloo's own
+    rendezvous can wait past its timeout for a peer that never came (a pod that died while starting), so the groups are
+    built only once everyone is known to be there; otherwise TimeoutError names who is missing."""
+    store.set(f"joined/{member}", b"1")
+    keys = [f"joined/{m}" for m in range(tp + pods - 1)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            missing = [m for m, key in enumerate(keys) if not store.check([key])]
+            writers = [m for m in missing if m < tp]
+            receivers = [m - tp + 1 for m in missing if m >= tp]
+            what = [f"pod {', '.join(map(str, receivers))} (python -m hybrid_rl.pod ... sidecar.pod=<p>)"] if receivers \
+                else []
+            what += [f"the trainer's writer for TP rank {', '.join(map(str, writers))}"] if writers else []
+            raise TimeoutError(f"the pod group is incomplete after {timeout_s:.0f} s (sidecar.pod_wait_s): "
+                               f"{' and '.join(what)} did not join; see that pod's log")
+        time.sleep(0.2)
+
+
 class PodGroup:
-    """Blocks until every member of this member's groups has joined (at most `timeout_s`).
+    """Blocks until every member has joined (at most `join_timeout_s`, default `timeout_s`), then builds the groups.
 
     `payload_device` None: weights are broadcast from host memory over gloo. A device: over NCCL when it is a
     GPU (gloo for a CPU device: the staged path as the CPU test runs it), through a staging buffer there.
     """
 
     def __init__(self, store: dist.TCPStore, *, member: int, tp: int, pods: int, timeout_s: float,
-                 payload_device: torch.device | None = None):
+                 payload_device: torch.device | None = None, join_timeout_s: float | None = None):
         self.member, self.tp, self.pods, self.store = member, tp, pods, store
         self.payload_device = payload_device
+        wait_for_members(store, member=member, tp=tp, pods=pods,
+                         timeout_s=timeout_s if join_timeout_s is None else join_timeout_s)
         timeout = datetime.timedelta(seconds=timeout_s)
         self.groups: dict[int, dist.ProcessGroup] = {}
         self.payload: dict[int, dist.ProcessGroup] = {}

@@ -25,8 +25,9 @@ import logging
 
 import torch
 
-from hybrid_rl.distributed.collectives import broadcast_object
+from hybrid_rl.distributed.collectives import all_gather_object, broadcast_object
 from hybrid_rl.distributed.mesh import ParallelDims
+from hybrid_rl.errors import RolloutError
 from hybrid_rl.sidecar.etcd import Etcd
 from hybrid_rl.sidecar.pod_group import PodGroup, bounded, payload_device_for, pod_store
 from hybrid_rl.sidecar.server_adapter import ADAPTER_FILES, AdapterFolders, load_on_server
@@ -108,12 +109,19 @@ def pod_link(etcd: Etcd, dims: ParallelDims, *, host: str, tp: int, pods: int, w
         etcd.put(GROUP_KEY, {"host": host, "port": store.port, "tp": tp, "pods": pods})
         log.info("waiting up to %.0f s for %d other pod(s) to join (python -m hybrid_rl.pod ...)", wait_s, pods - 1)
     port = broadcast_object(store.port if store is not None else None)
-    if dims.rank >= tp:
-        return GroupLink(None, tp)
-    store = store or pod_store(host, port, member=dims.rank, tp=tp, pods=pods, timeout_s=wait_s)
-    device = payload_device_for(cuda=torch.cuda.is_available(), local_rank=dims.local_rank)
-    return GroupLink(PodGroup(store, member=dims.rank, tp=tp, pods=pods, timeout_s=op_timeout_s,
-                              payload_device=device), tp)
+    group, error = None, ""
+    if dims.rank < tp:
+        try:
+            store = store or pod_store(host, port, member=dims.rank, tp=tp, pods=pods, timeout_s=wait_s)
+            device = payload_device_for(cuda=torch.cuda.is_available(), local_rank=dims.local_rank)
+            group = PodGroup(store, member=dims.rank, tp=tp, pods=pods, timeout_s=op_timeout_s,
+                             payload_device=device, join_timeout_s=wait_s)
+        except (TimeoutError, RuntimeError) as e:  # a pod that never joined: every rank stops, not just the writers
+            error = str(e)
+    errors = [e for e in all_gather_object(error) if e]
+    if errors:
+        raise RolloutError(errors[0])
+    return GroupLink(group, tp)
 
 
 class PodReceiver:
