@@ -21,8 +21,9 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from hybrid_rl.errors import EXIT_BAD_INPUT, EXIT_RUNTIME  # noqa: E402
+
 log = logging.getLogger("hybrid_rl.pod")
-EXIT_BAD_INPUT = 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,9 +45,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     nonce = secrets.token_hex(8)  # this launch's ring names: unguessable before they exist
-    run(cfg, etcd, log_path=Path(cfg.trainer.output_dir) / f"vllm_server_pod{sc.pod}.log",
-        namespace=lambda run_id: sidecar_namespace(cfg, sc.pod, run_id=run_id, nonce=nonce), spec=server_spec,
-        prefix=lambda run_id: sidecar_prefix(cfg, run_id))
+    try:
+        run(cfg, etcd, log_path=Path(cfg.trainer.output_dir) / f"vllm_server_pod{sc.pod}.log",
+            namespace=lambda run_id: sidecar_namespace(cfg, sc.pod, run_id=run_id, nonce=nonce), spec=server_spec,
+            prefix=lambda run_id: sidecar_prefix(cfg, run_id))
+    except TimeoutError as e:  # the trainer never came (no secret, no run, an incomplete pod group): said plainly
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_RUNTIME
     return 0
 
 
