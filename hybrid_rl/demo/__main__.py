@@ -1,9 +1,10 @@
 """`make demo`: RL on two CPU ranks that visibly learns, from nothing but this repository.
 
     python -m hybrid_rl.demo [--task digits|tools] [--algo grpo|ppo] [--nproc 2] [--steps 100] [--out outputs/demo]
-                             [--mode colocated|sidecar] [--max-staleness K]
+                             [--mode colocated|sidecar] [--max-staleness K] [--arch dense|moe]
 
-1. builds a tiny random Qwen2-style model and its tokenizer offline;
+1. builds a tiny random Qwen2-style model and its tokenizer offline (`--arch moe`: a Qwen3-MoE, 8 experts, top-2,
+   trained with the `grpo_moe` recipe: GSPO with rollout routing replay);
 2. writes the task as JSONL: `digits` (see `task.py`: pick the third of six digits, answer boxed) or `tools`
    (see `tools_task.py`: a product of two 3-digit numbers, which one call of the sandboxed `python` tool answers);
 3. supervised warm-up on the answer *format* only (a random digit of the list, boxed), or for `tools` on a mix of
@@ -48,25 +49,25 @@ def demo_overrides(*, model: Path, data: Path, out: Path, steps: int, prompts: i
     return [f"{k}={v}" for k, v in settings.items()]
 
 
-def base_model(root: Path, log) -> Path:
+def base_model(root: Path, log, arch: str = "dense") -> Path:
     from hybrid_rl.model.tiny import TinySpec, build_tiny_model
 
-    base = root / "base_model"
+    base = root / ("base_model" if arch == "dense" else f"{arch}_base_model")
     if not (base / "config.json").exists():
-        log("building a tiny random model (2 layers, 128 wide) and its tokenizer ...")
-        build_tiny_model(base, TinySpec())
+        log(f"building a tiny random {ARCHS[arch][1]} and its tokenizer ...")
+        build_tiny_model(base, TinySpec(**ARCHS[arch][0]))
     return base
 
 
-def prepare(root: Path, *, log=print) -> tuple[Path, Path]:
+def prepare(root: Path, *, log=print, arch: str = "dense") -> tuple[Path, Path]:
     """Tiny model, task data and the warmed-up model (each built once, then reused)."""
     from hybrid_rl.demo.task import write_task
     from hybrid_rl.demo.warmup import supervised_warmup
 
-    data, warm = root / "data", root / "warm_model"
+    data, warm = root / "data", root / ("warm_model" if arch == "dense" else f"{arch}_warm_model")
     if not (data / "val.jsonl").exists():
         write_task(data, n_train=2048, n_val=64, fixed_position=2)
-    base = base_model(root, log)
+    base = base_model(root, log, arch)
     if not (warm / "config.json").exists():
         log("supervised warm-up on the answer format (about a minute) ...")
         t0 = time.perf_counter()
@@ -75,21 +76,25 @@ def prepare(root: Path, *, log=print) -> tuple[Path, Path]:
     return warm, data
 
 
+# `--arch`: the tiny model's kind, as (TinySpec arguments, what the log calls it)
+ARCHS = {"dense": ({}, "Qwen2-style model (2 layers, 128 wide)"),
+         "moe": ({"arch": "qwen3_moe"}, "Qwen3-MoE (2 layers, 128 wide, 8 experts, top-2)")}
+RECIPES = {"dense": None, "moe": "grpo_moe"}  # `--arch moe` trains with this recipe whatever `--algo` says
 TOOLS_CALL_SHARE = 0.3  # of the warm-up's conversations that call the tool: the rest box a guess
 TOOLS_WARMUP_STEPS = 250
 
 
-def prepare_tools(root: Path, *, log=print, warmup_batch: int = 32,
-                  warmup_steps: int = TOOLS_WARMUP_STEPS) -> tuple[Path, Path]:
+def prepare_tools(root: Path, *, log=print, warmup_batch: int = 32, warmup_steps: int = TOOLS_WARMUP_STEPS,
+                  arch: str = "dense") -> tuple[Path, Path]:
     """The tools task's data and warmed-up model (on the same tiny base model), each built once; `warmup_batch`:
     conversations per warm-up step, `warmup_steps` its steps (the test shrinks both: its cost is most of the test's)."""
     from hybrid_rl.demo.tools_task import write_tools_task
     from hybrid_rl.demo.tools_warmup import tools_warmup
 
-    data, warm = root / "tools_data", root / "tools_warm_model"
+    data, warm = root / "tools_data", root / ("tools_warm_model" if arch == "dense" else f"tools_{arch}_warm_model")
     if not (data / "val.jsonl").exists():
         write_tools_task(data, n_train=2048, n_val=64)
-    base = base_model(root, log)
+    base = base_model(root, log, arch)
     if not (warm / "config.json").exists():
         log(f"supervised warm-up on the tool-call format ({warmup_steps} steps, {TOOLS_CALL_SHARE:.0%} of the "
             "conversations call the tool) ...")
@@ -150,14 +155,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="rollouts from the in-process engine, or from a vLLM server beside the trainer")
     p.add_argument("--max-staleness", type=int, default=0,
                    help="sidecar mode: asynchronous training, generation up to K policy versions ahead")
+    p.add_argument("--arch", default="dense", choices=["dense", "moe"],
+                   help="moe: a tiny Qwen3-MoE trained with the grpo_moe recipe (GSPO, rollout routing replay)")
     a = p.parse_args(argv)
     if a.max_staleness and a.mode != "sidecar":
         p.error("--max-staleness needs --mode sidecar")
+    if a.arch == "moe" and (a.algo != "grpo" or a.mode != "colocated"):
+        p.error("--arch moe runs the grpo_moe recipe, colocated (routing replay is colocated only)")
     root = Path(a.out).resolve()
     task = TASKS[a.task]
     a.steps = a.steps or task.steps
     a.prompts = a.prompts or task.prompts
-    warm, data = task.prepare(root)
+    warm, data = task.prepare(root, arch=a.arch)
+    a.algo = RECIPES[a.arch] or a.algo
     name = a.algo if a.mode == "colocated" else f"{a.algo}_sidecar_k{a.max_staleness}"
     run = root / (name if a.task == "digits" else f"{a.task}_{name}")
     overrides = demo_overrides(model=warm, data=data, out=run, steps=a.steps, prompts=a.prompts,
