@@ -23,6 +23,7 @@ ALGO      ?= grpo
 MODE      ?= colocated
 STALENESS ?= 0
 TASK      ?= digits
+ARCH      ?= dense
 PYTEST_ARGS ?=
 # required: `make install-sandbox` fails where the code sandbox's bubblewrap is missing or does not work; optional: warns
 SANDBOX   ?= required
@@ -40,7 +41,7 @@ help:
 	@echo "make test      install-all if needed, then run the whole test suite (what CI runs)"
 	@echo "make test-fast tests/unit: single-process, CPU, about a minute (needs only make install)"
 	@echo "make test-gpu  the training side on one CUDA device (tests/gpu; needs a GPU, not vLLM)"
-	@echo "make demo      GRPO on a tiny model with the hybrid engine, 2 CPU ranks (ALGO=ppo for PPO, TASK=tools for the tools demo)"
+	@echo "make demo      GRPO on a tiny model with the hybrid engine, 2 CPU ranks (ALGO=ppo for PPO, TASK=tools for the tools demo, ARCH=moe for a mixture of experts)"
 	@echo "make bench     quick versions of all benchmarks -> benchmarks/results/"
 	@echo "make lint      ruff check + import-linter layer contracts"
 	@echo "make fmt       ruff check --fix (the code is formatted by hand to ruff check's rules: no ruff format)"
@@ -108,7 +109,7 @@ fmt: install
 	$(BIN)/ruff check --fix hybrid_rl tests benchmarks
 
 demo: install $(if $(filter sidecar,$(MODE)),install-sidecar) $(if $(filter tools,$(TASK)),install-sandbox)
-	$(BIN)/python -m hybrid_rl.demo --task $(TASK) --algo $(ALGO) --nproc $(NPROC) --mode $(MODE) --max-staleness $(STALENESS)
+	$(BIN)/python -m hybrid_rl.demo --task $(TASK) --algo $(ALGO) --nproc $(NPROC) --mode $(MODE) --max-staleness $(STALENESS) --arch $(ARCH)
 
 bench: install-all
 	$(BIN)/python benchmarks/run_all.py --quick
