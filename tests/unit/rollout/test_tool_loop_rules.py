@@ -199,7 +199,8 @@ def test_the_newer_call_formats_read_calls_and_report_malformed_ones():
     assert get_parser("mistral_args")("[TOOL_CALLS]calc{}")[0].error
 
 
-@pytest.mark.parametrize(("name", "family"), [("qwen3-coder", "qwen3_coder"), ("llama4", "llama4"),
+@pytest.mark.parametrize(("name", "family"), [("smollm2-real", "chatml"), ("qwen3-coder", "qwen3_coder"),
+                                              ("llama4", "llama4"),
                                               ("mistral-v3", "mistral"), ("mistral-v7", "mistral"),
                                               ("mistral-v11", "mistral_args"), ("mistral-v13", "mistral_args")])
 def test_each_family_is_detected_and_its_probe_exchange_renders(name, family):

@@ -50,8 +50,8 @@ def _play(tok, turns, calc_runner, *, budget=512, max_turns=4):
     return traj, engine, suffix
 
 
-@pytest.mark.parametrize("name", ["qwen2.5", "smollm2", "qwen3", "llama3", "mistral", "qwen3-coder", "llama4",
-                                  "mistral-v3", "mistral-v7", "mistral-v11", "mistral-v13"])
+@pytest.mark.parametrize("name", ["qwen2.5", "smollm2", "smollm2-real", "qwen3", "llama3", "mistral", "qwen3-coder",
+                                  "llama4", "mistral-v3", "mistral-v7", "mistral-v11", "mistral-v13"])
 def test_trained_ids_are_the_engines_and_the_mask_is_the_models_tokens(name, calc_runner):
     tok = tokenizer_for(name)
     family = FAMILIES[FAMILY_OF[name]]
