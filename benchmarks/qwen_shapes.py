@@ -28,6 +28,15 @@ SHAPES = {
     "32B": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
                 num_key_value_heads=8, tie_word_embeddings=False, max_window_layers=64, vocab_size=152064),
 }
+# Published config.json of Qwen3-30B-A3B (a mixture of experts: 128 experts of width 768, 8 per token, every layer
+# sparse; 30.5B parameters, 3.3B active). Planned at real size (docs/guides/moe.md); no weights are built for it.
+MOE_SHAPES = {
+    "30B-A3B": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+                    num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                    num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                    tie_word_embeddings=False, vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6,
+                    rms_norm_eps=1e-6, attention_bias=False),
+}
 COMMON = dict(rope_theta=1e6, max_position_embeddings=32768, rms_norm_eps=1e-6,
               use_sliding_window=False, sliding_window=32768)
 SHARD_BYTES = 1 << 30
@@ -39,6 +48,13 @@ def config(size: str):
     from hybrid_rl.model.tiny import build_tokenizer
 
     tok = build_tokenizer()
+    if size in MOE_SHAPES:
+        from transformers import Qwen3MoeConfig
+
+        cfg = Qwen3MoeConfig(**MOE_SHAPES[size], eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                             bos_token_id=tok.eos_token_id, dtype="bfloat16")
+        cfg.architectures = ["Qwen3MoeForCausalLM"]
+        return cfg, tok
     cfg = Qwen2Config(**SHAPES[size], **COMMON, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                       bos_token_id=tok.eos_token_id, dtype="bfloat16")
     cfg.architectures = ["Qwen2ForCausalLM"]
@@ -48,7 +64,7 @@ def config(size: str):
 def _stale(path: Path, size: str) -> bool:
     """Whether `path` holds a config.json that no longer has SHAPES[size] (a folder built before a correction)."""
     saved = json.loads((path / "config.json").read_text())
-    return any(saved.get(k) != v for k, v in SHAPES[size].items())
+    return any(saved.get(k) != v for k, v in {**SHAPES, **MOE_SHAPES}[size].items())
 
 
 def config_folder(size: str) -> Path:

@@ -575,7 +575,7 @@ def validate(cfg: Config) -> None:
                           "mode the same ranks generate and train in turn, so generation cannot run ahead of training; "
                           "set rollout.mode=sidecar or rollout.max_staleness=0")
     _validate_truncation(cfg.rollout)
-    _validate_router_replay(cfg)
+    _validate_moe(cfg)
     if cfg.rollout.agent and cfg.rollout.mode != "sidecar":
         raise ConfigError("rollout.agent needs rollout.mode=sidecar: the agent's calls go through an endpoint in front "
                           "of the sidecar's vLLM servers")
@@ -587,14 +587,28 @@ def validate(cfg: Config) -> None:
                           "free when vLLM starts, less a reserve for the weight sync)")
 
 
-def _validate_router_replay(cfg: Config) -> None:
-    """`rollout` replay needs the experts vLLM chose, which only the colocated engine captures so far."""
+MOE_LORA_TARGETS = {"q_proj", "k_proj", "v_proj", "o_proj"}  # LoRA on a mixture of experts: attention only
+
+
+def _validate_moe(cfg: Config) -> None:
+    """What a mixture of experts cannot do yet: `rollout` replay needs the experts vLLM chose, which only the
+    colocated engine captures so far; LoRA adapts the attention projections only, synced merged."""
     from hybrid_rl.model.families import is_moe_folder
 
-    if cfg.model.moe.router_replay == "rollout" and cfg.rollout.mode == "sidecar" and is_moe_folder(cfg.model.path):
+    if not is_moe_folder(cfg.model.path):
+        return
+    if cfg.model.moe.router_replay == "rollout" and cfg.rollout.mode == "sidecar":
         raise ConfigError("model.moe.router_replay=rollout is not supported with rollout.mode=sidecar: the vLLM "
                           "servers do not return the experts they chose; use rollout.mode=colocated, or "
                           "model.moe.router_replay=old (replay the trainer's own old-log-prob pass) or none")
+    lora = cfg.model.lora
+    if lora.rank and (set(lora.target_modules) - MOE_LORA_TARGETS or lora.sync != "merged"):
+        raise ConfigError(
+            f"model.lora on a mixture of experts supports target_modules within {sorted(MOE_LORA_TARGETS)} with "
+            f"model.lora.sync=merged (got target_modules={lora.target_modules}, sync={lora.sync}): peft wraps the "
+            "fused expert tensors for gate_proj/up_proj/down_proj, which the sharded loader and the weight sync do "
+            "not handle yet, and vLLM's own LoRA over its fused-MoE layer is not verified; e.g. "
+            "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj] model.lora.sync=merged")
 
 
 def _validate_distillation(cfg: Config) -> None:

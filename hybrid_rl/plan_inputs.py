@@ -23,7 +23,6 @@ from hybrid_rl.types import Head
 from hybrid_rl.utils import memory
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}  # of one decoder block
 
 
 def plan_for(cfg: Config, world: int, *, device: DeviceSpec | None = None, attention: str = "auto",
@@ -37,8 +36,10 @@ def plan_for(cfg: Config, world: int, *, device: DeviceSpec | None = None, atten
     device = device or detect_device()
     actor, lora = _spec(cfg.model.path, "lm"), cfg.model.lora
     if lora.rank:  # build.py wraps the actor with peft: the base freezes, the adapters train
-        actor = ModelSpec(tuple(lora_params(list(actor.params), rank=lora.rank, target_modules=lora.target_modules)),
-                          actor.dims, "lm", lora.rank, len(set(lora.target_modules) & LINEARS),
+        params = lora_params(list(actor.params), rank=lora.rank, target_modules=lora.target_modules)
+        # Adapted linears of one block: those the model has (a mixture's sparse blocks have no gate/up/down_proj).
+        targets = len({p.name for p in params if p.block == 0 and p.name.endswith(".lora_A.default.weight")})
+        actor = ModelSpec(tuple(params), actor.dims, "lm", lora.rank, targets,
                           frozen_param_bytes=DTYPE_BYTES[cfg.model.frozen_storage_dtype])
     a, frozen = cfg.algorithm, DTYPE_BYTES[cfg.model.frozen_storage_dtype]
     inputs = PlanInputs(
@@ -51,7 +52,7 @@ def plan_for(cfg: Config, world: int, *, device: DeviceSpec | None = None, atten
         teacher=_spec(cfg.teacher.path, "lm", frozen) if cfg.teacher.path else None,
         activation_checkpointing=cfg.model.activation_checkpointing,
         attention=_attention(attention, device), entropy=get_objective(a.objective).entropy,
-        old_logp_pass=not a.old_logp_from_update, optimizer=cfg.optim.name,
+        old_logp_pass=not a.old_logp_from_update, optimizer=cfg.optim.name, router_replay=cfg.model.moe.router_replay,
     )
     plan = estimate(inputs)
     notes = tuple(_config_notes(cfg, actor, device))
@@ -144,7 +145,8 @@ def _tokens(cfg: Config, world: int, prompt_lengths: Sequence[int] | None) -> di
 
     (pass_tokens, pass_responses), (update_tokens, update_responses) = micro(share), micro(mini)
     return dict(pass_tokens=pass_tokens, update_tokens=update_tokens, pass_responses=pass_responses,
-                update_responses=update_responses, micro_batch_tokens=budget, max_sequence_tokens=longest_seq)
+                update_responses=update_responses, micro_batch_tokens=budget, max_sequence_tokens=longest_seq,
+                step_tokens=int(share * seq))
 
 
 def _rollout(cfg: Config, device: DeviceSpec) -> RolloutSpec:

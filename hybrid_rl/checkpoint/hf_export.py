@@ -174,7 +174,14 @@ def _tied_names(hf_model: nn.Module) -> set[str]:
 
 
 def _hf_model(model: nn.Module) -> nn.Module:
-    """The transformers model inside any wrappers (the first module carrying a `config` with `save_pretrained`)."""
+    """The transformers model inside any wrappers: the first `PreTrainedModel` (a peft wrapper forwards `config` too,
+    but not the weight conversions `as_saved` reverts), else the first module carrying a `config` with
+    `save_pretrained`."""
+    from transformers import PreTrainedModel
+
+    for m in model.modules():
+        if isinstance(m, PreTrainedModel):
+            return m
     for m in model.modules():
         if hasattr(getattr(m, "config", None), "save_pretrained"):
             return m

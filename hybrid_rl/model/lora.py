@@ -18,7 +18,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from hybrid_rl.distributed.fsdp import local_tensor
+from hybrid_rl.distributed.fsdp import local_rows, local_tensor
+from hybrid_rl.model.families import FusedNames
 
 ADAPTER = "default"
 
@@ -88,7 +89,7 @@ class LoraWeights:
             prefix = hf[: -len("weight")] if hf.endswith(".weight") else None
             layer = layers.get(prefix)
             if layer is None:
-                yield hf, local_tensor(p).detach(), tuple(p.shape)
+                yield from _frozen(self.model, hf, p)
             else:
                 yield hf, functools.partial(_merged_shard, p, layer), tuple(p.shape)
 
@@ -107,6 +108,21 @@ class BaseWeights:
         for name, p in self.model.named_parameters():
             if ".lora_A." not in name and ".lora_B." not in name:
                 yield hf_name(name), local_tensor(p).detach(), tuple(p.shape)
+
+
+def _frozen(model: nn.Module, hf: str, p: nn.Parameter) -> Iterator[tuple[str, torch.Tensor, tuple[int, ...]]]:
+    """A base weight LoRA leaves alone, by its checkpoint names: a mixture's fused experts (`model.families`) as one
+    weight per expert and projection, as `weightsync.source.ModuleWeights` offers them."""
+    fused = _fused_names(model)
+    if fused and fused.pieces(hf) is not None:
+        yield from fused.split(hf, local_tensor(p).detach(), tuple(p.shape), local_rows(p))
+    else:
+        yield hf, local_tensor(p).detach(), tuple(p.shape)
+
+
+def _fused_names(model: nn.Module) -> FusedNames | None:
+    config = getattr(model, "config", None)
+    return FusedNames(config) if config is not None else None
 
 
 @torch.no_grad()

@@ -7,6 +7,7 @@ Numbers in, a `MemoryPlan` out, pure arithmetic. Each module imports only those 
     inputs                        `PlanInputs`: what the planner is told (models, device, rollout, offload)
     shards, result                one rank's shard bytes; the plan as data (`Item`, `Phase`, `Fix`, `MemoryPlan`)
     trainer_memory, vllm_memory   what a trainer rank and vLLM hold in a phase; vLLM's share of a GPU
+    moe                           a mixture of experts' routes (rollout replay) and notes (total / active params)
     phases                        every phase of a step
     advice                        the fixes (each a re-run of `phases`) and the notes
     estimate                      `estimate(inputs)`: the phases, notes and fixes
@@ -34,6 +35,10 @@ Who holds what, as `build.py`, `colocated/hybrid.py` and `trainer.py` arrange it
   The critic's optimizer state goes with it after its update and comes back only for the next one
   (and to be saved). On a CPU-only device `cpu` offload frees nothing (the bytes move to other host
   buffers).
+
+* A mixture of experts holds every expert (memory follows the total parameters) but each token runs through
+  `top_k` of them (activations follow the active ones); with rollout replay its samples carry their routes
+  (`moe`), and vLLM's fused-MoE kernel has a workspace inside its share (`vllm_memory`).
 
 * Start-up: `build.py` builds each model on the meta device and each rank reads only its own rows
   of the checkpoint into its shards, a block of at most `load_chunk_bytes` at a time; nothing else

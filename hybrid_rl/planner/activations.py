@@ -9,7 +9,13 @@ bytes (FSDP mixed precision computes in `model.dtype`):
 * attention keeps q, k, v and the output (plus a float32 log-sum-exp per head), k and v at their
   own head count: flash-attn varlen on CUDA, and `model/attention.py`'s per-sequence SDPA ("sdpa"
   here) elsewhere (which builds no mask);
-* the SwiGLU MLP keeps gate, act(gate), up and their product: 4 x intermediate x b.
+* the SwiGLU MLP keeps gate, act(gate), up and their product: 4 x intermediate x b;
+* a mixture-of-experts layer (Qwen3-MoE, transformers' `grouped_mm` experts) runs each token through `top_k`
+  experts, not all of them: per (token, selected expert) pair it keeps the gathered input [H], the expert's
+  gate/up output [2I], act(gate) [I], their product [I] and the down projection's output that the routing weight
+  multiplies [H], all in `b`, plus the pair's expert id and sort position (int64 each); per token the router's
+  logits [E] in `b` and its float32 softmax [E]. So the experts cost `top_k x (2H + 4I) x b` per token, not
+  `experts x ...`: the expert count enters only through the router's [E] rows.
 
 The LM head runs only at the positions that predict response tokens (`logits_to_keep`), and
 log-probs and entropies (`model/logprobs.py`) keep for backward only those logits, in the compute
@@ -57,8 +63,22 @@ def _norm(n: int, rows: int, b: int) -> int:
     return 4 * n + 4 * rows + b * n
 
 
-def layer_saved_per_token(d: ArchDims, tokens: int, b: int, attention: Attention, math_len: int = 0) -> int:
-    """Bytes one decoder block saves for backward, per token.
+def _mlp_saved(d: ArchDims, b: int, moe: bool) -> int:
+    """Bytes a block's MLP (dense) or experts and router (`moe`) keep for backward, per token."""
+    if not moe:
+        return 4 * d.intermediate_size * b
+    pairs = d.top_k * (b * (2 * d.hidden_size + 4 * d.moe_intermediate_size) + 16)
+    return pairs + d.num_experts * (b + 4)
+
+
+def _kinds(d: ArchDims) -> list[tuple[int, bool]]:
+    """(how many layers, sparse?) for the model's dense and mixture-of-experts layers that exist."""
+    return [(n, moe) for n, moe in ((d.dense_layers, False), (d.moe_layers, True)) if n]
+
+
+def layer_saved_per_token(d: ArchDims, tokens: int, b: int, attention: Attention, math_len: int = 0, *,
+                          moe: bool = False) -> int:
+    """Bytes one decoder block (a sparse one with `moe`) saves for backward, per token.
 
     `math_len`: sequences up to this long run SDPA's math kernel (`model/attention.py`'s `MATH_MAX_LEN`, CPU), which keeps float32
     copies of q, k and v at every query head and two float32 score rows per head; counted for every token.
@@ -71,7 +91,7 @@ def layer_saved_per_token(d: ArchDims, tokens: int, b: int, attention: Attention
     if d.qk_norm:
         attn += _norm(q, d.num_heads, b) + _norm(d.num_kv_heads * d.head_dim, d.num_kv_heads, b)
     norms_and_inputs = 2 * (_norm(h, 1, b) + b * h)  # two norms + their outputs kept by the next linear
-    return norms_and_inputs + attn + 4 * d.intermediate_size * b
+    return norms_and_inputs + attn + _mlp_saved(d, b, moe)
 
 
 def _kv_width(d: ArchDims, attention: Attention) -> int:
@@ -85,8 +105,11 @@ def _model_level(d: ArchDims, tokens: int, b: int, attention: Attention) -> int:
 
 
 def _block_backward(d: ArchDims, tokens: int, b: int) -> int:
-    """Gradients alive while backward goes through one block (MLP and float32 residual-stream grads)."""
-    return tokens * (3 * d.intermediate_size * b // 2 + 8 * d.hidden_size)
+    """Gradients alive while backward goes through one block (MLP and float32 residual-stream grads); a sparse
+    block's are those of its `top_k` experts' pairs and of their gathered inputs and outputs."""
+    mlp = max((3 * d.moe_intermediate_size * d.top_k * b // 2 + 2 * d.top_k * d.hidden_size * b) if moe
+              else 3 * d.intermediate_size * b // 2 for _, moe in _kinds(d))
+    return tokens * (mlp + 8 * d.hidden_size)
 
 
 def _logits_grad(d: ArchDims, tokens: int, responses: int, b: int, entropy: bool) -> int:
@@ -112,12 +135,13 @@ def train_activations(d: ArchDims, tokens: int, *, b: int, attention: Attention,
     `layer_saved_per_token`'s.
     """
     responses = tokens if responses is None else responses
-    per_layer = layer_saved_per_token(d, tokens, b, attention, math_len) * tokens
+    per_layer = {moe: layer_saved_per_token(d, tokens, b, attention, math_len, moe=moe) * tokens
+                 for _, moe in _kinds(d)}
     transient = _block_backward(d, tokens, b)
     if checkpointing:  # blocks keep their input; backward recomputes one block, then runs through it
-        layers, transient = d.num_layers * tokens * d.hidden_size * b, transient + per_layer
+        layers, transient = d.num_layers * tokens * d.hidden_size * b, transient + max(per_layer.values())
     else:
-        layers = d.num_layers * per_layer
+        layers = sum(n * per_layer[moe] for n, moe in _kinds(d))
     logits = _logits_grad(d, tokens, responses, b, entropy) if head == "lm" else tokens * 8
     return ActivationBytes(layers + _model_level(d, tokens, b, attention), logits, transient)
 
@@ -127,12 +151,13 @@ def forward_activations(d: ArchDims, tokens: int, *, b: int, attention: Attentio
     """Peak activation memory of one no-grad forward (old log-probs, reference, critic values, reward scores).
 
     Nothing is saved: the residual stream and one block's intermediates are alive at a time, the
-    larger of its attention (q, k, v, output) and its MLP (gate, act, up and their product).
+    larger of its attention (q, k, v, output) and its MLP (gate, act, up and their product; a sparse block's
+    `top_k` experts' pairs and its router's rows, as `_mlp_saved` counts them).
     """
     responses = tokens if responses is None else responses
     h, q = d.hidden_size, d.num_heads * d.head_dim
     residual = tokens * (2 * h * b + 4 * h)  # the block's input, its normalised copy, the float32 norm copy
     attn = tokens * b * (2 * q + 2 * _kv_width(d, attention))
-    block = max(attn, tokens * 4 * d.intermediate_size * b)
+    block = max(attn, *(tokens * _mlp_saved(d, b, moe) for _, moe in _kinds(d)))
     logits = _logits_no_grad(d, tokens, responses, b, entropy) if head == "lm" else tokens * 8
     return ActivationBytes(residual + tokens * 2 * d.head_dim * b, logits, block)

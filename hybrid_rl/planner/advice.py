@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 from hybrid_rl.planner.activations import train_activations
 from hybrid_rl.planner.inputs import OFFLOADABLE, PlanInputs, frees_device
+from hybrid_rl.planner.moe import moe_notes
 from hybrid_rl.planner.phases import step_phases
 from hybrid_rl.planner.result import Fix, MemoryPlan, Phase
 from hybrid_rl.planner.trainer_memory import host_offload_bytes
@@ -145,6 +146,7 @@ def notes_for(plan: MemoryPlan, first_rollout: Phase | None) -> Iterator[str]:
         yield (f"step 1: reference / critic / reward model are offloaded only after their first pass, so the "
                f"first rollout also holds them: {fmt(first_rollout.total)} (later steps: "
                f"{fmt(plan.phase('rollout').total)})")
+    yield from moe_notes(x)
     yield from _activation_note(x)
     for name in ("actor_params", "actor_grads", "actor_optim", *OFFLOADABLE):
         if getattr(x.offload, name) == "cpu" and x.device.kind == "cpu":

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybrid_rl.planner.activations import Attention
-from hybrid_rl.planner.param_count import ArchDims, ParamShape
+from hybrid_rl.planner.param_count import ArchDims, ParamShape, active_numel
 from hybrid_rl.types import MATH_MAX_LEN, Head
 
 # Offloaded after their pass / update (`offload.<name>`).
@@ -27,6 +27,11 @@ class ModelSpec:
     @property
     def numel(self) -> int:
         return sum(p.numel for p in self.params)
+
+    @property
+    def active_numel(self) -> int:
+        """Parameters one token goes through (a mixture of experts: `top_k` of each layer's experts)."""
+        return active_numel(self.params, self.dims)
 
     def block_numel(self, *, trainable: bool = False) -> int:
         """The largest transformer block (one FSDP unit); `trainable`: only what gets gradients."""
@@ -97,6 +102,8 @@ class PlanInputs:
     old_logp_pass: bool = True  # False: the update's own forward gives the old log-probs
     load_chunk_bytes: int = 8 * 2**20  # model/materialize.READ_CHUNK_BYTES: the largest single checkpoint read
     optimizer: str = "adamw"  # optim.name: the actor's and the critic's
+    router_replay: str = "none"  # model.moe.router_replay (a mixture of experts: `rollout` records vLLM's routes)
+    step_tokens: int = 0  # tokens of the samples one rank trains on in a step (what their routes cover)
 
     @property
     def math_len(self) -> int:

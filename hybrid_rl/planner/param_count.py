@@ -2,11 +2,12 @@
 
 The memory planner needs shapes, not just a count: FSDP2 pads dim 0 of each parameter to a multiple
 of the world size before sharding it, so per-rank bytes depend on every shape. For the dense
-decoders the trainer supports (Llama, Mistral, Qwen2, Qwen3) the shapes are written out from the
-Hugging Face modelling code: embeddings, q/k/v/o with GQA and the biases the architecture has
+decoders the trainer supports (Llama, Mistral, Qwen2, Qwen3) and Qwen3-MoE the shapes are written out from
+the Hugging Face modelling code: embeddings, q/k/v/o with GQA and the biases the architecture has
 (Qwen2: q/k/v; Llama/Qwen3: all four when `attention_bias`), the MLP (`mlp_bias` for Llama), the
 norms, Qwen3's per-head q/k norms and an untied `lm_head` (a tied one is the embedding, counted
-once, as `named_parameters()` does). Any other architecture is instantiated on the meta device and
+once, as `named_parameters()` does). A Qwen3-MoE sparse layer holds, instead of the MLP, its experts fused
+(`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) and its router (`mlp.gate` [E, H]). Any other architecture is instantiated on the meta device and
 its parameters listed. `tests/unit/planner/` compares both paths with the real modules.
 """
 
@@ -52,6 +53,16 @@ class ArchDims:
     head_dim: int
     tie_word_embeddings: bool
     qk_norm: bool  # Qwen3: RMSNorm over each head of q and k
+    # Mixture of experts (0 for dense models): experts per sparse layer, experts each token uses, one expert's
+    # intermediate width, and how many of the layers are sparse (the others have the dense MLP).
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate_size: int = 0
+    moe_layers: int = 0
+
+    @property
+    def dense_layers(self) -> int:
+        return self.num_layers - self.moe_layers
 
     @classmethod
     def from_hf_config(cls, config) -> ArchDims:
@@ -67,8 +78,38 @@ class ArchDims:
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or hidden // heads,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            qk_norm=getattr(config, "model_type", "") == "qwen3",
+            qk_norm=getattr(config, "model_type", "") in ("qwen3", "qwen3_moe"),
+            num_experts=_num_experts(config),
+            top_k=int(getattr(config, "num_experts_per_tok", 0) or 0) if _num_experts(config) else 0,
+            moe_intermediate_size=int(getattr(config, "moe_intermediate_size", 0) or 0),
+            moe_layers=len(sparse_layers(config)),
         )
+
+
+def _num_experts(config) -> int:
+    return int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0)
+
+
+def sparse_layers(config) -> list[int]:
+    """The layers whose MLP is a mixture of experts (Qwen3-MoE's rule: not in `mlp_only_layers`, and every
+    `decoder_sparse_step`-th layer); none for a dense model."""
+    if not _num_experts(config):
+        return []
+    step, dense = getattr(config, "decoder_sparse_step", 1) or 1, set(getattr(config, "mlp_only_layers", None) or ())
+    return [n for n in range(config.num_hidden_layers) if n not in dense and (n + 1) % step == 0]
+
+
+def is_expert(name: str) -> bool:
+    """A routed expert's parameter (each token uses `top_k` of a layer's `num_experts`)."""
+    return ".mlp.experts." in name
+
+
+def active_numel(params, dims: ArchDims) -> int:
+    """Parameters one token goes through: every parameter but the routed experts, and `top_k / num_experts` of
+    those (for a dense model, all of them)."""
+    experts = sum(p.numel for p in params if is_expert(p.name))
+    rest = sum(p.numel for p in params) - experts
+    return rest + (experts * dims.top_k // dims.num_experts if dims.num_experts else experts)
 
 
 # Which biases each supported architecture's modelling code creates: (q/k/v, o_proj, MLP).
@@ -77,6 +118,7 @@ _BIASES = {
     "Qwen3ForCausalLM": lambda c: (c.attention_bias, c.attention_bias, False),
     "LlamaForCausalLM": lambda c: (c.attention_bias, c.attention_bias, c.mlp_bias),
     "MistralForCausalLM": lambda c: (False, False, False),
+    "Qwen3MoeForCausalLM": lambda c: (c.attention_bias, c.attention_bias, False),
 }
 KNOWN_ARCHITECTURES = tuple(_BIASES)
 
@@ -93,7 +135,7 @@ def model_params(config, head: Head = "lm") -> list[ParamShape]:
     qkv_bias, o_bias, mlp_bias = _BIASES[dims.architecture](config)
     h, i, d = dims.hidden_size, dims.intermediate_size, dims.head_dim
     q, kv = dims.num_heads * d, dims.num_kv_heads * d
-    out = [ParamShape("model.embed_tokens.weight", (dims.vocab_size, h))]
+    out, sparse = [ParamShape("model.embed_tokens.weight", (dims.vocab_size, h))], set(sparse_layers(config))
     for n in range(dims.num_layers):
         p = f"model.layers.{n}."
         out += _linear(p + "self_attn.q_proj", h, q, qkv_bias)
@@ -102,9 +144,14 @@ def model_params(config, head: Head = "lm") -> list[ParamShape]:
         out += _linear(p + "self_attn.o_proj", q, h, o_bias)
         if dims.qk_norm:
             out += [ParamShape(p + "self_attn.q_norm.weight", (d,)), ParamShape(p + "self_attn.k_norm.weight", (d,))]
-        out += _linear(p + "mlp.gate_proj", h, i, mlp_bias)
-        out += _linear(p + "mlp.up_proj", h, i, mlp_bias)
-        out += _linear(p + "mlp.down_proj", i, h, mlp_bias)
+        if n in sparse:  # transformers' Qwen3MoeSparseMoeBlock: `experts` registered before `gate`
+            e, ie = dims.num_experts, dims.moe_intermediate_size
+            out += [ParamShape(p + "mlp.experts.gate_up_proj", (e, 2 * ie, h)),
+                    ParamShape(p + "mlp.experts.down_proj", (e, h, ie)), ParamShape(p + "mlp.gate.weight", (e, h))]
+        else:
+            out += _linear(p + "mlp.gate_proj", h, i, mlp_bias)
+            out += _linear(p + "mlp.up_proj", h, i, mlp_bias)
+            out += _linear(p + "mlp.down_proj", i, h, mlp_bias)
         out += [ParamShape(p + "input_layernorm.weight", (h,)), ParamShape(p + "post_attention_layernorm.weight", (h,))]
     out.append(ParamShape("model.norm.weight", (h,)))
     return out + _head(config, head, dims)

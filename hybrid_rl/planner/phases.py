@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from hybrid_rl.planner.inputs import OFFLOADABLE, PlanInputs
+from hybrid_rl.planner.moe import routes_items
 from hybrid_rl.planner.result import Item, Phase
 from hybrid_rl.planner.shards import shard_bytes, shard_rows
 from hybrid_rl.planner.trainer_memory import params_label, process_items, trainer_items
@@ -37,7 +38,7 @@ def _fragmentation(items: list[Item]) -> list[Item]:
 def phase(x: PlanInputs, name: str, *, first_step: bool = False) -> Phase:
     if name == "startup":
         return _startup(x)
-    trainer = trainer_items(x, name, first_step=first_step)
+    trainer = trainer_items(x, name, first_step=first_step) + routes_items(x, name)
     # Training phases churn the caching allocator; before the sync and the KV cache's wake-up the engine empties it.
     frag = _fragmentation(trainer) if x.device.kind == "cuda" and name not in ("sync", "rollout") else []
     return Phase(name, tuple(process_items(x, name) + trainer + frag + vllm_items(x, name)))

@@ -43,7 +43,8 @@ def render(plan: MemoryPlan, measured: dict[str, float] | None = None) -> str:
     return "\n".join(lines)
 
 
-COMPONENTS = ("process", "actor", "reference", "critic", "reward_model", "teacher", "allocator", "vllm", "loading")
+COMPONENTS = ("process", "actor", "reference", "critic", "reward_model", "teacher", "routes", "allocator", "vllm",
+              "loading")
 ITEMS = ("CUDA", "NCCL", "params", "grads", "AdamW", "compute", "activations", "fragmentation", "weights", "KV",
          "kept", "runtime", "weight sync")
 
@@ -56,7 +57,9 @@ def _title(plan: MemoryPlan) -> str:
     x = plan.inputs
     r = x.rollout
     rollout = f", rollout tp={r.tp} release={r.release}" if r.enabled else ", no rollout"
-    return (f"Memory plan per rank: {x.actor.dims.architecture} ({x.actor.numel / 1e6:.1f}M params), world "
+    a = x.actor
+    params = f"{a.numel / 1e6:.1f}M params" + (f", {a.active_numel / 1e6:.1f}M active" if a.dims.moe_layers else "")
+    return (f"Memory plan per rank: {a.dims.architecture} ({params}), world "
             f"{x.world}, {x.device.name or x.device.kind} with {fmt(plan.device_bytes)}"
             f", compute {({2: '16-bit', 4: 'fp32'})[x.compute_bytes]}, {x.attention} attention{rollout}")
 

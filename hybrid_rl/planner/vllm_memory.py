@@ -30,8 +30,8 @@ VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this before spli
 
 
 def vllm_weight_bytes(spec: ModelSpec, tp: int, dtype_bytes: int) -> int:
-    """vLLM's weights on one TP rank: linear layers split over TP, KV heads replicated when
-    fewer than TP, the vocabulary padded to a multiple of 64 and split, norms replicated."""
+    """vLLM's weights on one TP rank: linear layers (and a mixture's experts) split over TP, KV heads replicated
+    when fewer than TP, the vocabulary padded to a multiple of 64 and split, norms and MoE routers replicated."""
     d, numel = spec.dims, 0
     kv_rows = max(d.num_kv_heads // tp, 1) * d.head_dim
     for p in spec.params:
@@ -42,7 +42,7 @@ def vllm_weight_bytes(spec: ModelSpec, tp: int, dtype_bytes: int) -> int:
             numel += -(-padded // tp) * (p.numel // p.shape[0])
         elif "k_proj" in p.name or "v_proj" in p.name:
             numel += kv_rows * (p.numel // p.shape[0])
-        elif "norm" in p.name:
+        elif "norm" in p.name or p.name.endswith("mlp.gate.weight"):
             numel += p.numel
         else:
             numel += -(-p.numel // tp)
@@ -111,9 +111,23 @@ def kv_cache_bytes(x: PlanInputs) -> int:
     r = x.rollout
     if r.kv_cache_bytes is not None:
         return r.kv_cache_bytes
-    kept = vllm_kept_asleep_bytes(x) if x.device.kind == "cuda" else 0
+    kept = vllm_kept_asleep_bytes(x) + fused_moe_workspace_bytes(x) if x.device.kind == "cuda" else 0
     return max(0, int(vllm_utilization(x) * x.device.total_bytes) - vllm_weight_bytes(x.actor, r.tp, r.dtype_bytes)
                - kept)
+
+
+def fused_moe_workspace_bytes(x: PlanInputs) -> int:
+    """vLLM's fused-MoE kernel's intermediate buffers for one forward of its token budget (CUDA; 0 elsewhere or
+    for a dense model): the Triton path (`fused_moe.fused_experts_impl`) allocates, for M tokens, one buffer of
+    `M x top_k x max(2I / tp, H)` for the gate/up output and the down output (reused) and one of `M x top_k x I / tp`
+    for the activation, in the model's dtype. vLLM's profile run sizes it for `VLLM_MAX_BATCHED_TOKENS` and takes it
+    out of its share before the KV cache."""
+    d, r = x.actor.dims, x.rollout
+    if x.device.kind != "cuda" or not d.moe_layers:
+        return 0
+    inter = -(-d.moe_intermediate_size // r.tp)
+    pairs = VLLM_MAX_BATCHED_TOKENS * d.top_k
+    return pairs * (max(2 * inter, d.hidden_size) + inter) * r.dtype_bytes
 
 
 def vllm_items(x: PlanInputs, phase: str) -> list[Item]:
@@ -128,6 +142,8 @@ def vllm_items(x: PlanInputs, phase: str) -> list[Item]:
     if x.device.kind == "cuda" and r.release != "restart":
         # Inside vLLM's share while it is awake; what stays on the GPU while it sleeps.
         items.append(Item("vllm", "kept asleep: CUDA graphs, runner buffers", vllm_kept_asleep_bytes(x)))
+    if workspace := fused_moe_workspace_bytes(x):
+        items.append(Item("vllm", "runtime: fused-MoE workspace", workspace, released))
     if x.device.kind == "cpu":  # on CUDA vLLM's workspace is inside its share (gpu_memory_utilization)
         runtime = (CPU_VLLM_RUNTIME_BYTES + CPU_VLLM_RUNTIME_PER_VOCAB * x.actor.dims.vocab_size
                    + int(CPU_VLLM_RUNTIME_PER_WEIGHT_BYTE * weights))

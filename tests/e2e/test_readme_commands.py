@@ -124,10 +124,10 @@ def with_overrides(argv: list[str], values: dict[str, str]) -> list[str]:
 
 
 def shape_folder(root: Path, name: str) -> Path:
-    """A config.json (and a tiny tokenizer) with the published shape of the Qwen2.5 size `name` names; the planner
-    reads config.json only."""
-    size = re.search(r"(\d+(?:\.\d+)?B)", name)
-    assert size and size.group(1) in qwen_shapes.SHAPES, \
+    """A config.json (and a tiny tokenizer) with the published shape of the Qwen2.5 size (or Qwen3 mixture, e.g.
+    30B-A3B) `name` names; the planner reads config.json only."""
+    size = re.search(r"(\d+(?:\.\d+)?B(?:-A\d+B)?)", name)
+    assert size and size.group(1) in {**qwen_shapes.SHAPES, **qwen_shapes.MOE_SHAPES}, \
         f"README names model {name!r}: add its published shape to benchmarks/qwen_shapes.py"
     out = root / "shapes" / size.group(1)
     if not (out / "config.json").exists():

@@ -1,5 +1,12 @@
 """Routing replay's source: vLLM's selected experts for every token of every request, captured in vLLM's worker,
-equal transformers' routing of the same tokens, for every (token, layer) pair."""
+equal transformers' routing of the same tokens, for every (token, layer) pair; and in bfloat16, replaying them
+lowers the log-prob mismatch between vLLM's rollout and the trainer's model.
+
+The tiny model's routers are far from ties, so in bfloat16 vLLM and transformers choose the same experts for every
+token and the mismatch is the same with and without replay; the worker pulls each router row to 1% of its distance
+from the first (nearly tied expert logits, as a trained router's are for some tokens at real size), so that
+bfloat16's rounding flips some choices: measured, agreement about 0.83 and a mean |log-prob difference| of 0.07
+without replay against 0.005 with it."""
 
 import json
 import os
@@ -29,3 +36,6 @@ def test_captured_routes_equal_transformers_routing(tiny_models, tmp_path):
             assert req["dtype"] == "torch.uint8"  # carried compactly
             assert req["equal"], req
             assert req["replay_agreement"] == 1.0
+    bf16 = r["bf16"]
+    assert bf16["tokens"] >= 40 and bf16["agreement"] < 0.99, bf16  # routers did flip between vLLM and transformers
+    assert bf16["mismatch"]["rollout"] < 0.5 * bf16["mismatch"]["none"], bf16

@@ -45,3 +45,15 @@ def test_sidecar_mode_refuses_rollout_replay_of_an_moe_model(models):
     for cfg in (_cfg(models["qwen3_moe"], "rollout.mode=sidecar", "model.moe.router_replay=old"),
                 _cfg(models["qwen2"], "rollout.mode=sidecar")):
         assert cfg.rollout.mode == "sidecar"
+
+
+def test_lora_on_a_mixture_of_experts_is_attention_only_and_merged(models):
+    """peft wraps the fused expert tensors when the targets name gate/up/down_proj, which the loader and the sync do
+    not handle; vLLM's LoRA over its fused-MoE layer fails the sync's verification: both refused, naming what works."""
+    attention = "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]"
+    for bad in ([], [attention], ["model.lora.sync=merged"]):  # default targets reach the experts; default sync
+        with pytest.raises(ConfigError, match=r"supports target_modules within \['k_proj', 'o_proj', 'q_proj', "
+                                              r"'v_proj'\] with model.lora.sync=merged"):
+            _cfg(models["qwen3_moe"], "model.lora.rank=8", *bad)
+    assert _cfg(models["qwen3_moe"], "model.lora.rank=8", attention, "model.lora.sync=merged").model.lora.rank == 8
+    assert _cfg(models["qwen2"], "model.lora.rank=8").model.lora.sync == "adapter"  # dense models: unchanged

@@ -51,7 +51,8 @@ def _measured_activation_bytes(model, mb, *, train: bool, critic: bool = False) 
 
 @pytest.mark.parametrize(("name", "dtype", "lengths"), [
     *((n, d, "long") for n in ["qwen2", "llama_tied_kv1", "qwen3", "mid"] for d in [torch.bfloat16, torch.float32]),
-    ("qwen2", torch.bfloat16, "short"), ("mid", torch.bfloat16, "short"), ("qwen3", torch.float32, "short")])
+    ("qwen2", torch.bfloat16, "short"), ("mid", torch.bfloat16, "short"), ("qwen3", torch.float32, "short"),
+    ("qwen3_moe", torch.bfloat16, "long"), ("qwen3_moe", torch.float32, "long")])
 def test_activation_estimate_bounds_the_measured_peak(tiny_models, name, dtype, lengths):
     path = tiny_models[name]
     dims = ArchDims.from_hf_config(load_config(path))
