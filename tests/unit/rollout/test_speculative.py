@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from hybrid_rl.config import Config, ConfigError, speculation, validate
-from hybrid_rl.rollout.speculative import Speculation, SpecTally, counts_of, spec_metrics
+from hybrid_rl.rollout.speculative import SpecTally, Speculation, counts_of, spec_metrics
 from hybrid_rl.sidecar.completions import parse_stream, request_body
 from hybrid_rl.sidecar.vllm_server import ServerSpec, server_command
 from hybrid_rl.types import Generation, Sampling
