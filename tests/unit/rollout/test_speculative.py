@@ -6,18 +6,16 @@ import sys
 
 import pytest
 
-from hybrid_rl.config import Config, ConfigError, speculation, validate
-from hybrid_rl.rollout.speculative import SpecTally, Speculation, counts_of, spec_metrics
+from hybrid_rl.config import Config, ConfigError, RolloutConfig, resolve_rollout, speculation, validate
+from hybrid_rl.rollout.speculative import SpecTally, Speculation, counts_of, request_counts, spec_metrics
 from hybrid_rl.sidecar.completions import parse_stream, request_body
 from hybrid_rl.sidecar.vllm_server import ServerSpec, server_command
 from hybrid_rl.types import Generation, Sampling
 
 
 def _cfg(**rollout) -> Config:
-    cfg = Config()
+    cfg = Config(rollout=RolloutConfig(**rollout))
     cfg.model.path, cfg.data.train_files = "/m", ["/t.jsonl"]
-    for k, v in rollout.items():
-        setattr(cfg.rollout, k, v)
     return cfg
 
 
@@ -76,3 +74,21 @@ def test_acceptance_is_accepted_over_drafted_summed_over_responses():
                                "rollout/spec_acceptance": 10 / 16}
     assert tally.metrics(copies=2)["rollout/spec_drafted"] == 8.0  # a TP group's two ranks each counted them
     assert spec_metrics(0, 0)["rollout/spec_acceptance"] == 0.0
+
+
+def test_sampled_speculative_rollouts_are_refused_on_cpu_only():
+    r = RolloutConfig(speculative="ngram", temperature=1.0)
+    with pytest.raises(ConfigError, match="rollout.speculative=ngram with rollout.temperature=1.0 is refused on CPU"):
+        resolve_rollout(r, "cpu")
+    resolve_rollout(r, "cuda")
+    resolve_rollout(RolloutConfig(speculative="ngram", temperature=0.0), "cpu")  # greedy drafts are exact
+
+
+def test_the_in_process_engines_per_request_histogram_gives_the_accepted_tokens():
+    from vllm.v1.metrics.stats import RequestSpecDecodeMetrics
+
+    m = RequestSpecDecodeMetrics.new(4)
+    for drafted, accepted in ((4, 0), (4, 3), (2, 2), (4, 4)):
+        m.observe(num_draft_tokens=drafted, num_accepted=accepted)
+    assert request_counts(m) == (14, 9) and request_counts(None) == (0, 0)
+    assert request_counts(m)[1] == m.to_dict()["num_accepted_draft_tokens"]  # as the servers report it
