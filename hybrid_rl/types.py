@@ -206,6 +206,9 @@ class Generation:
     # [prompt + response - 1 tokens, MoE layers, top_k] uint8/int16: the experts vLLM chose for each token it
     # computed (`colocated/routes.py`); None: not captured
     routes: torch.Tensor | None = None
+    # speculative rollout (`rollout.speculative`): tokens drafted for this response and how many the policy accepted
+    spec_drafted: int = 0
+    spec_accepted: int = 0
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from hybrid_rl.colocated.lora_sync import AdapterSync
 from hybrid_rl.colocated.multi_turn import MultiTurnRollout
 from hybrid_rl.colocated.sampler import Sampler
 from hybrid_rl.colocated.vllm_engine import EngineSpec, VLLMEngine
-from hybrid_rl.config import Config, resolve_rollout
+from hybrid_rl.config import Config, resolve_rollout, speculation
 from hybrid_rl.distributed.mesh import ParallelDims, device
 from hybrid_rl.distributed.offload import OffloadManager
 from hybrid_rl.model.handle import Model
@@ -53,7 +53,7 @@ def _engine(cfg: Config, dims: ParallelDims, actor: Model, offload: OffloadManag
                       sleep_mode=d.release == "sleep", shm_ledger_dir=str(Path(cfg.trainer.output_dir) / "vllm_shm"),
                       max_lora_rank=cfg.model.lora.rank if adapter_on else 0,
                       cpu_packed_linears=r.cpu_packed_linears, enable_prefix_caching=not capture,
-                      capture_routes=capture)
+                      capture_routes=capture, speculation=speculation(r))
     o = cfg.offload
     options = SwitchOptions(bucket_bytes=bucket_bytes, verify=r.verify, probe_cols=r.verify_probe_cols,
                             release=d.release, offload_params=o.actor_params, offload_grads=o.actor_grads,

@@ -15,7 +15,7 @@ from hybrid_rl.sidecar.black_box import load_agent
 
 def sampling_settings(cfg: Config) -> SamplingSettings:
     r = cfg.rollout
-    return SamplingSettings(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
+    return SamplingSettings(r.max_new_tokens, r.temperature, r.top_p, r.top_k, r.speculative != "off")
 
 
 def uses_tools(cfg: Config) -> bool:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from hybrid_rl.build.rollout import adapter_sync, agent_setup, black_box_family, sampling_settings, uses_tools
-from hybrid_rl.config import Config, ConfigError, resolve_rollout
+from hybrid_rl.config import Config, ConfigError, resolve_rollout, speculation
 from hybrid_rl.distributed.collectives import broadcast_object
 from hybrid_rl.distributed.fsdp import is_sharded
 from hybrid_rl.distributed.mesh import ParallelDims, device
@@ -302,7 +302,7 @@ def server_spec(cfg: Config, *, port: int, log_path: Path, group: int = 0, group
                       gpu_memory_utilization=d.gpu_memory_utilization, sleep_mode=d.release == "sleep", cuda=cuda,
                       max_num_seqs=sc.max_num_seqs, devices=devices if cuda and groups > 1 else (), cpus=cpus,
                       max_lora_rank=cfg.model.lora.rank if adapter_sync(cfg) else 0, max_loras=adapter_versions(cfg),
-                      namespace=namespace)
+                      namespace=namespace, speculation=speculation(r))
 
 
 def adapter_versions(cfg: Config) -> int:

@@ -24,6 +24,7 @@ from hybrid_rl.rollout.base import SyncReport
 from hybrid_rl.rollout.environment import Opening, open_environment, trajectory_fields
 from hybrid_rl.rollout.multi_turn import merge_parts
 from hybrid_rl.rollout.sampling import request_seed
+from hybrid_rl.rollout.speculative import SpecTally
 from hybrid_rl.types import Generation, Rollout, Sampling
 
 
@@ -72,7 +73,8 @@ class MultiTurnRollout:
         trajs = [opened(openings.get(k) or Opening(records[i].prompt_ids)) for k, (i, _) in enumerate(mine)]
         seeds = [request_seed(s.seed, step, group_base + i) + j for i, j in mine]
         start = time.monotonic()
-        stats = self.setup.loop.run(trajs, envs, self._generate_fn(greedy), seeds, share)
+        tally = SpecTally()
+        stats = self.setup.loop.run(trajs, envs, self._generate_fn(greedy, tally), seeds, share)
         loop_s = time.monotonic() - start
         samples, failed = {}, set()
         for k in owned:
@@ -81,10 +83,14 @@ class MultiTurnRollout:
             samples[i * n + j] = t.to_sample(i * n + j, group_base + i, records[i].index, fields)
             if t.infra_failed:
                 failed.add(i * n + j)
-        return keep_survivors(samples, failed, len(records) * n, [stats_of(trajs[k]) for k in owned],
-                              wall=(stats.tool_seconds, loop_s))
+        rollout = keep_survivors(samples, failed, len(records) * n, [stats_of(trajs[k]) for k in owned],
+                                 wall=(stats.tool_seconds, loop_s))
+        if s.settings.speculative:  # the ranks of a TP group play the same trajectories
+            rollout.metrics.update(tally.metrics(copies=d.tp))
+        return rollout
 
-    def _generate_fn(self, greedy: bool) -> Callable[[list[list[int]], list[int], list[int]], list[Generation]]:
+    def _generate_fn(self, greedy: bool,
+                     tally: SpecTally) -> Callable[[list[list[int]], list[int], list[int]], list[Generation]]:
         s = self.sampler
         st = s.settings
         sampling = Sampling(max_tokens=st.max_new_tokens, temperature=0.0 if greedy else st.temperature,
@@ -92,7 +98,9 @@ class MultiTurnRollout:
                             stop_token_ids=s.stop_ids)
 
         def generate(contexts: list[list[int]], budgets: list[int], seeds: list[int]) -> list[Generation]:
-            return [g[0] for g in s.engine.generate(contexts, sampling, seeds, budgets)]
+            gens = [g[0] for g in s.engine.generate(contexts, sampling, seeds, budgets)]
+            tally.add(gens)
+            return gens
 
         return generate
 

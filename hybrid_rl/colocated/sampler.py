@@ -17,6 +17,7 @@ from hybrid_rl.distributed.mesh import ParallelDims
 from hybrid_rl.rollout.base import SyncReport
 from hybrid_rl.rollout.exchange import gather_index
 from hybrid_rl.rollout.sampling import SamplingSettings, generation_eos, request_seed, sample_of
+from hybrid_rl.rollout.speculative import SpecTally
 from hybrid_rl.types import Rollout, Sampling
 
 
@@ -59,11 +60,15 @@ class Sampler:
                             stop_token_ids=self.stop_ids)
         seeds = [request_seed(self.seed, step, group_base + i) for i in mine]
         outs = self.engine.generate([list(records[i].prompt_ids) for i in mine], sampling, seeds)
-        held = []
+        held, metrics = [], {}
+        if s.speculative:  # every rank of a TP group gets the group's outputs
+            tally = SpecTally()
+            tally.add(g for gens in outs for g in gens)
+            metrics = tally.metrics(copies=d.tp)
         for i, gens in zip(mine, outs, strict=True):
             prompt = torch.tensor(records[i].prompt_ids, dtype=torch.int64)
             for j, g in enumerate(gens):
                 if (i * n + j) % d.tp == d.tp_rank:
                     held.append(sample_of(i * n + j, records[i], g, group_base + i, prompt))
-        return Rollout(held, gather_index(held, len(records) * n))
+        return Rollout(held, gather_index(held, len(records) * n), metrics)
 

@@ -34,6 +34,7 @@ from hybrid_rl.colocated.cpu_shm import ShmLedger
 from hybrid_rl.planner.trainer_memory import nccl_p2p_bytes
 from hybrid_rl.planner.units import GIB
 from hybrid_rl.planner.vllm_memory import measured_share
+from hybrid_rl.rollout.speculative import Speculation, request_counts
 from hybrid_rl.types import Generation, Sampling
 from hybrid_rl.weightsync import vllm_compat
 from hybrid_rl.weightsync.layout import TPSlice
@@ -65,10 +66,8 @@ class EngineSpec:
     max_lora_rank: int = 0  # > 0: LoRA enabled (`model.lora.sync=adapter`), adapters up to this rank
     cpu_packed_linears: bool = True  # CPU: linears keep packed weights a sync writes in place (vllm_compat 4.)
     capture_routes: bool = False  # MoE, R3: each generation carries the experts vLLM chose (`colocated/routes.py`)
-
-
-
-
+    speculation: Speculation = Speculation()  # `rollout.speculative`: vLLM's drafter and its lookahead
+    load_format: str = "dummy"  # weights come from the trainer; "auto": the checkpoint's (benchmarks, no trainer)
 
 
 # Warnings vLLM 0.32 prints at every weight sync in this setting, none of them a fault:
@@ -175,7 +174,7 @@ class VLLMEngine:
         s = self.spec
         kwargs = dict(
             model=s.model_path,
-            load_format="dummy",
+            load_format=s.load_format,
             tensor_parallel_size=s.tp,
             distributed_executor_backend="external_launcher",
             dtype=s.dtype,
@@ -188,6 +187,8 @@ class VLLMEngine:
             # Log-probs after temperature scaling: what the sampler drew from, and what the trainer recomputes.
             logprobs_mode="processed_logprobs",
         )
+        if s.speculation.on:  # each response then reports its drafted and accepted tokens (`_generation`)
+            kwargs.update(speculative_config=s.speculation.vllm_config(), per_request_spec_decode_metrics="summary")
         if s.max_lora_rank:  # one adapter version at a time: each sync replaces it
             kwargs.update(enable_lora=True, max_lora_rank=lora_slot_rank(s.max_lora_rank), max_loras=1,
                           max_cpu_loras=1)
@@ -382,7 +383,9 @@ def _generation(index: int, c, routes: torch.Tensor | None = None, prompt_len: i
     if routes is not None and routes.shape[0] != prompt_len + len(ids) - 1:
         raise RuntimeError(f"vLLM's captured routes cover {routes.shape[0]} tokens, not the prompt and response "
                            f"less the last ({prompt_len + len(ids) - 1}): were some served from the prefix cache?")
-    return Generation(index, ids, lps, "length" if c.finish_reason == "length" else "stop", routes=routes)
+    drafted, accepted = request_counts(getattr(c, "spec_decode_metrics", None))
+    return Generation(index, ids, lps, "length" if c.finish_reason == "length" else "stop", routes=routes,
+                      spec_drafted=drafted, spec_accepted=accepted)
 
 
 def _drop_legacy_cpu_kv_setting(kv_cache_gb: float) -> None:

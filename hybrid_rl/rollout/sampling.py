@@ -18,6 +18,7 @@ class SamplingSettings:
     temperature: float
     top_p: float
     top_k: int
+    speculative: bool = False  # `rollout.speculative` on: drafted and accepted tokens go into the step's metrics
 
 
 def request_seed(seed: int, step: int, group: int) -> int:

@@ -34,6 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import requests
 
+from hybrid_rl.rollout.speculative import counts_of
 from hybrid_rl.sidecar.auth import auth_headers
 from hybrid_rl.sidecar.vllm_server import SERVED_MODEL
 from hybrid_rl.types import Generation, Request, Sampling
@@ -109,7 +110,8 @@ def request_body(prompt: list[int], sampling: Sampling, seed: int, model: str = 
             "sampling_params": {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
                                 "top_k": s.top_k, "seed": seed, "stop_token_ids": list(s.stop_token_ids),
                                 "logprobs": 0, "n": 1, "detokenize": False},
-            "stream": True}
+            # the last event then carries the usage and, with `rollout.speculative`, the drafted and accepted tokens
+            "stream": True, "stream_options": {"include_usage": True}}
 
 
 def parse_choice(choice: dict, *, max_tokens: int | None = None, vocab: int | None = None) -> Generation:
@@ -141,7 +143,7 @@ def parse_stream(lines: Iterable[bytes | str], *, max_tokens: int | None = None,
                  vocab: int | None = None) -> Generation:
     """The server-sent events of one streamed request (n = 1), joined into one choice for `parse_choice`: token ids
     and log-probs arrive per step, the finish reason and weight-version spans with the last step."""
-    ids, lps, finish, spans = [], [], None, None
+    ids, lps, finish, spans, spec = [], [], None, None, None
     for line in lines:
         line = line.decode() if isinstance(line, bytes) else line
         if not line.startswith("data: "):
@@ -157,10 +159,13 @@ def parse_stream(lines: Iterable[bytes | str], *, max_tokens: int | None = None,
             lps += (choice.get("logprobs") or {}).get("content") or ()
             finish = choice.get("finish_reason") or finish
             spans = choice.get("weight_versions") or spans
+        spec = (event.get("metrics") or {}).get("speculative_decoding") or spec
     if finish is None:
         raise ValueError("the server's stream ended before the request finished")
-    return parse_choice({"token_ids": ids, "logprobs": {"content": lps}, "finish_reason": finish,
-                         "weight_versions": spans}, max_tokens=max_tokens, vocab=vocab)
+    g = parse_choice({"token_ids": ids, "logprobs": {"content": lps}, "finish_reason": finish,
+                      "weight_versions": spans}, max_tokens=max_tokens, vocab=vocab)
+    drafted, accepted = counts_of(spec)
+    return dataclasses.replace(g, spec_drafted=drafted, spec_accepted=accepted) if drafted else g
 
 
 class CompletionClient:

@@ -49,6 +49,7 @@ from hybrid_rl.model.optimizers import resident_state_to_come
 from hybrid_rl.rollout.base import Arrival, RolloutError, SyncReport
 from hybrid_rl.rollout.exchange import gather_index
 from hybrid_rl.rollout.sampling import SamplingSettings, generation_eos, request_seed, sample_of
+from hybrid_rl.rollout.speculative import SpecTally
 from hybrid_rl.sidecar.agreed import on_every_rank, on_rank0
 from hybrid_rl.sidecar.checkpoint_engine import PushReport
 from hybrid_rl.sidecar.completions import Router
@@ -304,7 +305,12 @@ class SidecarRollout:
             todo = [r for r in todo if r.key in failed]
         held = [sample_of(u, records[u // n], done[u], group_base + u // n,
                           token_versions=token_versions_of(done[u], self.policy_of)) for u in sorted(done)]
-        return Rollout(held, gather_index(held, total))
+        metrics = {}
+        if self.settings.speculative:
+            tally = SpecTally()
+            tally.add(done.values())
+            metrics = tally.metrics()
+        return Rollout(held, gather_index(held, total), metrics)
 
     def _sampling(self, greedy: bool) -> Sampling:
         s = self.settings

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import requests
 
+from hybrid_rl.rollout.speculative import Speculation
 from hybrid_rl.sidecar.auth import (
     MIDDLEWARE,
     NAMESPACE_ENV,
@@ -81,6 +82,7 @@ class ServerSpec:
     max_lora_rank: int = 0
     max_loras: int = 1  # adapter versions one batch may mix (asynchronous runs keep older ones in flight)
     namespace: str = ""  # the one shared-memory namespace its transfer backend will map (pinned at start)
+    speculation: Speculation = Speculation()  # `rollout.speculative`: vLLM's drafter and its lookahead
 
     @property
     def url(self) -> str:
@@ -116,6 +118,9 @@ def server_command(spec: ServerSpec) -> list[str]:
         # One more adapter in host memory than in a batch: the next version loads while the oldest still serves.
         cmd += ["--enable-lora", "--max-lora-rank", str(lora_slot_rank(s.max_lora_rank)), "--max-loras",
                 str(s.max_loras), "--max-cpu-loras", str(s.max_loras + 1)]
+    if s.speculation.on:  # each response's last event then reports its drafted and accepted tokens
+        cmd += ["--speculative-config", json.dumps(s.speculation.vllm_config()),
+                "--per-request-spec-decode-metrics", "summary"]
     if not s.cuda:
         # As the colocated engine on CPU: whole prompts per step (CPU generators cannot rewind a seeded request).
         cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(8192, s.max_model_len))]

