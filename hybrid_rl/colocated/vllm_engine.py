@@ -67,10 +67,6 @@ class EngineSpec:
     capture_routes: bool = False  # MoE, R3: each generation carries the experts vLLM chose (`colocated/routes.py`)
 
 
-
-
-
-
 # Warnings vLLM 0.32 prints at every weight sync in this setting, none of them a fault:
 _HARMLESS = {
     # Layers that get no weights in a sync keep theirs, as they should: rotary buffers at every sync, and
@@ -337,6 +333,11 @@ class VLLMEngine:
         return [[_generation(i, outs[i * n + j].outputs[0], got.get(outs[i * n + j].request_id), len(prompts[i]))
                  for j in range(n)] for i in range(len(prompts))]
 
+    def turns(self, sampling: Sampling):
+        """This engine driven request by request (`engine_turns.EngineTurns`), for the multi-turn schedule."""
+        from hybrid_rl.colocated.engine_turns import EngineTurns
+
+        return EngineTurns(self, sampling)
 
     # -- LoRA adapter (`model.lora.sync=adapter`) --------------------------------------------------
 
