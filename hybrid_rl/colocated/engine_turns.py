@@ -11,6 +11,8 @@ built without chunked prefill there (`vllm_engine._llm_kwargs`).
 
 from __future__ import annotations
 
+import torch
+
 from hybrid_rl.colocated import routes
 from hybrid_rl.colocated.vllm_engine import VLLMEngine, _generation
 from hybrid_rl.types import Generation, Sampling
@@ -41,7 +43,9 @@ class EngineTurns:
         return self.llm.llm_engine.has_unfinished_requests()
 
     def step(self) -> list[tuple[int, Generation]]:
-        finished = [o for o in self.llm.llm_engine.step() if o.finished]
+        # every request draws from its own generator; the process's RNG (the trainer's) is left as it was regardless
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+            finished = [o for o in self.llm.llm_engine.step() if o.finished]
         if not finished:
             return []
         got = routes.taken(self.llm) if self.engine.spec.capture_routes else {}
