@@ -20,7 +20,7 @@ the step spent waiting on tools) and `rollout/tool_time_share` (of the rollout).
 
 `--schedule`: the multi-turn schedule with a slow, heavy-tailed tool (`slow_tools.slow`: Pareto sleeps, mean 0.6 s,
 capped at 6 s), called at every model turn (`slow_tools.always_slow`: the random base model, up to 4 model turns of
-at most 8 tokens each). Three runs, the same in everything else: `lockstep_2` (the schedule before: every turn waits
+at most 8 tokens each, a 160-token budget). Three runs, the same in everything else: `lockstep_2` (the schedule before: every turn waits
 for the longest generation and the slowest tool, 2 tool workers per rank), `lockstep_sized` (the same barrier, the
 tool pool sized from the batch) and `trajectory` (no barrier: the engine driven request by request, each
 trajectory's next turn added the moment its tool answers; the pool sized from the batch). Per run, over steps >= 2:
@@ -77,9 +77,10 @@ SCHEDULES = {"lockstep_2": {"rollout.multi_turn.schedule": "lockstep", "rollout.
 def run_schedule(name: str, model: Path, data: Path, a) -> dict:
     out = common.CACHE / "tools_schedule" / name
     settings = {"rollout.tools": "[benchmarks.slow_tools:slow]", "rollout.multi_turn.parser":
-                "benchmarks.slow_tools:always_slow", "rollout.max_new_tokens": 48, "rollout.multi_turn.max_turns": 4,
+                "benchmarks.slow_tools:always_slow", "rollout.max_new_tokens": 160, "rollout.multi_turn.max_turns": 4,
                 "rollout.multi_turn.max_tool_calls": 4, "rollout.multi_turn.max_turn_tokens": 8,
-                "rollout.multi_turn.tool_timeout_s": 10, "data.val_files": "[]", "optim.lr": "1e-12",
+                "rollout.multi_turn.tool_timeout_s": 10, "trainer.micro_batch_tokens": 2048, "data.val_files": "[]",
+                "optim.lr": "1e-12",
                 "trainer.show_progress": "false", "trainer.export": "false", **SCHEDULES[name]}
     overrides = demo_overrides(model=model, data=data, out=out, steps=a.steps, prompts=a.prompts, val_every=0,
                                extra=settings)

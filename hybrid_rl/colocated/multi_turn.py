@@ -91,6 +91,7 @@ class MultiTurnRollout:
         """The per-trajectory schedule on an engine with a step API (`rollout.multi_turn.schedule=trajectory`), else
         the lockstep loop. The tool pool is sized from the trajectories whose tools this rank runs."""
         s, setup = self.sampler, self.setup
+        setup.runner.size_for(owned)
         turns = getattr(s.engine, "turns", None)
         if setup.schedule == "lockstep" or turns is None:
             sampling = self._sampling(greedy)
@@ -99,7 +100,6 @@ class MultiTurnRollout:
                 return [g[0] for g in s.engine.generate(contexts, sampling, seeds, budgets)]
 
             return setup.loop.run(trajs, envs, generate, seeds, share)
-        setup.runner.size_for(owned)
         tools = ThreadedTools(setup.runner, owned)
         try:
             return TrajectorySchedule(setup.loop).run(trajs, envs, turns(self._sampling(greedy)), tools, seeds, share)
