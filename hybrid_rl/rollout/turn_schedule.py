@@ -14,7 +14,9 @@ The engine's steps are the same on every rank (same requests, same seeds: the sa
 step), so which trajectories wait on tools is the same everywhere; only when a tool returns differs (it runs on
 its owner rank alone). The ranks therefore take tool answers only at agreed step boundaries: every `sync_every`
 engine steps while the engine is busy and some trajectory waits, and whenever the engine has nothing left to run
-(then each rank waits until one of its own calls is answered, or it has none waiting). At each such boundary the
+(then each rank waits up to `IDLE_POLL_S` for one of its own calls, and the group looks again until some rank has
+an answer: small exchanges while nothing else could run, so an answer on one rank is not held up by the slow tools
+of another). At each such boundary the
 group exchanges the answers its owners hold (`ToolShare.exchange`: one object all-gather of the ready answers and a
 fingerprint of the trajectories), every rank applies the merged answers in trajectory order and adds the same next
 turns, in the same order, before the next step. No collective runs per token: at most one per `sync_every` steps,
@@ -36,6 +38,7 @@ from hybrid_rl.rollout.trajectory import Trajectory
 from hybrid_rl.types import Generation
 
 SYNC_EVERY = 16  # TP > 1: engine steps between two agreed looks at the tools' answers
+IDLE_POLL_S = 0.02  # TP > 1, the engine idle: how long a rank waits for its own answers before the group looks again
 
 
 class TurnEngine(Protocol):
@@ -57,8 +60,9 @@ class ToolPool(Protocol):
     def submit(self, key: int, requests: list[ToolRequest]) -> None:
         """Start trajectory `key`'s calls of a turn."""
 
-    def done(self, block: bool) -> dict[int, list[ToolResult]]:
-        """The answered trajectories' results since the last call (`block`: wait for at least one, if any runs)."""
+    def done(self, wait: float | None) -> dict[int, list[ToolResult]]:
+        """The answered trajectories' results since the last call. `wait`: 0, return at once; None, wait for at
+        least one (if any runs); else wait up to that many seconds for one."""
 
 
 class ThreadedTools:
@@ -82,11 +86,12 @@ class ThreadedTools:
 
         self._threads.submit(call)
 
-    def done(self, block: bool) -> dict[int, list[ToolResult]]:
+    def done(self, wait: float | None) -> dict[int, list[ToolResult]]:
         out: dict[int, list[ToolResult]] = {}
         while self.running:
             try:
-                key, got = self._answered.get(block=block and not out)
+                key, got = (self._answered.get_nowait() if out or wait == 0 else
+                            self._answered.get(timeout=wait))
             except queue.Empty:
                 break
             self.running -= 1
@@ -110,7 +115,6 @@ class TrajectorySchedule:
         stats = LoopStats()
         loop = self.loop
         waiting: dict[int, tuple[list[ToolCall], bool]] = {}  # trajectory -> its turn's calls, awaiting answers
-        answered: dict[int, list[ToolResult]] = {}  # this rank's answered calls not yet applied
 
         def submit(i: int) -> None:
             t = trajectories[i]
@@ -135,14 +139,12 @@ class TrajectorySchedule:
                 if not waiting or (share is not None and engine.busy() and steps % self.sync_every):
                     continue
             idle = not engine.busy()
-            mine = [i for i in waiting if (share is None or share.owns(i)) and i not in answered]
+            mine = any(share is None or share.owns(i) for i in waiting)
             start = time.monotonic()
-            answered.update(tools.done(block=idle and bool(mine) and not answered))
+            answers = tools.done(0 if not (idle and mine) else None if share is None else IDLE_POLL_S)
             if idle:
                 stats.tool_seconds += time.monotonic() - start
-            ready = {i: loop.answer_of(trajectories[i], waiting[i][0], waiting[i][1], res)
-                     for i, res in answered.items()}
-            answered.clear()
+            ready = {i: loop.answer_of(trajectories[i], waiting[i][0], waiting[i][1], res) for i, res in answers.items()}
             if share is not None:
                 start = time.monotonic()
                 ready = share.exchange(ready, digest(trajectories))

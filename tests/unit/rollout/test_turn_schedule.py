@@ -75,7 +75,7 @@ class FakeRunner:
 
 class FakeTools:
     """`ToolPool` on the fake clock: trajectory k's calls answer `TOOL_TICKS[k]` ticks after they were sent; a
-    blocking wait (the engine idle) moves the clock to the first answer."""
+    wait (the engine idle) moves the clock to the first answer."""
 
     def __init__(self, clock):
         self.clock, self.runner, self.pending, self.sent = clock, FakeRunner(), {}, []
@@ -84,8 +84,8 @@ class FakeTools:
         self.sent.append(key)
         self.pending[key] = (self.clock.now + TOOL_TICKS[key], self.runner.run(requests))
 
-    def done(self, block):
-        if block and self.pending and not any(due <= self.clock.now for due, _ in self.pending.values()):
+    def done(self, wait):
+        if wait != 0 and self.pending and not any(due <= self.clock.now for due, _ in self.pending.values()):
             self.clock.now = min(due for due, _ in self.pending.values())
         out = {k: res for k, (due, res) in self.pending.items() if due <= self.clock.now}
         for k in out:
