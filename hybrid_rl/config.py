@@ -94,7 +94,7 @@ class MultiTurnConfig:
     tool_timeout_s: float = 10.0  # one tool call
     tool_workers: int = 0  # tool worker processes per rank (0: one per trajectory whose tools the rank runs, <= 32)
     # colocated: trajectory (each trajectory's next turn starts the moment its tools answer) | lockstep (every turn
-    # waits for the longest generation and the slowest tool: the old schedule, for comparison)
+    # waits for the longest generation and the slowest tool)
     schedule: str = choice("trajectory", "lockstep")
 
 
