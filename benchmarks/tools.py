@@ -1,6 +1,7 @@
 """Tools in the loop: trajectories per second with the python tool vs without, and the step's share spent on tools.
 
     python benchmarks/tools.py [--nproc 2] [--steps 6] [--prompts 8] [--smoke]
+    python benchmarks/tools.py --schedule [--nproc 2] [--steps 4] [--prompts 4]
 
 The workload is the tools demo's (`python -m hybrid_rl.demo --task tools`: its warmed-up tiny model, task and
 settings; the model and data are built once under benchmarks/.cache/tools_demo). Two GRPO runs through
@@ -16,6 +17,14 @@ of its samples (the `tool_call_rate` column), so the two runs differ by the tool
 rollout), samples / `timing/step_s` (per second of the whole step), `timing/tool_s` / `timing/step_s` (the share of
 the step spent waiting on tools) and `rollout/tool_time_share` (of the rollout). `--smoke` uses the random base model
 (no warm-up: it seldom calls the tool) for 2 steps of 2 prompts: it checks the script runs.
+
+`--schedule`: the multi-turn schedule with a slow, heavy-tailed tool (`slow_tools.slow`: Pareto sleeps, mean 0.6 s,
+capped at 6 s), called at every model turn (`slow_tools.always_slow`: the random base model, up to 4 model turns of
+at most 8 tokens each, a 160-token budget). Three runs, the same in everything else: `lockstep_2` (the schedule before: every turn waits
+for the longest generation and the slowest tool, 2 tool workers per rank), `lockstep_sized` (the same barrier, the
+tool pool sized from the batch) and `trajectory` (no barrier: the engine driven request by request, each
+trajectory's next turn added the moment its tool answers; the pool sized from the batch). Per run, over steps >= 2:
+the median `timing/rollout_s` and the rollout's share waiting on tools.
 """
 
 from __future__ import annotations
@@ -60,13 +69,59 @@ def run(name: str, model: Path, data: Path, a) -> dict:
             "response_len": common.median([s.get("response/length_mean", 0.0) for s in later])}
 
 
+SCHEDULES = {"lockstep_2": {"rollout.multi_turn.schedule": "lockstep", "rollout.multi_turn.tool_workers": 2},
+             "lockstep_sized": {"rollout.multi_turn.schedule": "lockstep", "rollout.multi_turn.tool_workers": 0},
+             "trajectory": {"rollout.multi_turn.schedule": "trajectory", "rollout.multi_turn.tool_workers": 0}}
+
+
+def run_schedule(name: str, model: Path, data: Path, a) -> dict:
+    out = common.CACHE / "tools_schedule" / name
+    settings = {"rollout.tools": "[benchmarks.slow_tools:slow]", "rollout.multi_turn.parser":
+                "benchmarks.slow_tools:always_slow", "rollout.max_new_tokens": 160, "rollout.multi_turn.max_turns": 4,
+                "rollout.multi_turn.max_tool_calls": 4, "rollout.multi_turn.max_turn_tokens": 8,
+                "rollout.multi_turn.tool_timeout_s": 10, "trainer.micro_batch_tokens": 2048, "data.val_files": "[]",
+                "optim.lr": "1e-12",
+                "trainer.show_progress": "false", "trainer.export": "false", **SCHEDULES[name]}
+    overrides = demo_overrides(model=model, data=data, out=out, steps=a.steps, prompts=a.prompts, val_every=0,
+                               extra=settings)
+    r = train(f"tools_schedule_{name}", overrides, a.nproc, out)
+    if not r["ok"]:
+        raise RuntimeError(f"the {name} run failed (exit {r['exit']}); see {r['log']}")
+    later = [s for s in r["steps"] if s["step"] >= 2]
+    return {"name": name, "log": r["log"], "steps": len(later),
+            "rollout_s": common.median([s["timing/rollout_s"] for s in later]),
+            "tool_share_of_rollout": common.median([s.get("rollout/tool_time_share", 0.0) for s in later]),
+            "turns": common.median([s.get("rollout/turns_mean", 0.0) for s in later]),
+            "tool_calls": common.median([s.get("rollout/tool_calls_mean", 0.0) for s in later])}
+
+
+def schedules(a) -> None:
+    model, data = _base_only(common.CACHE / "tools_demo")
+    rows = [run_schedule(name, model, data, a) for name in SCHEDULES]
+    print(common.table(rows, [("name", "schedule", "s"), ("rollout_s", "rollout s", ".2f"),
+                              ("tool_share_of_rollout", "waiting on tools", ".3f"), ("turns", "turns", ".2f"),
+                              ("tool_calls", "tool calls", ".2f")]))
+    before, sized, after = rows
+    print(f"  rollout time, trajectory / lockstep with 2 workers: {after['rollout_s'] / before['rollout_s']:.3f}; "
+          f"/ lockstep with the sized pool: {after['rollout_s'] / sized['rollout_s']:.3f}")
+    common.write_result("tools_schedule", {
+        "runs": rows, "nproc": a.nproc, "prompts": a.prompts, "steps": a.steps,
+        "headline": [{"what": "rollout s, trajectory / lockstep (2 workers)", "value": after["rollout_s"] /
+                      before["rollout_s"]},
+                     {"what": "rollout s, trajectory / lockstep (sized pool)", "value": after["rollout_s"] /
+                      sized["rollout_s"]}]}, quick=False)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--prompts", type=int, default=8, help="prompts per step (8 samples each)")
     p.add_argument("--smoke", action="store_true", help=common.SMOKE_HELP + " (the random base model, 2 steps)")
+    p.add_argument("--schedule", action="store_true", help="lockstep vs per-trajectory schedule, slow heavy-tailed tool")
     a = p.parse_args()
+    if a.schedule:
+        return schedules(a)
     root = common.CACHE / "tools_demo"
     if a.smoke:
         a.steps, a.prompts = 2, 2

@@ -93,7 +93,10 @@ class MultiTurnConfig:
     parser: str = "auto"  # tool-call parser: auto (the family's) | hermes | llama3_json | mistral | pkg.module:function
     max_turn_tokens: int = 0  # one model turn's token limit (0: the rest of rollout.max_new_tokens)
     tool_timeout_s: float = 10.0  # one tool call
-    tool_workers: int = 2  # tool worker processes per rank
+    tool_workers: int = 0  # tool worker processes per rank (0: one per trajectory whose tools the rank runs, <= 32)
+    # colocated: trajectory (each trajectory's next turn starts the moment its tools answer) | lockstep (every turn
+    # waits for the longest generation and the slowest tool)
+    schedule: str = choice("trajectory", "lockstep")
 
 
 @dataclass
@@ -501,9 +504,8 @@ POSITIVE = ("rollout.n", "rollout.max_new_tokens", "rollout.bucket_mb", "data.pr
             "sidecar.max_num_seqs", "sidecar.pods", "sidecar.etcd_wait_s", "sidecar.start_timeout_s",
             "sidecar.update_timeout_s", "sidecar.progress_timeout_s", "sidecar.pod_wait_s", "sidecar.pod_timeout_s",
             "rollout.multi_turn.max_turns", "rollout.multi_turn.max_tool_calls",
-            "rollout.multi_turn.max_tool_response_tokens", "rollout.multi_turn.tool_timeout_s",
-            "rollout.multi_turn.tool_workers")
-NON_NEGATIVE = ("rollout.temperature", "rollout.kv_cache_gb", "algorithm.kl_coef", "algorithm.entropy_coef",
+            "rollout.multi_turn.max_tool_response_tokens", "rollout.multi_turn.tool_timeout_s")
+NON_NEGATIVE = ("rollout.multi_turn.tool_workers", "rollout.temperature", "rollout.kv_cache_gb", "algorithm.kl_coef", "algorithm.entropy_coef",
                 "algorithm.opd_coef", "optim.grad_clip",
                 "optim.warmup_steps", "trainer.save_every", "trainer.val_every", "algorithm.overlong_buffer",
                 "reward.num_workers", "data.val_prompts", "sidecar.max_restarts", "rollout.max_staleness",

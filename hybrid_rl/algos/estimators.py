@@ -49,6 +49,7 @@ class AdvantageInputs:
     kl_coef: float = 0.0
     reduce: Callable[[Tensor], Tensor] | None = None  # sum over ranks (None: the share is the whole batch)
     episodes: Tensor | None = None  # [N] episode id of every sample (None: each sample is an episode of its own)
+    turn_rewards: Tensor | None = None  # [B, T] multi-turn step rewards on their turns' last tokens (token estimators)
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ def _token_estimator(fn: Callable[..., tuple[Tensor, Tensor]]) -> Estimator:
     whitened with moments of the whole batch through `reduce`."""
 
     def estimate(x: AdvantageInputs, s: AdvantageSettings) -> Result:
-        rewards = token_rewards(x.scores[x.rows], x.mask, x.kl, x.kl_coef)
+        rewards = token_rewards(x.scores[x.rows], x.mask, x.kl, x.kl_coef, x.turn_rewards)
         if "values" in inspect.signature(fn).parameters:
             assert x.values is not None, "this advantage estimator needs the critic's values"
         return _call(fn, {"rewards": rewards, "values": x.values, "mask": x.mask, "gamma": s.gamma, "lam": s.lam,

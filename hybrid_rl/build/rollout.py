@@ -44,7 +44,7 @@ def agent_setup(cfg: Config, tokenizer) -> AgentSetup:
                         timeout_s=m.tool_timeout_s, max_chars=m.max_tool_response_tokens * 16)
     limits = TurnLimits(m.max_turns, m.max_tool_calls, m.max_tool_response_tokens, r.max_new_tokens, m.max_turn_tokens)
     return AgentSetup(ToolLoop(tokenizer, suffix, parser, runner, limits), runner, suffix, env,
-                      cfg.data.max_prompt_tokens)
+                      cfg.data.max_prompt_tokens, m.schedule)
 
 
 def black_box_family(cfg: Config, tokenizer) -> TemplateFamily:

@@ -30,7 +30,7 @@ MAY_CHANGE = ("trainer.total_steps", "trainer.output_dir", "trainer.save_every",
               "data.val_files", "data.val_prompts", "offload.", "sidecar.", "reward.num_workers", "reward.timeout_s",
               "rollout.verify", "rollout.bucket_mb", "rollout.kv_cache_gb", "rollout.gpu_memory_utilization",
               "rollout.enforce_eager", "rollout.release", "rollout.cpu_packed_linears", "rollout.tp",
-              "rollout.multi_turn.tool_workers", "rollout.multi_turn.tool_timeout_s")
+              "rollout.multi_turn.tool_workers", "rollout.multi_turn.tool_timeout_s", "rollout.multi_turn.schedule")
 
 
 class IncompatibleCheckpoint(CheckpointError):

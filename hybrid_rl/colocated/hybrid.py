@@ -194,6 +194,12 @@ class HybridEngine:
             raise RuntimeError("HybridEngine.generate() needs rollout mode: use `with engine.rollout_mode():`")
         return self.vllm.generate(prompts, sampling, seeds, max_tokens)
 
+    def turns(self, sampling: Sampling):
+        """The engine driven request by request (the multi-turn loop's per-trajectory schedule); rollout mode."""
+        if self.mode is not Mode.ROLLOUT:
+            raise RuntimeError("HybridEngine.turns() needs rollout mode: use `with engine.rollout_mode():`")
+        return self.vllm.turns(sampling)
+
     # -- weight sync -----------------------------------------------------------------------------
 
     def _sources(self) -> list[SourceParam]:

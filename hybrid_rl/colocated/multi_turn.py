@@ -2,17 +2,19 @@
 
 `rollout.tools` or `rollout.environment` set: `build` wraps the colocated `Sampler` in `MultiTurnRollout`, which
 is a `RolloutWorker` like any other, so the trainer has no multi-turn branch. Each DP group plays its share of the
-prompts' `n` trajectories in lockstep (`rollout.multi_turn.ToolLoop`): every turn sends only the active trajectories
-to the in-process vLLM, as token ids, each with what is left of its response budget. At `rollout.tp > 1` the ranks of
+prompts' `n` trajectories, each at its own pace (`rollout.turn_schedule`: the in-process vLLM driven request by
+request, a trajectory's next turn added the moment its tools answer), or in lockstep with
+`rollout.multi_turn.schedule=lockstep` (`rollout.multi_turn.ToolLoop.run`: every turn waits for the longest
+generation and the slowest tool); each request is token ids with what is left of its response budget. At `rollout.tp > 1` the ranks of
 a vLLM group play the same trajectories (vLLM's external launcher needs identical requests from them): each
 trajectory's tools and environment live on one rank of the group (its sample's holder), and the group exchanges
-the answers every turn (`GroupShare`), so every rank appends the same ids.
+the answers (`GroupShare`: every turn in lockstep, at agreed engine-step boundaries per trajectory), so every rank
+appends the same ids and adds the same requests at the same engine step.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 from hybrid_rl.colocated.sampler import Sampler
@@ -22,9 +24,10 @@ from hybrid_rl.distributed.mesh import tp_group
 from hybrid_rl.rollout.agentic import AgentSetup, keep_survivors, opened, stats_of
 from hybrid_rl.rollout.base import SyncReport
 from hybrid_rl.rollout.environment import Opening, open_environment, trajectory_fields
-from hybrid_rl.rollout.multi_turn import merge_parts
+from hybrid_rl.rollout.multi_turn import LoopStats, merge_parts
 from hybrid_rl.rollout.sampling import request_seed
 from hybrid_rl.rollout.speculative import SpecTally
+from hybrid_rl.rollout.turn_schedule import ThreadedTools, TrajectorySchedule
 from hybrid_rl.types import Generation, Rollout, Sampling
 
 
@@ -74,7 +77,7 @@ class MultiTurnRollout:
         seeds = [request_seed(s.seed, step, group_base + i) + j for i, j in mine]
         start = time.monotonic()
         tally = SpecTally()
-        stats = self.setup.loop.run(trajs, envs, self._generate_fn(greedy, tally), seeds, share)
+        stats = self._play(trajs, envs, seeds, share, greedy, len(owned), tally)
         loop_s = time.monotonic() - start
         samples, failed = {}, set()
         for k in owned:
@@ -89,20 +92,34 @@ class MultiTurnRollout:
             rollout.metrics.update(tally.metrics(copies=d.tp))
         return rollout
 
-    def _generate_fn(self, greedy: bool,
-                     tally: SpecTally) -> Callable[[list[list[int]], list[int], list[int]], list[Generation]]:
+    def _play(self, trajs, envs, seeds, share, greedy: bool, owned: int, tally: SpecTally) -> LoopStats:
+        """The per-trajectory schedule on an engine with a step API (`rollout.multi_turn.schedule=trajectory`), else
+        the lockstep loop. The tool pool is sized from the trajectories whose tools this rank runs; `tally` counts
+        the drafted and accepted tokens of every turn (`rollout.speculative`)."""
+        s, setup = self.sampler, self.setup
+        setup.runner.size_for(owned)
+        turns = getattr(s.engine, "turns", None)
+        if setup.schedule == "lockstep" or turns is None:
+            sampling = self._sampling(greedy)
+
+            def generate(contexts: list[list[int]], budgets: list[int], seeds: list[int]) -> list[Generation]:
+                gens = [g[0] for g in s.engine.generate(contexts, sampling, seeds, budgets)]
+                tally.add(gens)
+                return gens
+
+            return setup.loop.run(trajs, envs, generate, seeds, share)
+        tools = ThreadedTools(setup.runner, owned)
+        try:
+            return TrajectorySchedule(setup.loop).run(trajs, envs, turns(self._sampling(greedy), tally), tools, seeds, share)
+        finally:
+            tools.close()
+
+    def _sampling(self, greedy: bool) -> Sampling:
         s = self.sampler
         st = s.settings
-        sampling = Sampling(max_tokens=st.max_new_tokens, temperature=0.0 if greedy else st.temperature,
-                            top_p=1.0 if greedy else st.top_p, top_k=-1 if greedy else st.top_k, n=1,
-                            stop_token_ids=s.stop_ids)
-
-        def generate(contexts: list[list[int]], budgets: list[int], seeds: list[int]) -> list[Generation]:
-            gens = [g[0] for g in s.engine.generate(contexts, sampling, seeds, budgets)]
-            tally.add(gens)
-            return gens
-
-        return generate
+        return Sampling(max_tokens=st.max_new_tokens, temperature=0.0 if greedy else st.temperature,
+                        top_p=1.0 if greedy else st.top_p, top_k=-1 if greedy else st.top_k, n=1,
+                        stop_token_ids=s.stop_ids)
 
 
 class GroupShare:

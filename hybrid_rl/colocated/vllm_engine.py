@@ -36,6 +36,7 @@ from hybrid_rl.planner.units import GIB
 from hybrid_rl.planner.vllm_memory import measured_share
 from hybrid_rl.rollout.speculative import Speculation, request_counts
 from hybrid_rl.types import Generation, Sampling
+from hybrid_rl.utils.logs import drop_messages
 from hybrid_rl.weightsync import vllm_compat
 from hybrid_rl.weightsync.layout import TPSlice
 from hybrid_rl.weightsync.vllm_compat import lora_slot_rank
@@ -81,20 +82,8 @@ _HARMLESS = {
 }
 
 
-class _DropMessage(logging.Filter):
-    def __init__(self, text: str):
-        super().__init__()
-        self.text = text
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return self.text not in record.getMessage()
-
-
 def _quiet_known_vllm_warnings() -> None:
-    for name, text in _HARMLESS.items():
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropMessage) for f in logger.filters):
-            logger.addFilter(_DropMessage(text))
+    drop_messages(_HARMLESS.items(), anywhere=True)
 
 
 def vllm_version() -> str:
@@ -338,6 +327,11 @@ class VLLMEngine:
         return [[_generation(i, outs[i * n + j].outputs[0], got.get(outs[i * n + j].request_id), len(prompts[i]))
                  for j in range(n)] for i in range(len(prompts))]
 
+    def turns(self, sampling: Sampling, tally=None):
+        """This engine driven request by request, for the multi-turn schedule (`engine_turns.EngineTurns`)."""
+        from hybrid_rl.colocated.engine_turns import EngineTurns
+
+        return EngineTurns(self, sampling, tally)
 
     # -- LoRA adapter (`model.lora.sync=adapter`) --------------------------------------------------
 

@@ -20,6 +20,7 @@ from hybrid_rl.algos import aggregate, kl, masked_sum, opd_advantages, overlong_
 from hybrid_rl.algos.correction import CorrectionInputs, CorrectionSettings, rollout_correction, token_log_ratio
 from hybrid_rl.algos.estimators import AdvantageInputs, AdvantageSettings, get_estimator
 from hybrid_rl.algos.groups import episode_rows
+from hybrid_rl.algos.shaping import turn_reward_tokens
 from hybrid_rl.distributed.collectives import all_reduce, all_reduce_sum
 from hybrid_rl.experience.passes import PassOutputs, width_of
 from hybrid_rl.experience.share import Share
@@ -76,7 +77,8 @@ def train_batch(share: Share, scores: torch.Tensor, passes: PassOutputs, s: Batc
         if s.kl_in_reward and passes.ref_logp is not None:
             kl_tok = kl(passes.old_logp, passes.ref_logp, s.kl_estimator, mask=mask)
         x = AdvantageInputs(scores, share.index.groups, share.rows, mask, passes.values, kl_tok,
-                            kl_coef if kl_tok is not None else 0.0, reduce=all_reduce, episodes=share.index.episodes)
+                            kl_coef if kl_tok is not None else 0.0, reduce=all_reduce, episodes=share.index.episodes,
+                            turn_rewards=per_turn_rewards(samples, mask) if share.index.episodes is None else None)
         adv, returns = get_estimator(s.estimator)(x, s.advantage)
     if passes.teacher_logp is not None and s.opd_coef:
         assert passes.old_logp is not None, "distillation needs the student's log-probs before the update"
@@ -84,6 +86,17 @@ def train_batch(share: Share, scores: torch.Tensor, passes: PassOutputs, s: Batc
     return TrainBatch(samples, mask, scores[share.rows], passes.old_logp, adv, passes.ref_logp, passes.values,
                       returns, share.paired, sampler_logprobs(samples, width), token_staleness(samples, width, version),
                       passes.teacher_logp)
+
+
+def per_turn_rewards(samples: list[Sample], mask: torch.Tensor) -> torch.Tensor | None:
+    """`[B, T]` the environment's step rewards on their model turns' last tokens (`turn_reward_tokens`), for the
+    samples whose outcome includes them (`env_reward`: the environment's final reward plus the sum of its turns'),
+    so that the token estimators give each turn's reward to that turn and the ones before; None when no sample has
+    any."""
+    per_turn = [x.fields.get("turn_rewards") if "env_reward" in x.fields else None for x in samples]
+    if not any(r and any(r) for r in per_turn):
+        return None
+    return turn_reward_tokens(mask, per_turn)
 
 
 def loss_mask(samples: list[Sample], width: int) -> torch.Tensor:

@@ -40,6 +40,7 @@ class AgentSetup:
     suffix: ToolSuffix
     environment: Environment | None
     max_prompt_tokens: int = 0  # an environment's own prompt longer than this fails its trajectory (0: no limit)
+    schedule: str = "trajectory"  # colocated: each trajectory at its own pace (`turn_schedule`), or "lockstep"
 
 
 def opened(o: Opening) -> Trajectory:

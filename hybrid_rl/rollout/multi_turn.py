@@ -184,31 +184,39 @@ class ToolLoop:
         """Every pending call run at once in the runner; each trajectory's answer (its results and their ids)."""
         requests, owners = [], []
         for i, calls, _ in pending:
-            room = self.limits.max_tool_calls - trajectories[i].tool_calls
-            for k, c in enumerate(calls):
-                if c.name == RESPOND and c.id != USER_TURN:  # the user simulator is not the model's to call
-                    c = ToolCall(c.name, c.arguments, error=f"unknown tool {RESPOND!r}")
-                elif k >= room and c.id != USER_TURN:  # answered without running: the model learns the limit
-                    c = ToolCall(c.name, c.arguments, error=f"the limit of {self.limits.max_tool_calls} tool calls "
-                                                            "per conversation is reached")
-                requests.append(ToolRequest(c, envs[i]))
-                owners.append(i)
+            mine = self.requests_of(trajectories[i], envs[i], calls)
+            requests += mine
+            owners += [i] * len(mine)
         results = self.runner.run(requests) if requests else []
         by_owner: dict[int, list[ToolResult]] = {}
         for i, res in zip(owners, results, strict=True):
             by_owner.setdefault(i, []).append(res)
-        out = {}
-        for i, calls, ended in pending:
-            answered = by_owner[i]
-            if any(r.status == INFRA or r.role == "end" for r in answered):
-                out[i] = ToolAnswer(tuple(answered), ())
-                continue
-            first = trajectories[i].tool_calls
-            messages = [{"role": "user", "content": self._cut(r.text)} if r.role == "user" else
-                        self.suffix.tool_message(c, self._cut(r.text), first + k)
-                        for k, (c, r) in enumerate(zip(calls, answered, strict=True))]
-            out[i] = ToolAnswer(tuple(answered), tuple(self.suffix.ids(messages, ended=ended)))
+        return {i: self.answer_of(trajectories[i], calls, ended, by_owner[i]) for i, calls, ended in pending}
+
+    def requests_of(self, t: Trajectory, env: object | None, calls: list[ToolCall]) -> list[ToolRequest]:
+        """The runner's requests for one trajectory's calls of a turn (past the limit or not the model's to make:
+        answered with an error, not run)."""
+        room = self.limits.max_tool_calls - t.tool_calls
+        out = []
+        for k, c in enumerate(calls):
+            if c.name == RESPOND and c.id != USER_TURN:  # the user simulator is not the model's to call
+                c = ToolCall(c.name, c.arguments, error=f"unknown tool {RESPOND!r}")
+            elif k >= room and c.id != USER_TURN:  # answered without running: the model learns the limit
+                c = ToolCall(c.name, c.arguments, error=f"the limit of {self.limits.max_tool_calls} tool calls "
+                                                        "per conversation is reached")
+            out.append(ToolRequest(c, env))
         return out
+
+    def answer_of(self, t: Trajectory, calls: list[ToolCall], ended: bool, answered: list[ToolResult]) -> ToolAnswer:
+        """One trajectory's answer from its calls' results: the tool messages' ids (none after an infrastructure
+        failure or the end of a dialogue)."""
+        if any(r.status == INFRA or r.role == "end" for r in answered):
+            return ToolAnswer(tuple(answered), ())
+        first = t.tool_calls
+        messages = [{"role": "user", "content": self._cut(r.text)} if r.role == "user" else
+                    self.suffix.tool_message(c, self._cut(r.text), first + k)
+                    for k, (c, r) in enumerate(zip(calls, answered, strict=True))]
+        return ToolAnswer(tuple(answered), tuple(self.suffix.ids(messages, ended=ended)))
 
     def apply(self, t: Trajectory, calls: list[ToolCall], answer: ToolAnswer, stats: LoopStats) -> None:
         """Append a trajectory's answered calls: counts, the log the reward reads, the tool messages' ids (unless a

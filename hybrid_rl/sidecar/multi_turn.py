@@ -5,8 +5,8 @@
 asynchronous above) streams whole trajectories as it streams single responses. Each submitted request becomes a
 thread that plays the trajectory (`multi_turn.ToolLoop.model_turn` / `answer`): every turn is a token-in/token-out
 request to `/inference/v1/generate` on the same server (the request key picks it: its prefix cache holds the
-conversation), and tool calls go to a `ToolBatcher` that runs the waiting calls of all trajectories together, while
-the others keep generating. Every model token keeps the policy version that sampled it (the server's weight-version
+conversation), and tool calls go to a `ToolBatcher` that runs each trajectory's calls as they come and answers each
+on its own, while the others keep generating. Every model token keeps the policy version that sampled it (the server's weight-version
 spans of its turn), across turns and weight updates; context tokens take their turn's last version (they are not
 trained).
 
@@ -52,6 +52,7 @@ class MultiTurnSidecar:
 
     def __init__(self, inner: SidecarRollout, tokenizer, setup: AgentSetup, *, max_inflight: int):
         self.inner, self.tokenizer, self.setup = inner, tokenizer, setup
+        setup.runner.size_for(max_inflight)  # tool_workers=0: a worker per trajectory in flight (capped)
         self.batcher = ToolBatcher(setup.runner)
         self.loop = replace_runner(setup.loop, self.batcher)
         self._init_threads(max_inflight)

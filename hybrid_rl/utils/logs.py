@@ -17,20 +17,28 @@ NOT_ACTIONABLE = (
 
 
 class _Drop(logging.Filter):
-    def __init__(self, prefix: str):
+    def __init__(self, text: str, anywhere: bool):
         super().__init__()
-        self.prefix = prefix
+        self.text, self.anywhere = text, anywhere
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.prefix)
+        if self.anywhere:
+            return self.text not in record.getMessage()
+        return not str(record.msg).startswith(self.text)
+
+
+def drop_messages(pairs, *, anywhere: bool = False) -> None:
+    """Drop the messages of each (logger, text) pair: those whose format string starts with `text`, or with
+    `anywhere`, whose formatted message contains it. Idempotent: a logger gets each filter once."""
+    for name, text in pairs:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Drop) and f.text == text for f in logger.filters):
+            logger.addFilter(_Drop(text, anywhere))
 
 
 def quiet_foreign_noise() -> None:
-    """Drop the `NOT_ACTIONABLE` messages (idempotent: a logger gets each filter once)."""
-    for name, prefix in NOT_ACTIONABLE:
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _Drop) and f.prefix == prefix for f in logger.filters):
-            logger.addFilter(_Drop(prefix))
+    """Drop the `NOT_ACTIONABLE` messages."""
+    drop_messages(NOT_ACTIONABLE)
 
 
 def setup_logging() -> None:

@@ -31,9 +31,11 @@ def test_grpo_with_the_tool_loop_colocated_runs_two_steps(tiny_models, task_file
         "rollout.tools": "[python,tests.e2e.tools:lookup]", "rollout.multi_turn.parser": "tests.e2e.tools:always_python",
         "rollout.multi_turn.max_turn_tokens": 6, "rollout.multi_turn.max_turns": 3,
         "rollout.multi_turn.tool_workers": 1, "reward.fn": "tests.e2e.rewards:length_parity"})
-    result = run_torchrun(WORKER, json.dumps([{"name": "tools", "recipe": "grpo", "overrides": overrides},
-                                              {"name": "tp2", "recipe": "grpo", "overrides": tp2_overrides(
-                                                  tiny_models, task_files, tmp_path)}]),
+    probe = "tests.e2e.tools:schedules_agree"  # before each run fits: both multi-turn schedules, greedy
+    result = run_torchrun(WORKER, json.dumps([{"name": "tools", "recipe": "grpo", "overrides": overrides,
+                                               "probe": probe},
+                                              {"name": "tp2", "recipe": "grpo", "probe": probe,
+                                               "overrides": tp2_overrides(tiny_models, task_files, tmp_path)}]),
                           tmp_path=tmp_path, timeout=1100)
     assert result["tools"]["ok"], result["tools"].get("error")
     steps = {d["step"]: d for d in map(json.loads, (tmp_path / "tools" / "metrics.jsonl").read_text().splitlines())}
@@ -47,7 +49,22 @@ def test_grpo_with_the_tool_loop_colocated_runs_two_steps(tiny_models, task_file
         assert "actor/pg_loss" in m
     assert "val/rollout/tool_call_rate" in steps[2]
     assert (tmp_path / "tools" / "checkpoints" / "step_2" / "COMPLETE").exists()
+    check_schedules(tmp_path / "tools")
     check_tp2(result, tmp_path)
+    check_schedules(tmp_path / "tp2")
+
+
+def check_schedules(out: Path) -> None:
+    """The per-trajectory schedule (no turn barrier: the engine driven request by request, each trajectory's next
+    turn added when its tools answer) trains what the lockstep schedule trains: on a greedy rollout of the same
+    prompts, every rank holds the same samples with the same ids, loss masks and (to float noise) log-probs."""
+    for rank in (0, 1):
+        held = json.loads((out / f"schedules_rank{rank}.json").read_text())
+        ours, lockstep = held["trajectory"], held["lockstep"]
+        assert ours and [h[:3] for h in ours] == [h[:3] for h in lockstep]
+        assert all(False in mask and True in mask for _, _, mask, _ in ours)  # tool results between model turns
+        for (_, _, _, a), (_, _, _, b) in zip(ours, lockstep, strict=True):
+            assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
 
 
 # -- rollout.tp=2 with an environment: one vLLM TP group of the launch's 2 ranks --------------------------------------

@@ -90,3 +90,27 @@ class Quiz:
         from hybrid_rl.rollout.tools import EnvReply
 
         return EnvReply(f"{answer}? Try again.", reward=0.25, role="user")
+
+
+def schedules_agree(trainer) -> None:
+    """Probe (`run_recipes.py`), before the run fits: one greedy rollout of the validation prompts with each multi-turn
+    schedule (`rollout.multi_turn.schedule`) on the real engine and tools; each rank writes what it holds (uid, ids,
+    loss mask, log-probs) to `schedules_rank<r>.json` in the run's folder, for the test to compare."""
+    import dataclasses
+    import json
+
+    worker = trainer.c.rollout
+    data = trainer.c.train_loader.dataset
+    setup, records = worker.setup, trainer.c.val_records[:4] or [data[i] for i in range(min(4, len(data)))]
+    held = {}
+    try:
+        with worker.session(0):
+            for schedule in ("trajectory", "lockstep"):
+                worker.setup = dataclasses.replace(setup, schedule=schedule)
+                rollout = worker.generate(records, n=2, step=1, group_base=0, greedy=True)
+                held[schedule] = [(s.uid, s.response_ids.tolist(), s.loss_mask.tolist(), s.rollout_logprobs.tolist())
+                                  for s in rollout.held]
+    finally:
+        worker.setup = setup
+    trainer.out.mkdir(parents=True, exist_ok=True)
+    (trainer.out / f"schedules_rank{trainer.dims.rank}.json").write_text(json.dumps(held))

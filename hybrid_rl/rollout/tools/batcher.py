@@ -1,14 +1,14 @@
-"""Tool calls from many trajectory threads, run together: each batch goes to the runner's workers at once.
+"""Tool calls from many trajectory threads, each answered on its own.
 
 In sidecar mode every trajectory plays in its own thread against the servers; when one needs tools it hands its
-calls here and waits. A dispatcher thread takes whatever calls are waiting and runs them as one batch in the tool
-runner (in parallel, each bounded), so the tools of many trajectories overlap each other and the generation of all
-the others. `run` has the runner's signature, so the tool loop works with either.
+calls here and waits. Each trajectory's calls run as soon as they arrive, in a thread of their own, on the runner's
+shared workers (the runner bounds the calls in flight by its worker slots and starts each call's clock when a
+worker takes it), and the trajectory is answered the moment its own calls are done: a slow tool of one trajectory
+holds no other. `run` has the runner's signature, so the tool loop works with either.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 from concurrent.futures import Future
 
@@ -18,10 +18,9 @@ from hybrid_rl.rollout.tools.runner import ToolRequest, ToolResult, ToolRunner
 class ToolBatcher:
     def __init__(self, runner: ToolRunner):
         self.runner = runner
-        self._queue: queue.SimpleQueue[tuple[list[ToolRequest], Future] | None] = queue.SimpleQueue()
         self._closed = False
-        self._thread = threading.Thread(target=self._serve, name="tool-batcher", daemon=True)
-        self._thread.start()
+        self._lock = threading.Lock()
+        self._waiting: set[Future] = set()
 
     @property
     def restarts(self) -> int:
@@ -33,46 +32,43 @@ class ToolBatcher:
         return self.runner.env_methods
 
     def run(self, requests: list[ToolRequest]) -> list[ToolResult]:
-        if self._closed:
-            raise RuntimeError("the tool batcher is closed")
         done: Future = Future()
-        self._queue.put((requests, done))
-        return done.result()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the tool batcher is closed")
+            self._waiting.add(done)
 
-    def _serve(self) -> None:
-        while (job := self._queue.get()) is not None:
-            jobs = [job]
-            while True:  # everything waiting joins this batch
-                try:
-                    more = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    self._queue.put(None)
-                    break
-                jobs.append(more)
-            flat = [r for requests, _ in jobs for r in requests]
+        def call() -> None:
             try:
-                results = self.runner.run(flat)
-            except BaseException as e:  # noqa: BLE001 - handed to every waiting trajectory
-                for _, f in jobs:
-                    f.set_exception(e)
-                continue
-            at = 0
-            for requests, f in jobs:
-                f.set_result(results[at: at + len(requests)])
-                at += len(requests)
+                results = self.runner.run(requests)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting trajectory
+                _settle(done, exception=e)
+            else:
+                _settle(done, results)
+
+        threading.Thread(target=call, name="tool-call", daemon=True).start()
+        try:
+            return done.result()
+        finally:
+            with self._lock:
+                self._waiting.discard(done)
 
     def close(self) -> None:
         """Stop; trajectories still waiting for tools get an error (no thread is left waiting forever)."""
-        self._closed = True
-        self._queue.put(None)
-        self._thread.join(timeout=5)
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job[1].set_exception(RuntimeError("the tool batcher is closed"))
+        with self._lock:
+            self._closed = True
+            waiting = list(self._waiting)
+        for f in waiting:
+            _settle(f, exception=RuntimeError("the tool batcher is closed"))
         self.runner.close()
+
+
+def _settle(f: Future, results: list[ToolResult] | None = None, exception: BaseException | None = None) -> None:
+    """Answer `f` once (a call finishing after `close` answered it finds it settled)."""
+    try:
+        if exception is not None:
+            f.set_exception(exception)
+        else:
+            f.set_result(results)
+    except Exception:  # noqa: BLE001 - already settled (InvalidStateError)
+        pass

@@ -23,7 +23,7 @@ import collections
 import multiprocessing
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
@@ -60,15 +60,43 @@ class ToolRunner:
                  start_method: str = "spawn", startup_timeout_s: float = 120.0):
         self.tools = {t.name: t for t in tools}
         self.env_methods = set(env_methods)
+        # workers=0: sized from the batch (`size_for`), one to start with
+        self.auto = workers == 0
         self.workers, self.timeout_s, self.grace_s, self.max_chars = max(1, workers), timeout_s, grace_s, max_chars
         self._ctx = multiprocessing.get_context(start_method)
         self._startup_timeout_s = startup_timeout_s
         self._executor: ProcessPoolExecutor | None = None
         self.restarts = 0
+        # Several threads may run calls at once (the per-trajectory schedule, the sidecar's trajectory threads):
+        # the pool is made and restarted under a lock, and a call is sent only with a free worker slot, so its
+        # clock starts when a worker takes it, whichever thread sent it.
+        self._lock = threading.RLock()
+        self._slots = threading.Semaphore(self.workers)
+        self._closed = False
+
+    def size_for(self, calls: int, cap: int = 32) -> None:
+        """With `workers=0`, at least `min(calls, cap)` workers (each trajectory of a batch may have a call in flight
+        at once): grown before the pool starts, or by a restart of an idle one. Never shrinks."""
+        want = min(max(1, calls), cap)
+        with self._lock:
+            if not self.auto or want <= self.workers:
+                return
+            for _ in range(want - self.workers):
+                self._slots.release()
+            self.workers = want
+            if self._executor is not None:
+                _stop_workers(self._executor, grace_s=0.0)
+                self._executor = None
 
     # -- workers ---------------------------------------------------------------------------------
 
     def _pool(self) -> ProcessPoolExecutor:
+        with self._lock:
+            return self._started_pool()
+
+    def _started_pool(self) -> ProcessPoolExecutor:
+        if self._closed:  # a thread still running calls when the runner closed must not start workers again
+            raise RuntimeError("the tool runner is closed")
         if self._executor is None:
             mcp_servers = tuple(sorted({t.path for t in self.tools.values() if is_mcp(t.path)}))
             ex = ProcessPoolExecutor(self.workers, mp_context=self._ctx, initializer=_worker.init,
@@ -82,13 +110,17 @@ class ToolRunner:
             self._executor = ex
         return self._executor
 
-    def _restart(self) -> None:
-        if self._executor is not None:
-            _stop_workers(self._executor, grace_s=0.0)
-            self._executor = None
-            self.restarts += 1
+    def _restart(self, broken: ProcessPoolExecutor | None = None) -> None:
+        """Kill and forget the workers (`broken`: only if they are still the pool that failed; another thread
+        may have restarted it already)."""
+        with self._lock:
+            if self._executor is not None and (broken is None or self._executor is broken):
+                _stop_workers(self._executor, grace_s=0.0)
+                self._executor = None
+                self.restarts += 1
 
     def close(self) -> None:
+        self._closed = True
         self._restart()
 
     # -- calls -----------------------------------------------------------------------------------
@@ -155,39 +187,51 @@ class ToolRunner:
         queue = collections.deque(todo)
         suspects: collections.deque[int] = collections.deque()  # in flight when a worker died: each runs alone
         inflight: dict[Future, tuple[int, float, bool]] = {}  # future -> (request, sent at, alone)
-        while queue or suspects or inflight:
-            pool = self._pool()
-            if suspects and not inflight:
-                i = suspects.popleft()
-                inflight[self._send(pool, requests[i])] = (i, time.monotonic(), True)
-            while not suspects and queue and len(inflight) < self.workers:
-                i = queue.popleft()
-                inflight[self._send(pool, requests[i])] = (i, time.monotonic(), False)
-            done, _ = wait(list(inflight), timeout=_POLL_S, return_when=FIRST_COMPLETED)
-            broken = False
-            for f in done:
-                i, sent, alone = inflight.pop(f)
-                try:
-                    status, text = f.result()
-                    results[i] = ToolResult(text, status, time.monotonic() - sent)
-                except BrokenProcessPool:
-                    broken = True
-                    if alone:
-                        results[i] = ToolResult("Error: the tool's worker process died", INFRA,
-                                                time.monotonic() - sent)
-                    else:
-                        suspects.append(i)
-            now = time.monotonic()
-            stuck = [f for f, (_, sent, _) in inflight.items() if now - sent > self.timeout_s + self.grace_s]
-            if broken or stuck:
-                for f in stuck:
-                    i, sent, _ = inflight.pop(f)
-                    results[i] = ToolResult(f"Error: the tool did not return within {self.timeout_s:g}s and was "
-                                            "killed", INFRA, now - sent)
-                for i, _, _ in inflight.values():  # innocent bystanders: sent again (alone if a worker died)
-                    (suspects if broken else queue).appendleft(i)
-                inflight.clear()
-                self._restart()
+        try:
+            while queue or suspects or inflight:
+                pool = self._pool()
+                if suspects and not inflight and self._slots.acquire(blocking=False):
+                    i = suspects.popleft()
+                    inflight[self._send(pool, requests[i])] = (i, time.monotonic(), True)
+                while not suspects and queue and self._slots.acquire(blocking=False):
+                    i = queue.popleft()
+                    inflight[self._send(pool, requests[i])] = (i, time.monotonic(), False)
+                if not inflight:  # every worker busy with other threads' calls
+                    time.sleep(_POLL_S)
+                    continue
+                done, _ = wait(list(inflight), timeout=_POLL_S, return_when=FIRST_COMPLETED)
+                broken = False
+                for f in done:
+                    i, sent, alone = inflight.pop(f)
+                    self._slots.release()
+                    try:
+                        status, text = f.result()
+                        results[i] = ToolResult(text, status, time.monotonic() - sent)
+                    except BrokenProcessPool:
+                        broken = True
+                        if alone:
+                            results[i] = ToolResult("Error: the tool's worker process died", INFRA,
+                                                    time.monotonic() - sent)
+                        else:
+                            suspects.append(i)
+                    except CancelledError:  # another thread restarted the workers before this call ran: again
+                        queue.appendleft(i)
+                now = time.monotonic()
+                stuck = [f for f, (_, sent, _) in inflight.items() if now - sent > self.timeout_s + self.grace_s]
+                if broken or stuck:
+                    for f in stuck:
+                        i, sent, _ = inflight.pop(f)
+                        self._slots.release()
+                        results[i] = ToolResult(f"Error: the tool did not return within {self.timeout_s:g}s and "
+                                                "was killed", INFRA, now - sent)
+                    for i, _, _ in inflight.values():  # innocent bystanders: sent again (alone if a worker died)
+                        (suspects if broken else queue).appendleft(i)
+                        self._slots.release()
+                    inflight.clear()
+                    self._restart(pool)
+        finally:
+            for _ in inflight:  # an exception on the way out: the slots go back
+                self._slots.release()
 
     def _send(self, pool: ProcessPoolExecutor, r: ToolRequest) -> Future:
         return pool.submit(_worker.call, self.tools[r.call.name].path, dict(r.call.arguments), self.timeout_s,
