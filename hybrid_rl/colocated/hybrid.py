@@ -31,7 +31,7 @@ import torch
 
 from hybrid_rl.colocated.engine_parts import SwitchOptions, SyncTarget, TrainedPolicy
 from hybrid_rl.distributed.collectives import all_gather_object
-from hybrid_rl.distributed.fsdp import is_sharded
+from hybrid_rl.distributed.fsdp import is_sharded, shard_size
 from hybrid_rl.distributed.mesh import ParallelDims
 from hybrid_rl.distributed.offload import (
     OffloadManager,
@@ -221,6 +221,7 @@ class HybridEngine:
             plan = build_plan(
                 sources, self.layout, rank=self.dims.rank, world=self.dims.world, tp_rank_of=self.dims.tp_rank_of,
                 bucket_bytes=self.options.bucket_bytes, dtype=self.sync_dtype, sharded=sharded,
+                shard=shard_size(self.policy),
             )
             self._plans[key] = plan
             self._path = self._path or self.vllm.weight_sync_path(plan.slices)

@@ -62,19 +62,35 @@ def is_sharded(p: torch.Tensor) -> bool:
     return hasattr(p, "to_local")
 
 
+def _shard_dim(p: torch.Tensor) -> int:
+    """The mesh dimension FSDP2 shards `p`'s rows over: its only Shard(0) placement (any other is Replicate)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    dims = [d for d, pl in enumerate(p.placements) if pl == Shard(0)]
+    if len(dims) != 1 or any(pl != Replicate() for d, pl in enumerate(p.placements) if d != dims[0]):
+        raise ValueError(f"expected FSDP2's Shard(0) (replicated over HSDP's other mesh dim), got {p.placements}")
+    return dims[0]
+
+
+def shard_size(module: nn.Module) -> int:
+    """Ranks each weight of `module` is split over: the mesh's shard dimension (1 for a plain module, and for HSDP
+    with shard size 1, where every rank holds every weight whole)."""
+    for p in module.parameters():
+        if is_sharded(p):
+            return p.device_mesh.size(_shard_dim(p))
+    return 1
+
+
 def local_rows(p: torch.Tensor) -> tuple[int, int]:
     """Rows [a, b) of dim 0 that this rank's shard of `p` holds; a plain tensor holds them all.
 
-    FSDP2 shards dim 0 with torch.chunk semantics: chunks of ceil(rows / world), the last ones
-    short or empty (as `weightsync/reshard.fsdp_row_ranges`).
+    FSDP2 shards dim 0 over the mesh's shard dimension with torch.chunk semantics: chunks of ceil(rows / shard),
+    the last ones short or empty (as `weightsync/reshard.fsdp_row_ranges`).
     """
     if not is_sharded(p):
         return 0, p.shape[0]
-    from torch.distributed.tensor import Shard
-
-    if len(p.placements) != 1 or p.placements[0] != Shard(0):
-        raise ValueError(f"expected FSDP2's Shard(0) on a 1-D mesh, got placements {p.placements}")
-    rows, world, rank = p.shape[0], p.device_mesh.size(), p.device_mesh.get_local_rank()
+    d = _shard_dim(p)
+    rows, world, rank = p.shape[0], p.device_mesh.size(d), p.device_mesh.get_local_rank(d)
     chunk = -(-rows // world)
     a, b = min(rank * chunk, rows), min((rank + 1) * chunk, rows)
     if p.to_local().shape[0] != b - a:

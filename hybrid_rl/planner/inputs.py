@@ -97,6 +97,11 @@ class PlanInputs:
     old_logp_pass: bool = True  # False: the update's own forward gives the old log-probs
     load_chunk_bytes: int = 8 * 2**20  # model/materialize.READ_CHUNK_BYTES: the largest single checkpoint read
     optimizer: str = "adamw"  # optim.name: the actor's and the critic's
+    shard: int = 0  # trainer.shard_size: ranks FSDP splits each weight over (HSDP), 0 = the world
+
+    @property
+    def shard_ranks(self) -> int:
+        return self.shard or self.world
 
     @property
     def math_len(self) -> int:

@@ -44,7 +44,7 @@ def _copies(spec: ModelSpec, b: int, *, train: bool) -> int:
 
 def _model_items(name: str, spec: ModelSpec, x: PlanInputs, *, active: str, phase: str) -> list[Item]:
     """The items of model `name` in `phase`; `active` = "" (idle), "pass" or "train"."""
-    s, b = shard_bytes(spec.params, x.world, param_bytes=spec.param_bytes, frozen_bytes=spec.frozen_param_bytes,
+    s, b = shard_bytes(spec.params, x.shard_ranks, param_bytes=spec.param_bytes, frozen_bytes=spec.frozen_param_bytes,
                        optimizer=x.optimizer), x.compute_bytes
     out = []
     target = getattr(x.offload, name) if name in OFFLOADABLE else "none"
@@ -130,7 +130,7 @@ def host_offload_bytes(x: PlanInputs) -> dict[str, int]:
     if x.device.kind != "cuda":
         return {}
     o, out = x.offload, {}
-    actor = shard_bytes(x.actor.params, x.world, param_bytes=x.actor.param_bytes,
+    actor = shard_bytes(x.actor.params, x.shard_ranks, param_bytes=x.actor.param_bytes,
                         frozen_bytes=x.actor.frozen_param_bytes)
     if o.actor_params == "cpu":
         out["actor params"] = actor.params
@@ -139,7 +139,7 @@ def host_offload_bytes(x: PlanInputs) -> dict[str, int]:
     for name in OFFLOADABLE:
         spec = getattr(x, name)
         if spec is not None and getattr(o, name) == "cpu":
-            b = shard_bytes(spec.params, x.world, param_bytes=spec.param_bytes, frozen_bytes=spec.frozen_param_bytes)
+            b = shard_bytes(spec.params, x.shard_ranks, param_bytes=spec.param_bytes, frozen_bytes=spec.frozen_param_bytes)
             out[name] = b.params
             if name == "critic":
                 out["critic AdamW"] = b.optim

@@ -57,6 +57,14 @@ def fsdp_row_ranges(rows: int, world: int) -> list[tuple[int, int]]:
     return [(min(r * c, rows), min((r + 1) * c, rows)) for r in range(world)]
 
 
+def replica_peers(rank: int, world: int, shard: int) -> range:
+    """The ranks that together hold one whole copy of every weight with `rank` (`distributed.mesh.fsdp_mesh`: rank r
+    is replica r // shard, shard r % shard). A rank's slices come from these only: every other replica holds the same
+    rows, so each byte is sent once. shard = world: everyone; shard = 1: the rank alone (each takes its own slice)."""
+    first = rank // shard * shard
+    return range(first, first + shard)
+
+
 @dataclass(frozen=True)
 class Piece:
     """The part of weight `index` that rank `src` sends to rank `dst`.
@@ -128,14 +136,19 @@ class ReshardPlan:
 def build_plan(
     params: list[SourceParam], layout: Layout, *, rank: int, world: int, tp_rank_of: Callable[[int], int],
     bucket_bytes: int, dtype: torch.dtype, sharded: bool, receives: Callable[[int], bool] | None = None,
+    shard: int | None = None,
 ) -> ReshardPlan:
     """Plan the pieces this rank sends and receives, grouped in buckets of about `bucket_bytes` received.
 
     Weights of one vLLM module (q/k/v -> qkv_proj, gate/up -> gate_up_proj) stay in one bucket: vLLM
     processes a fused layer only once all its parts have arrived. `receives(rank)` False: that rank
     only sends (the sidecar's checkpoint engine: only one rank per server TP rank writes its slices);
-    None: every rank receives its TP slice (colocated).
+    None: every rank receives its TP slice (colocated). `shard`: ranks each sharded weight is split over (HSDP's
+    shard size; None = the world); not `sharded` is the same as shard 1.
     """
+    shard = (shard or world) if sharded else 1
+    if world % shard:
+        raise ValueError(f"shard size {shard} does not divide the world ({world})")
     elt = torch.empty((), dtype=dtype).element_size()
     slices = [layout.slice(p.name, p.shape, tp_rank_of(rank)) for p in params]
     # Bucket boundaries must be the same on every rank (each bucket is one collective), so they are
@@ -152,26 +165,28 @@ def build_plan(
     current: list[int] = []
     for g in groups:
         if current and sum(size[i] for i in current + g) * elt > bucket_bytes:
-            buckets.append(_bucket(current, params, layout, rank, world, tp_rank_of, sharded, elt, receives))
+            buckets.append(_bucket(current, params, layout, rank, world, tp_rank_of, shard, elt, receives))
             current = []
         current += g
     if current:
-        buckets.append(_bucket(current, params, layout, rank, world, tp_rank_of, sharded, elt, receives))
+        buckets.append(_bucket(current, params, layout, rank, world, tp_rank_of, shard, elt, receives))
     plan = ReshardPlan(slices, buckets, dtype, rank, world)
     plan.bytes_per_sync = sum(b.recv_bytes for b in buckets)
     return plan
 
 
-def _bucket(indices, params, layout, rank, world, tp_rank_of, sharded, elt, receives) -> Bucket:
+def _bucket(indices, params, layout, rank, world, tp_rank_of, shard, elt, receives) -> Bucket:
     sends: list[list[Piece]] = [[] for _ in range(world)]
     recvs: list[list[Piece]] = [[] for _ in range(world)]
     receives = receives or (lambda r: True)
-    # Unsharded weights are whole on every rank: each rank just takes its own slice locally.
-    peers = range(world) if sharded else [rank]
+    # Unsharded weights (shard 1) are whole on every rank: each rank just takes its own slice locally.
+    peers = replica_peers(rank, world, shard)
+    sharded = shard > 1
     for i in indices:
         p = params[i]
-        held = (layout.held_rows(p.name, p.shape, world) or fsdp_row_ranges(p.shape[0], world)) if sharded \
-            else [(0, p.shape[0])] * world
+        ranges = (layout.held_rows(p.name, p.shape, shard) or fsdp_row_ranges(p.shape[0], shard)) if sharded \
+            else [(0, p.shape[0])]
+        held = [ranges[r % shard] for r in range(world)]
         mine = layout.slice(p.name, p.shape, tp_rank_of(rank))
         for other in peers:
             theirs = layout.slice(p.name, p.shape, tp_rank_of(other))
