@@ -42,7 +42,14 @@ from hybrid_rl.distributed.offload import (
 from hybrid_rl.model.optimizers import resident_state_to_come
 from hybrid_rl.types import Generation, Sampling
 from hybrid_rl.utils import memory
-from hybrid_rl.weightsync.reshard import ReshardPlan, SourceParam, SyncStats, WeightSyncError, build_plan, stream_slices
+from hybrid_rl.weightsync.reshard import (
+    ReshardPlan,
+    SourceParam,
+    SyncStats,
+    WeightSyncError,
+    build_plan,
+    stream_buckets,
+)
 from hybrid_rl.weightsync.source import ModuleWeights
 from hybrid_rl.weightsync.verify import block_checksum, checksums_match, probe_for, target_label, verify_targets
 from hybrid_rl.weightsync.vllm_weights import ROW_PATHS
@@ -229,11 +236,11 @@ class HybridEngine:
                 log.info("weight sync: %s path, %d weights in %d buckets, %.2f MiB per rank", self._path,
                          len(plan.slices), len(plan.buckets), plan.bytes_per_sync / 2**20)
         stats = SyncStats()
-        stream = stream_slices(
+        buckets = stream_buckets(
             plan, sources, device=self.device, probe_cols=self.options.probe_cols,
             sync_index=self.sync_index, stats=stats, row_landing=self._path in ROW_PATHS,
         )
-        self.vllm.load_weights(stream, self._path)
+        self.vllm.load_weights((items for _, items in buckets), self._path)  # whole buckets: grouped landing
         if self.options.verify:
             self._verify(plan)
         self.sync_index += 1

