@@ -26,9 +26,18 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 
 def shard_model(
     model: nn.Module, mesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32,
-    cpu_offload: bool = False, reshard_after_forward: bool = True,
+    cpu_offload: bool = False, reshard_after_forward: bool | None = None,
 ) -> nn.Module:
-    """Apply `fully_shard` per block and to the root, in place; returns the model."""
+    """Apply `fully_shard` per block and to the root, in place; returns the model.
+
+    `reshard_after_forward` None: True, except where each rank holds every weight whole (a shard size of 1: one
+    rank, or HSDP with `trainer.shard_size=1`). There resharding frees no memory that matters (the float32 weights
+    stay) and backward would copy every block's compute copy again; so a forward that records a graph keeps its
+    compute copies for backward (which frees them), and a no-grad pass frees them when it ends (`_reshard_if_no_grad`).
+    """
+    whole = _mesh_shard_size(mesh) == 1
+    if reshard_after_forward is None:
+        reshard_after_forward = not whole
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kwargs = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     if cpu_offload:
@@ -39,7 +48,26 @@ def shard_model(
     if mesh.device_type == "cpu" and mesh.size() > 1:
         for unit in units:
             gloo_comms.install(unit)
+    if not reshard_after_forward:
+        model.register_forward_hook(_reshard_if_no_grad(units))
     return model
+
+
+def _mesh_shard_size(mesh) -> int:
+    """Ranks a weight is split over on `mesh`: its last dimension (FSDP2 shards over it; HSDP replicates over the first)."""
+    return mesh.size(mesh.ndim - 1)
+
+
+def _reshard_if_no_grad(units: list[nn.Module]):
+    """A forward hook: after a pass without autograd (no backward will free the compute copies), free them now."""
+
+    def hook(module, args, output):
+        if not torch.is_grad_enabled():
+            for unit in units:
+                unit.reshard()
+        return output
+
+    return hook
 
 
 # Added to parameter names by activation checkpointing, torch.compile and FSDP1; Hugging Face names have none.

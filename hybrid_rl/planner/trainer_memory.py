@@ -31,10 +31,11 @@ NCCL_P2P_PER_PEER_BYTES = 32 * 2**20
 VLLM_CUSTOM_ALLREDUCE_BYTES = 64 * 2**20
 
 
-def _copies(spec: ModelSpec, b: int, *, train: bool) -> int:
+def _copies(spec: ModelSpec, b: int, *, train: bool, whole: bool = False) -> int:
     """FSDP's unsharded compute copies: the root, the running block and the prefetched one; in
-    backward also one block's unsharded grads, their float32 reduce-scatter input, and the root's grads."""
-    fwd = (spec.root_numel() + 2 * spec.block_numel()) * b
+    backward also one block's unsharded grads, their float32 reduce-scatter input, and the root's grads.
+    `whole` (shard size 1: `distributed/fsdp.shard_model` does not reshard after forward): every block's."""
+    fwd = (spec.numel if whole else spec.root_numel() + 2 * spec.block_numel()) * b
     if not train:
         return fwd
     # The root's grads wait unsharded (compute dtype) with their float32 reduce-scatter input until the
@@ -61,7 +62,7 @@ def _model_items(name: str, spec: ModelSpec, x: PlanInputs, *, active: str, phas
         if trains:
             out.append(Item(name, "grads (fp32 shard)", s.grads))
     if active:
-        out.append(Item(name, f"compute copies ({dtype_label(b)})", _copies(spec, b, train=active == "train")))
+        out.append(Item(name, f"compute copies ({dtype_label(b)})", _copies(spec, b, train=active == "train", whole=x.shard_ranks == 1)))
         out.append(_activations(name, spec, x, train=active == "train"))
     return out
 
