@@ -42,6 +42,7 @@ from hybrid_rl.distributed.offload import (
 from hybrid_rl.model.optimizers import resident_state_to_come
 from hybrid_rl.types import Generation, Sampling
 from hybrid_rl.utils import memory
+from hybrid_rl.weightsync.grouped import slice_digest
 from hybrid_rl.weightsync.reshard import (
     ReshardPlan,
     SourceParam,
@@ -51,7 +52,7 @@ from hybrid_rl.weightsync.reshard import (
     stream_buckets,
 )
 from hybrid_rl.weightsync.source import ModuleWeights
-from hybrid_rl.weightsync.verify import block_checksum, checksums_match, probe_for, target_label, verify_targets
+from hybrid_rl.weightsync.verify import checksums_match, probe_for, target_label, verify_targets
 from hybrid_rl.weightsync.vllm_weights import ROW_PATHS
 
 log = logging.getLogger(__name__)
@@ -256,7 +257,7 @@ class HybridEngine:
         try:
             targets = verify_targets(plan.slices, tied=self.layout.dims.tie_word_embeddings)
             requests = [(ts, probe_for(ts, self.options.probe_cols, self.sync_index)) for _, ts in targets]
-            got = self.vllm.readback(requests, _digest)
+            got = self.vllm.readback(requests, slice_digest)
             expected = plan.expected[[i for i, _ in targets]].to(got.device)
             ok = checksums_match(expected, got)
             if not bool(ok.all()):
@@ -280,7 +281,3 @@ def agreed_failures(error: str | None) -> str | None:
     """
     errors = [e for e in all_gather_object(error) if e is not None]
     return "; ".join(errors) if errors else None
-
-
-def _digest(values: torch.Tensor, cols: torch.Tensor | None) -> torch.Tensor:
-    return block_checksum(values, row0=0, col_ids=cols)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hybrid_rl.weightsync.verify import probe_band
+from hybrid_rl.weightsync.verify import band_start, block_checksum, probe_band
 
 
 def fill_send(send: torch.Tensor, sends: list[list], local: dict[int, torch.Tensor], partial: torch.Tensor,
@@ -117,3 +117,26 @@ def _bucket_weights(shapes: tuple[tuple[int, ...], ...], row0s: tuple[int, ...],
         weights.append(w)
         segments.append(np.full(w.size, i, dtype=np.int64))
     return np.concatenate(weights), np.concatenate(segments)
+
+
+_verify_checksums = bucket_checksums  # the verification's own binding (benchmarks/reshard.py times each side apart)
+
+
+class SliceDigest:
+    """The verification's checksum of a slice read back from vLLM (`block_checksum` at row 0), one at a time, or
+    (`many`, what `vllm_weights.readback` uses where it reads views of vLLM's parameters) many in one pass."""
+
+    def __call__(self, values: torch.Tensor, cols: torch.Tensor | None) -> torch.Tensor:
+        return block_checksum(values, row0=0, col_ids=cols)
+
+    @staticmethod
+    def takes(cols: torch.Tensor | None) -> bool:
+        """Can `many` take a slice probed at `cols` (all columns, or a band)?"""
+        return cols is None or band_start(cols) is not None
+
+    def many(self, blocks: list[torch.Tensor], cols: list[torch.Tensor | None]) -> torch.Tensor:
+        bands = [None if c is None else range(band_start(c), band_start(c) + len(c)) for c in cols]
+        return _verify_checksums(blocks, row0s=[0] * len(blocks), cols=bands)
+
+
+slice_digest = SliceDigest()

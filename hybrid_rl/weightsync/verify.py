@@ -36,8 +36,8 @@ def probe_band(ncols: int, max_cols: int, sync_index: int) -> range:
 
 def band_start(cols: torch.Tensor) -> int | None:
     """The first column where `cols` (ascending, as `probe_columns` makes them) are adjacent; None otherwise."""
-    n = len(cols)
-    return int(cols[0]) if n and int(cols[-1]) - int(cols[0]) == n - 1 else None
+    ids = cols.tolist()  # host values, no tensor operation (the grouped read-back makes none per weight)
+    return ids[0] if ids and ids[-1] - ids[0] == len(ids) - 1 else None
 
 
 def take_columns(x: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:

