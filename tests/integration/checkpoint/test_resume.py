@@ -84,6 +84,19 @@ def _replicated(rank: int, world: int, rec: dict, model_dir: str, root: Path) ->
     fresh, fresh_opt = sharded_model(model_dir, world, shard=1)
     rec["hsdp_resumed_step"] = ck.resume_auto({"policy": (fresh, fresh_opt)})[0]
     rec["hsdp_restored_bitwise"] = bitwise_equal(snapshot(fresh, fresh_opt), saved)
+    # Each rank wrote every row: a run sharded over both ranks finds its rows in it.
+    sharded, sharded_opt = sharded_model(model_dir, world)
+    ck.load(root / "step_1", components={"policy": (sharded, sharded_opt)})
+    rec["hsdp_into_sharded"] = all(torch.equal(a.full_tensor(), b.full_tensor())
+                                   for a, b in zip(fresh.parameters(), sharded.parameters(), strict=True))
+    # The other way round, a rank would need rows it never wrote.
+    ck_full = Checkpointer(root / "full", keep_last=1, rank=rank, world=world)
+    _save(ck_full, 1, {"policy": (sharded, sharded_opt)}, rank)
+    try:
+        ck_full.load(root / "full" / "step_1", components={"policy": (fresh, fresh_opt)})
+        rec["sharded_into_hsdp"] = "loaded"
+    except Exception as e:  # noqa: BLE001 - what it raises is recorded, the test checks it
+        rec["sharded_into_hsdp"] = f"{type(e).__name__}: {e}"
 
 
 def _tied_round_trip(rank: int, world: int, rec: dict, model_dir: str, root: Path) -> None:
@@ -219,3 +232,8 @@ def test_shard_size_one_trains_like_full_sharding_and_resumes_bitwise(ranks):
             assert hsdp_loss == pytest.approx(full_loss, rel=1e-6, abs=1e-7)
         assert ranks[r]["hsdp_max_weight_diff"] <= 1e-6
         assert ranks[r]["hsdp_resumed_step"] == 1 and ranks[r]["hsdp_restored_bitwise"]
+        # Each rank read its rows from what it wrote; the other way round would have loaded a part of each weight
+        # and left the rest as it was: refused, naming the setting.
+        assert ranks[r]["hsdp_into_sharded"]
+        assert "IncompatibleCheckpoint" in ranks[r]["sharded_into_hsdp"]
+        assert "trainer.shard_size" in ranks[r]["sharded_into_hsdp"]
