@@ -54,6 +54,7 @@ def _instrument(acc: dict[str, float]) -> None:
     import hybrid_rl.colocated.hybrid as H
     import hybrid_rl.colocated.vllm_engine as V
     import hybrid_rl.colocated.vllm_transfer as T
+    import hybrid_rl.weightsync.grouped as G
     import hybrid_rl.weightsync.reshard as R
 
     def timed(fn, key):
@@ -81,14 +82,18 @@ def _instrument(acc: dict[str, float]) -> None:
 
         return wrapper
 
-    R.block_checksum = timed(R.block_checksum, "checksum")  # the senders' side (verify uses H's binding)
+    # The senders' checksums (one world: reshard's binding; more: grouped.fill_send's); the verification's go through
+    # slice_digest, which keeps its own binding.
+    R.bucket_checksums = timed(R.bucket_checksums, "checksum")
+    G.bucket_checksums = timed(G.bucket_checksums, "checksum")
     R._assemble = timed(R._assemble, "assemble")  # returns the bucket's slices as a list
     dist.all_to_all_single = timed(dist.all_to_all_single, "all_to_all")
-    H.stream_slices = timed_gen(H.stream_slices, "stream")
+    H.stream_buckets = timed_gen(H.stream_buckets, "stream")
     T.staged = timed(T.staged, "staging")  # the name the transfer backend calls
     V.VLLMEngine.load_weights = timed(V.VLLMEngine.load_weights, "load_weights")
     H.HybridEngine._verify = timed(H.HybridEngine._verify, "verify")
-    H._digest = timed(H._digest, "verify_checksum")  # checksums of what landed in vLLM
+    G.SliceDigest.__call__ = timed(G.SliceDigest.__call__, "verify_checksum")  # checksums of what landed in vLLM
+    G.SliceDigest.many = timed(G.SliceDigest.many, "verify_checksum")
 
 
 def _split(acc: dict[str, float], sync_s: float) -> dict[str, float]:

@@ -206,7 +206,7 @@ def run_trl(python: Path, configs: list[dict], steps: int, threads: int, huge_pa
 # =================================================================================================
 
 
-def run_ours(configs: list[dict], steps: int, round_index: int, topology: str) -> list[dict]:
+def run_ours(configs: list[dict], steps: int, round_index: int, topology: str, shard_size: int = 0) -> list[dict]:
     import throughput
 
     nproc, threads = (int(x) for x in topology.split("x"))
@@ -218,7 +218,8 @@ def run_ours(configs: list[dict], steps: int, round_index: int, topology: str) -
         throughput._clean(out)
         extra = [f"model.dtype={dtype}", f"rollout.dtype={dtype}", f"optim.lr={w['lr']}",
                  f"algorithm.kl_coef={w['kl']}", "algorithm.use_reference=true", "optim.schedule=constant",
-                 "optim.weight_decay=0.0", "optim.grad_clip=1.0", "rollout.temperature=1.0"]
+                 "optim.weight_decay=0.0", "optim.grad_clip=1.0", "rollout.temperature=1.0",
+                 f"trainer.shard_size={shard_size}"]
         overrides = throughput.run_overrides(c["model"], out, prompts=w["prompts"], n=w["n"],
                                              max_new_tokens=w["max_new_tokens"], steps=steps, extra=extra)
         runs.append({"name": f"{c['size']}_{c['precision']}", "recipe": "grpo", "overrides": overrides})
@@ -281,6 +282,8 @@ def main() -> None:
                    help=common.SMOKE_HELP + "; TRL's side runs only where benchmarks/.trl-venv exists (it is not "
                    "created in smoke mode: a multi-GB install)")
     p.add_argument("--name", default="vs_trl", help="result file name (benchmarks/results/NAME.json)")
+    p.add_argument("--shard-size", type=int, default=0, help="our trainer.shard_size (default 0: the planner's "
+                   "choice, 1 for these models: every rank holds the model whole; 2 at 2 ranks: plain FSDP)")
     p.add_argument("--trl-worker", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.trl_worker:
@@ -300,7 +303,7 @@ def main() -> None:
                         workload=dict(WORKLOAD, prompts=2, n=2, max_new_tokens=4))]
     python, how = ensure_trl_venv(create=not a.smoke)
     if python is None and a.smoke:
-        rows = run_ours(configs, steps, 0, a.ours[0])
+        rows = run_ours(configs, steps, 0, a.ours[0], a.shard_size)
         print(f"smoke: our side ran ({rows[0]['step_s']} s/step); TRL side not run: {how}")
         common.write_result(a.name, {"trl_error": how, "ours": rows}, quick=a.quick)
         return
@@ -315,7 +318,7 @@ def main() -> None:
     trl: dict[str, list] = {k: [] for k in ours}
     for r in range(rounds):
         for topo in a.ours:
-            for row in run_ours(configs, steps, r, topo):
+            for row in run_ours(configs, steps, r, topo, a.shard_size):
                 ours[f"{row['size']}_{row['precision']}"].append(row)
         for row in run_trl(python, configs, steps, a.trl_threads, a.trl_huge_pages):
             trl[f"{row['size']}_{row['precision']}"].append(row)

@@ -312,6 +312,10 @@ class TrainerConfig:
     show_progress: bool = True  # a progress bar on rank 0
     # the memory plan at start-up does not fit: error (stop before loading) | warn
     memory_check: str = choice("error", "warn")
+    # Ranks FSDP splits each weight over; the others hold replicas (HSDP: replicate x shard). 1: every rank holds
+    # the whole model, a step does one gradient all-reduce and no gathers (small models); the world: plain FSDP.
+    # 0 = auto: the memory plan picks the smallest that fits (the largest replication), and its verdict says which.
+    shard_size: int = 0
 
 
 @dataclass
@@ -509,7 +513,7 @@ NON_NEGATIVE = ("rollout.multi_turn.tool_workers", "rollout.temperature", "rollo
                 "algorithm.opd_coef", "optim.grad_clip",
                 "optim.warmup_steps", "trainer.save_every", "trainer.val_every", "algorithm.overlong_buffer",
                 "reward.num_workers", "data.val_prompts", "sidecar.max_restarts", "rollout.max_staleness",
-                "sidecar.max_inflight", "sidecar.servers_per_node", "rollout.multi_turn.max_turn_tokens")
+                "sidecar.max_inflight", "sidecar.servers_per_node", "rollout.multi_turn.max_turn_tokens", "trainer.shard_size")
 
 
 def get(cfg: Config, key: str) -> Any:

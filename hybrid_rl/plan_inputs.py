@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hybrid_rl.algos.objectives import get_objective
 from hybrid_rl.config import Config, ConfigError, resolve_rollout
-from hybrid_rl.planner.estimate import estimate
+from hybrid_rl.planner.estimate import choose_shard, estimate
 from hybrid_rl.planner.inputs import DeviceSpec, ModelSpec, OffloadSpec, PlanInputs, RolloutSpec
 from hybrid_rl.planner.param_count import ArchDims, lora_params, model_params
 from hybrid_rl.planner.result import MemoryPlan
@@ -53,9 +53,18 @@ def plan_for(cfg: Config, world: int, *, device: DeviceSpec | None = None, atten
         activation_checkpointing=cfg.model.activation_checkpointing,
         attention=_attention(attention, device), entropy=get_objective(a.objective).entropy,
         old_logp_pass=not a.old_logp_from_update, optimizer=cfg.optim.name, router_replay=cfg.model.moe.router_replay,
+        shard=cfg.trainer.shard_size,
     )
+    try:
+        inputs = choose_shard(inputs)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     plan = estimate(inputs)
     notes = tuple(_config_notes(cfg, actor, device))
+    if not cfg.trainer.shard_size and world > 1:
+        notes += (f"trainer.shard_size=0 (auto) chose {inputs.shard}: "
+                  + ("the smallest shard size that fits (the most replicas)" if plan.fits else
+                     "none with replicas fits"),)
     if prompt_lengths is None:
         notes += (f"prompts counted as data.max_prompt_tokens={cfg.data.max_prompt_tokens} long (an upper bound: the "
                   "training files were not read)",)

@@ -120,6 +120,7 @@ def build(cfg: Config) -> Components:
         prompts_tokenizer = with_tools(tokenizer, tool_schemas(cfg), raw_prompts=bool(cfg.rollout.environment))
     loader, val_records = _datasets(cfg, prompts_tokenizer)
     plan = _check_memory(cfg, dims, [len(r.prompt_ids) for r in loader.dataset])
+    dims = dataclasses.replace(dims, shard=plan.inputs.shard_ranks)  # trainer.shard_size, or the plan's choice
     rewards = None if cfg.algorithm.offline_pairs else _rewards(cfg)
 
     actor = _actor(cfg, dims)

@@ -20,7 +20,7 @@ import torch
 from hybrid_rl.build.rollout import adapter_sync, agent_setup, black_box_family, sampling_settings, uses_tools
 from hybrid_rl.config import Config, ConfigError, resolve_rollout, speculation
 from hybrid_rl.distributed.collectives import broadcast_object
-from hybrid_rl.distributed.fsdp import is_sharded
+from hybrid_rl.distributed.fsdp import is_sharded, shard_size
 from hybrid_rl.distributed.mesh import ParallelDims, device
 from hybrid_rl.distributed.offload import OffloadManager
 from hybrid_rl.model.handle import Model
@@ -243,7 +243,8 @@ def _sidecar_plain(cfg: Config, dims: ParallelDims, actor: Model, offload: Offlo
         adapter = AdapterPublisher(actor.module, Path(cfg.trainer.output_dir) / "adapter_sync", index=index,
                                    dtype=DTYPES[r.dtype], keep=adapter_versions(cfg) + 1)
     synced = SyncedPolicy(policy=actor.module, optimizer=actor.optimizer, weights=weights,
-                          sharded=any(is_sharded(p) for p in actor.module.parameters()), adapter=adapter)
+                          sharded=any(is_sharded(p) for p in actor.module.parameters()),
+                          shard=shard_size(actor.module), adapter=adapter)
     inflight = max_inflight(cfg, dims.world, total_servers)  # until the servers' KV capacity is read
     links = ServerLinks(engine=engine, etcd=etcd, sidecar=sidecar,
                         client=CompletionClient(max_inflight=inflight, progress_timeout_s=sc.progress_timeout_s,

@@ -105,4 +105,26 @@ def shape_mismatches(saved: Mapping[str, Any], current: Mapping[str, Any], *, co
             out.append(f"{component}: {name} is not in the checkpoint")
         elif size is not None and tuple(size) != tuple(tensor.shape):
             out.append(f"{component}: {name} was saved as {list(size)}, this model's is {list(tensor.shape)}")
+        elif (held := _uncovered(meta, tensor)) is not None:
+            out.append(f"{component}: {name}: this rank holds {held} of it, which this rank's files do not (the "
+                       "checkpoint was written with a larger trainer.shard_size: resume with the one it was written "
+                       "with)")
     return out
+
+
+def _uncovered(meta: Any, tensor: Any) -> str | None:
+    """The block of `tensor` this rank holds, where no chunk this rank saved contains it (each rank reads only its own
+    files, and DCP would leave the rest as it was); None where one does (or the metadata does not tell)."""
+    chunks = getattr(meta, "chunks", None)
+    if not chunks or tensor.numel() == 0:
+        return None
+    if hasattr(tensor, "device_mesh"):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        sizes, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    else:
+        sizes, offsets = tuple(tensor.shape), (0,) * tensor.dim()
+    if any(all(c <= o and o + s <= c + cs for o, s, c, cs in zip(offsets, sizes, ch.offsets, ch.sizes, strict=True))
+           for ch in chunks):
+        return None
+    return "rows " + ":".join(map(str, (offsets[0], offsets[0] + sizes[0]))) if sizes else "its value"

@@ -31,7 +31,7 @@ import torch
 
 from hybrid_rl.colocated.engine_parts import SwitchOptions, SyncTarget, TrainedPolicy
 from hybrid_rl.distributed.collectives import all_gather_object
-from hybrid_rl.distributed.fsdp import is_sharded
+from hybrid_rl.distributed.fsdp import is_sharded, shard_size
 from hybrid_rl.distributed.mesh import ParallelDims
 from hybrid_rl.distributed.offload import (
     OffloadManager,
@@ -42,9 +42,17 @@ from hybrid_rl.distributed.offload import (
 from hybrid_rl.model.optimizers import resident_state_to_come
 from hybrid_rl.types import Generation, Sampling
 from hybrid_rl.utils import memory
-from hybrid_rl.weightsync.reshard import ReshardPlan, SourceParam, SyncStats, WeightSyncError, build_plan, stream_slices
+from hybrid_rl.weightsync.grouped import slice_digest
+from hybrid_rl.weightsync.reshard import (
+    ReshardPlan,
+    SourceParam,
+    SyncStats,
+    WeightSyncError,
+    build_plan,
+    stream_buckets,
+)
 from hybrid_rl.weightsync.source import ModuleWeights
-from hybrid_rl.weightsync.verify import block_checksum, checksums_match, probe_for, target_label, verify_targets
+from hybrid_rl.weightsync.verify import checksums_match, probe_for, target_label, verify_targets
 from hybrid_rl.weightsync.vllm_weights import ROW_PATHS
 
 log = logging.getLogger(__name__)
@@ -227,6 +235,7 @@ class HybridEngine:
             plan = build_plan(
                 sources, self.layout, rank=self.dims.rank, world=self.dims.world, tp_rank_of=self.dims.tp_rank_of,
                 bucket_bytes=self.options.bucket_bytes, dtype=self.sync_dtype, sharded=sharded,
+                shard=shard_size(self.policy),
             )
             self._plans[key] = plan
             self._path = self._path or self.vllm.weight_sync_path(plan.slices)
@@ -234,11 +243,11 @@ class HybridEngine:
                 log.info("weight sync: %s path, %d weights in %d buckets, %.2f MiB per rank", self._path,
                          len(plan.slices), len(plan.buckets), plan.bytes_per_sync / 2**20)
         stats = SyncStats()
-        stream = stream_slices(
+        buckets = stream_buckets(
             plan, sources, device=self.device, probe_cols=self.options.probe_cols,
             sync_index=self.sync_index, stats=stats, row_landing=self._path in ROW_PATHS,
         )
-        self.vllm.load_weights(stream, self._path)
+        self.vllm.load_weights((items for _, items in buckets), self._path)  # whole buckets: grouped landing
         if self.options.verify:
             self._verify(plan)
         self.sync_index += 1
@@ -254,7 +263,7 @@ class HybridEngine:
         try:
             targets = verify_targets(plan.slices, tied=self.layout.dims.tie_word_embeddings)
             requests = [(ts, probe_for(ts, self.options.probe_cols, self.sync_index)) for _, ts in targets]
-            got = self.vllm.readback(requests, _digest)
+            got = self.vllm.readback(requests, slice_digest)
             expected = plan.expected[[i for i, _ in targets]].to(got.device)
             ok = checksums_match(expected, got)
             if not bool(ok.all()):
@@ -278,7 +287,3 @@ def agreed_failures(error: str | None) -> str | None:
     """
     errors = [e for e in all_gather_object(error) if e is not None]
     return "; ".join(errors) if errors else None
-
-
-def _digest(values: torch.Tensor, cols: torch.Tensor | None) -> torch.Tensor:
-    return block_checksum(values, row0=0, col_ids=cols)

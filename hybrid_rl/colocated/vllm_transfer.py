@@ -20,7 +20,7 @@ import torch
 
 from hybrid_rl.weightsync.layout import TPSlice
 from hybrid_rl.weightsync.vllm_landing import LandingEngine, register_backend
-from hybrid_rl.weightsync.vllm_weights import load_inplace, load_packed, model_params, staged
+from hybrid_rl.weightsync.vllm_weights import items_of, load_inplace, load_packed, model_params, staged
 
 BACKEND = "hybrid_rl_inprocess"
 PATHS = ("inplace", "packed", "reload")
@@ -37,7 +37,7 @@ class InitInfo:
 
 @dataclass
 class UpdateInfo:
-    stream: Iterable[tuple[TPSlice, torch.Tensor]]
+    stream: Iterable[tuple[TPSlice, torch.Tensor] | list[tuple[TPSlice, torch.Tensor]]]  # slices or whole buckets
 
 
 class InProcessTransfer(LandingEngine):
@@ -65,7 +65,7 @@ class InProcessTransfer(LandingEngine):
         elif self.path == "packed":
             load_packed(self.model, update_info.stream)
         else:
-            self.model.load_weights(staged(ts, t) for ts, t in update_info.stream)
+            self.model.load_weights(staged(ts, t) for ts, t in items_of(update_info.stream))
 
     def finish_weight_update(self) -> None:
         self.end_landing()

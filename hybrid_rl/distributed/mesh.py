@@ -1,7 +1,9 @@
 """The process group and its shape: one torchrun world shared by FSDP2 (all ranks) and vLLM (TP groups).
 
 Ranks are laid out DP-major: rank = dp_rank * tp + tp_rank, which is how vLLM's external launcher
-forms its tensor-parallel groups (consecutive ranks). FSDP shards every weight over the whole world.
+forms its tensor-parallel groups (consecutive ranks). FSDP shards every weight over `shard` ranks and replicates
+that over world // shard groups of them (HSDP): shard = world is plain FSDP, shard = 1 keeps every weight whole on
+every rank (a gradient all-reduce per step and no gathers, for models whose state fits every rank).
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """World shape: `tp` ranks per vLLM tensor-parallel group, `dp` = world // tp groups."""
+    """World shape: `tp` ranks per vLLM tensor-parallel group, `dp` = world // tp groups; FSDP splits each weight
+    over `shard` ranks (0: the world; `fsdp_mesh`)."""
 
     world: int
     rank: int
     local_rank: int
     tp: int
+    shard: int = 0
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.world % self.tp:
@@ -108,8 +112,19 @@ def tp_group(dims: ParallelDims):
     return _TP_GROUPS[dims.tp]
 
 
+def check_shard_size(shard: int, world: int) -> None:
+    if shard < 1 or world % shard:
+        raise ValueError(f"trainer.shard_size={shard} must divide the number of ranks ({world}); "
+                         f"allowed: 0 (auto) or {[d for d in range(1, world + 1) if world % d == 0]}")
+
+
 def fsdp_mesh(dims: ParallelDims):
-    """A 1-D device mesh over every rank: FSDP shards each weight W ways."""
+    """The device mesh FSDP2 shards over: 1-D over every rank (`dims.shard` 0 or the world: each weight W ways), else
+    2-D (replicate x shard, HSDP): rank r is replica r // shard, holding shard r % shard (`reshard.held_ranges`)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device().type, (dims.world,), mesh_dim_names=("fsdp",))
+    shard = dims.shard or dims.world
+    check_shard_size(shard, dims.world)
+    if shard == dims.world:
+        return init_device_mesh(device().type, (dims.world,), mesh_dim_names=("fsdp",))
+    return init_device_mesh(device().type, (dims.world // shard, shard), mesh_dim_names=("replicate", "shard"))

@@ -38,6 +38,7 @@ COST = {
     "offload.actor_params": (5, "moves the policy's shards to {target} and back around every rollout"),
     "rollout.tp": (5, "tensor-parallel decoding: fewer vLLM replicas, an all-reduce per layer"),
     "rollout.release": (6, "releases vLLM in every train phase ({release}; restart rebuilds it at every step)"),
+    "trainer.shard_size": (4, "FSDP gathers each block in every pass and reduce-scatters its gradients"),
     "shard": (9, "needs twice the ranks"),
 }
 MAX_FIXES = 8
@@ -83,7 +84,10 @@ def _candidates(x: PlanInputs) -> Iterator[tuple[str, str, PlanInputs]]:
             util = round(r.gpu_memory_utilization - 0.1, 2)
             yield (f"rollout.gpu_memory_utilization={util}", "rollout.gpu_memory_utilization",
                    _with(x, rollout=dataclasses.replace(r, gpu_memory_utilization=util)))
-    yield f"shard over {2 * x.world} ranks instead of {x.world}", "shard", _with(x, world=2 * x.world)
+    if x.shard_ranks < x.world:  # HSDP with replicas: shard over more of the ranks there are first
+        yield f"trainer.shard_size={x.world}", "trainer.shard_size", _with(x, shard=x.world)
+    else:
+        yield f"shard over {2 * x.world} ranks instead of {x.world}", "shard", _with(x, world=2 * x.world)
 
 
 def _scaled(responses: int | None, tokens: int, old_tokens: int) -> int | None:

@@ -104,6 +104,11 @@ class PlanInputs:
     optimizer: str = "adamw"  # optim.name: the actor's and the critic's
     router_replay: str = "none"  # model.moe.router_replay (a mixture of experts: `rollout` records vLLM's routes)
     step_tokens: int = 0  # tokens of the samples one rank trains on in a step (what their routes cover)
+    shard: int = 0  # trainer.shard_size: ranks FSDP splits each weight over (HSDP), 0 = the world
+
+    @property
+    def shard_ranks(self) -> int:
+        return self.shard or self.world
 
     @property
     def math_len(self) -> int:

@@ -20,10 +20,10 @@ def _startup(x: PlanInputs) -> Phase:
         spec = getattr(x, comp)
         if spec is None:
             continue
-        items.append(Item(comp, params_label(spec), shard_bytes(spec.params, x.world,
+        items.append(Item(comp, params_label(spec), shard_bytes(spec.params, x.shard_ranks,
                                                                  param_bytes=spec.param_bytes,
                                                                  frozen_bytes=spec.frozen_param_bytes).params))
-        largest = max([largest] + [shard_rows(p.shape[0], x.world, 0)[0] * (p.numel // p.shape[0]) * 4
+        largest = max([largest] + [shard_rows(p.shape[0], x.shard_ranks, 0)[0] * (p.numel // p.shape[0]) * 4
                                    for p in spec.params if p.shape])
     items.append(Item("loading", "checkpoint read (rows + mapped pages)", 2 * min(x.load_chunk_bytes, largest)))
     return Phase("startup", tuple(process_items(x, "startup") + items))

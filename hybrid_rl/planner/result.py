@@ -75,7 +75,7 @@ class MemoryPlan:
     def memory(self, component: str, rank: int = 0) -> ShardBytes:
         """Exact per-rank params / grads / optimizer bytes of one model."""
         spec = getattr(self.inputs, component)
-        return shard_bytes(spec.params, self.inputs.world, rank, param_bytes=spec.param_bytes,
+        return shard_bytes(spec.params, self.inputs.shard_ranks, rank, param_bytes=spec.param_bytes,
                            frozen_bytes=spec.frozen_param_bytes, optimizer=self.inputs.optimizer)
 
 

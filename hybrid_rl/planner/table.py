@@ -7,6 +7,7 @@ device there; blank when the item does not exist in that phase.
 
 from __future__ import annotations
 
+from hybrid_rl.planner.inputs import PlanInputs
 from hybrid_rl.planner.result import MemoryPlan
 from hybrid_rl.planner.units import GIB, fmt
 
@@ -60,8 +61,18 @@ def _title(plan: MemoryPlan) -> str:
     a = x.actor
     params = f"{a.numel / 1e6:.1f}M params" + (f", {a.active_numel / 1e6:.1f}M active" if a.dims.moe_layers else "")
     return (f"Memory plan per rank: {a.dims.architecture} ({params}), world "
-            f"{x.world}, {x.device.name or x.device.kind} with {fmt(plan.device_bytes)}"
+            f"{x.world} ({layout(x)}), {x.device.name or x.device.kind} with {fmt(plan.device_bytes)}"
             f", compute {({2: '16-bit', 4: 'fp32'})[x.compute_bytes]}, {x.attention} attention{rollout}")
+
+
+def layout(x: PlanInputs) -> str:
+    """How FSDP splits the models over the ranks (`trainer.shard_size`), in words."""
+    s = x.shard_ranks
+    if s == x.world:
+        return f"FSDP sharded over all {s} ranks" if s > 1 else "one rank, nothing sharded"
+    if s == 1:
+        return f"trainer.shard_size=1: every rank holds every model whole ({x.world} replicas; no gathers)"
+    return f"trainer.shard_size={s}: HSDP, {x.world // s} replicas each sharded over {s} ranks"
 
 
 def verdict(plan: MemoryPlan) -> str:
@@ -69,7 +80,7 @@ def verdict(plan: MemoryPlan) -> str:
     margin = f", beyond the {fmt(plan.margin_bytes)} safety margin" if plan.margin_bytes else ""
     if plan.fits:
         return (f"FITS: peak {fmt(peak.total)} in {peak.name} of {fmt(device)} per rank "
-                f"({fmt(usable - peak.total)} to spare{margin})")
+                f"({fmt(usable - peak.total)} to spare{margin}); {layout(plan.inputs)}")
     lines = []
     for p in plan.phases:
         if p.total <= usable:

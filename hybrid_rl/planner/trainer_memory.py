@@ -31,10 +31,11 @@ NCCL_P2P_PER_PEER_BYTES = 32 * 2**20
 VLLM_CUSTOM_ALLREDUCE_BYTES = 64 * 2**20
 
 
-def _copies(spec: ModelSpec, b: int, *, train: bool) -> int:
+def _copies(spec: ModelSpec, b: int, *, train: bool, whole: bool = False) -> int:
     """FSDP's unsharded compute copies: the root, the running block and the prefetched one; in
-    backward also one block's unsharded grads, their float32 reduce-scatter input, and the root's grads."""
-    fwd = (spec.root_numel() + 2 * spec.block_numel()) * b
+    backward also one block's unsharded grads, their float32 reduce-scatter input, and the root's grads.
+    `whole` (shard size 1: `distributed/fsdp.shard_model` does not reshard after forward): every block's."""
+    fwd = (spec.numel if whole else spec.root_numel() + 2 * spec.block_numel()) * b
     if not train:
         return fwd
     # The root's grads wait unsharded (compute dtype) with their float32 reduce-scatter input until the
@@ -44,7 +45,7 @@ def _copies(spec: ModelSpec, b: int, *, train: bool) -> int:
 
 def _model_items(name: str, spec: ModelSpec, x: PlanInputs, *, active: str, phase: str) -> list[Item]:
     """The items of model `name` in `phase`; `active` = "" (idle), "pass" or "train"."""
-    s, b = shard_bytes(spec.params, x.world, param_bytes=spec.param_bytes, frozen_bytes=spec.frozen_param_bytes,
+    s, b = shard_bytes(spec.params, x.shard_ranks, param_bytes=spec.param_bytes, frozen_bytes=spec.frozen_param_bytes,
                        optimizer=x.optimizer), x.compute_bytes
     out = []
     target = getattr(x.offload, name) if name in OFFLOADABLE else "none"
@@ -61,7 +62,7 @@ def _model_items(name: str, spec: ModelSpec, x: PlanInputs, *, active: str, phas
         if trains:
             out.append(Item(name, "grads (fp32 shard)", s.grads))
     if active:
-        out.append(Item(name, f"compute copies ({dtype_label(b)})", _copies(spec, b, train=active == "train")))
+        out.append(Item(name, f"compute copies ({dtype_label(b)})", _copies(spec, b, train=active == "train", whole=x.shard_ranks == 1)))
         out.append(_activations(name, spec, x, train=active == "train"))
     return out
 
@@ -130,7 +131,7 @@ def host_offload_bytes(x: PlanInputs) -> dict[str, int]:
     if x.device.kind != "cuda":
         return {}
     o, out = x.offload, {}
-    actor = shard_bytes(x.actor.params, x.world, param_bytes=x.actor.param_bytes,
+    actor = shard_bytes(x.actor.params, x.shard_ranks, param_bytes=x.actor.param_bytes,
                         frozen_bytes=x.actor.frozen_param_bytes)
     if o.actor_params == "cpu":
         out["actor params"] = actor.params
@@ -139,7 +140,7 @@ def host_offload_bytes(x: PlanInputs) -> dict[str, int]:
     for name in OFFLOADABLE:
         spec = getattr(x, name)
         if spec is not None and getattr(o, name) == "cpu":
-            b = shard_bytes(spec.params, x.world, param_bytes=spec.param_bytes, frozen_bytes=spec.frozen_param_bytes)
+            b = shard_bytes(spec.params, x.shard_ranks, param_bytes=spec.param_bytes, frozen_bytes=spec.frozen_param_bytes)
             out[name] = b.params
             if name == "critic":
                 out["critic AdamW"] = b.optim

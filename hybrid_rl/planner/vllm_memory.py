@@ -220,7 +220,7 @@ def lora_merge_bytes(x: PlanInputs) -> int:
     adapted = {p.name.replace(".lora_B.default.weight", ".base_layer.weight") for p in s.params
                if p.name.endswith(".lora_B.default.weight")}
     largest = max((p.numel for p in s.params if p.name in adapted), default=0)
-    return 3 * 4 * -(-largest // x.world)
+    return 3 * 4 * -(-largest // x.shard_ranks)
 
 
 def sync_transient_bytes(x: PlanInputs) -> int:

@@ -147,7 +147,7 @@ class CheckpointEngine:
 
     # -- one update ------------------------------------------------------------------------------
 
-    def push(self, sources: list[SourceParam], version: str, *, sharded: bool,
+    def push(self, sources: list[SourceParam], version: str, *, sharded: bool, shard: int = 0,
              only: frozenset[int] | None = None) -> PushReport:
         """Bring the servers to `version`: every rank calls it with its shards, and every rank raises the same
         error when it fails: ServerError (the server failed or died; nothing is stamped) or WeightSyncError
@@ -159,7 +159,7 @@ class CheckpointEngine:
         self.feeds = self.writer and (only is None or self.server_index in only)
         ok = False
         try:
-            rep = self._push(sources, version, sharded=sharded)
+            rep = self._push(sources, version, sharded=sharded, shard=shard)
             ok = True
             return rep
         except Exception as e:
@@ -171,10 +171,10 @@ class CheckpointEngine:
             if self._drives and (error := self.http.end(ok=ok)):
                 log.warning("server %s after update %s (resuming generation): %s", self.http.server.url, version, error)
 
-    def _push(self, sources: list[SourceParam], version: str, *, sharded: bool) -> PushReport:
+    def _push(self, sources: list[SourceParam], version: str, *, sharded: bool, shard: int = 0) -> PushReport:
         t0 = time.perf_counter()
         rep = PushReport(version)
-        plan, buckets = self._plan(sources, sharded)
+        plan, buckets = self._plan(sources, sharded, shard)
         update = self.updates
         self._failed = ""
         manifest = Manifest(update, self.options.probe_cols, buckets, tied=self.layout.dims.tie_word_embeddings)
@@ -254,12 +254,13 @@ class CheckpointEngine:
             raise ServerError(f"weight update {self.updates} abandoned: a vLLM server failed"
                               f"{' (' + self._failed + ')' if self._failed else ' (see the first rank of its TP group)'}")
 
-    def _plan(self, sources: list[SourceParam], sharded: bool) -> tuple[ReshardPlan, list[list[Entry]]]:
+    def _plan(self, sources: list[SourceParam], sharded: bool, shard: int = 0) -> tuple[ReshardPlan, list[list[Entry]]]:
         key = tuple(s.name for s in sources)
         if key not in self._plans:
             plan = build_plan(sources, self.layout, rank=self.rank, world=self.world,
                               tp_rank_of=lambda r: r % self.tp, receives=self._writes,
-                              bucket_bytes=self.options.bucket_bytes, dtype=self.dtype, sharded=sharded)
+                              bucket_bytes=self.options.bucket_bytes, dtype=self.dtype, sharded=sharded,
+                              shard=shard or None)
             buckets = [layout_bucket([plan.slices[i] for i in b.indices], self.dtype)[0] for b in plan.buckets]
             self._plans[key] = plan, buckets
         return self._plans[key]

@@ -72,7 +72,7 @@ class SidecarRollout:
     def __init__(self, synced: SyncedPolicy, links: ServerLinks, options: SidecarOptions, *,
                  sampling: SamplingSettings, dims: ParallelDims, offload: OffloadManager, tokenizer):
         self.policy, self.optimizer, self.weights = synced.policy, synced.optimizer, synced.weights
-        self.sharded, self.dims = synced.sharded, dims
+        self.sharded, self.shard, self.dims = synced.sharded, synced.shard, dims
         self.engine, self.sidecar, self.etcd, self.client, self.stream = \
             links.engine, links.sidecar, links.etcd, links.client, links.stream
         self.offload, self.options, self.settings, self.seed = offload, options, sampling, options.seed
@@ -215,7 +215,7 @@ class SidecarRollout:
         if self.adapter is None or not self._base_everywhere():
             sources = [SourceParam(name, local, shape) for name, local, shape in self.weights.weights()
                        if not self.engine.layout.skip(name)]
-            rep = self.engine.push(sources, version, sharded=self.sharded, only=only)
+            rep = self.engine.push(sources, version, sharded=self.sharded, shard=self.shard, only=only)
         if self.adapter is not None:
             rep = self._push_adapter(version, rep)
         self._leaders("publishing the weight version in etcd", lambda: self._publish(version))

@@ -23,6 +23,7 @@ class SyncedPolicy:
     optimizer: torch.optim.Optimizer | None
     weights: WeightSource  # the tensors pushed (with an adapter sync: the frozen base, where a server lacks it)
     sharded: bool  # the policy's parameters are FSDP shards
+    shard: int = 0  # ranks each of them is split over (HSDP's shard size; 0: the world)
     adapter: AdapterPublisher | None = None  # `model.lora.sync=adapter`: each update is the adapter alone
 
 

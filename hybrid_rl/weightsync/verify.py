@@ -23,15 +23,21 @@ def probe_columns(ncols: int, max_cols: int, sync_index: int) -> torch.Tensor:
     Adjacent, not strided: reading a band of a row touches one or two cache lines, where columns spread along the
     whole row touched every line of it (the verification cost as much as reading the weight again, on both sides).
     """
+    band = probe_band(ncols, max_cols, sync_index)
+    return torch.arange(band.start, band.stop)
+
+
+def probe_band(ncols: int, max_cols: int, sync_index: int) -> range:
+    """`probe_columns` as a range (no tensor: the grouped sync makes none per weight)."""
     bands = max(1, -(-ncols // max_cols))
     start = sync_index % bands * max_cols
-    return torch.arange(start, min(start + max_cols, ncols))
+    return range(start, min(start + max_cols, ncols))
 
 
 def band_start(cols: torch.Tensor) -> int | None:
     """The first column where `cols` (ascending, as `probe_columns` makes them) are adjacent; None otherwise."""
-    n = len(cols)
-    return int(cols[0]) if n and int(cols[-1]) - int(cols[0]) == n - 1 else None
+    ids = cols.tolist()  # host values, no tensor operation (the grouped read-back makes none per weight)
+    return ids[0] if ids and ids[-1] - ids[0] == len(ids) - 1 else None
 
 
 def take_columns(x: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:

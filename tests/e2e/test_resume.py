@@ -2,7 +2,8 @@
 
 The full fine-tuning case runs on 4 ranks with `rollout.tp=2`: two data-parallel vLLM groups of two
 tensor-parallel ranks each, as GPU users run (TP 2-8 with several DP groups), with the check that vLLM's
-sampling log-probs match the trainer's recomputation. The LoRA and 8-bit AdamW cases run on 2 ranks, in one launch,
+sampling log-probs match the trainer's recomputation; it replicates the model on every rank (`trainer.shard_size=1`,
+HSDP), the 2-rank cases shard it. The LoRA and 8-bit AdamW cases run on 2 ranks, in one launch,
 with a mixture of experts (tiny Qwen3-MoE, the `grpo_moe` recipe: rollout routing replay, activation checkpointing)
 stopped after step 1 and resumed for step 2, whose exported weights equal the uninterrupted run's bit for bit.
 """
@@ -31,8 +32,8 @@ def _metrics(path: Path) -> dict[int, dict]:
 # the same process could only raise.
 SHARED = ("adamw8bit", "lora", "moe")
 LAYOUT = {"full": (4, 2), "lora": (2, 1), "adamw8bit": (2, 1), "moe": (2, 1)}  # variant -> (ranks, rollout.tp)
-STEPS = {"moe": 2}
-MOE_LORA = "[q_proj,k_proj,v_proj,o_proj]"  # variant -> total steps (stopped and checkpointed halfway); 4 unless named
+STEPS = {"moe": 2}  # variant -> total steps (stopped and checkpointed halfway); 4 unless named
+MOE_LORA = "[q_proj,k_proj,v_proj,o_proj]"  # LoRA on a mixture of experts: the attention projections only
 
 
 def _runs(variant: str, tiny_models, task_files, root: Path) -> list[dict]:
@@ -40,7 +41,11 @@ def _runs(variant: str, tiny_models, task_files, root: Path) -> list[dict]:
     steps = STEPS.get(variant, 4)
     # A reward whose scores vary even for a random model, so every step really updates the weights.
     common = {"trainer.seed": 3, "trainer.save_every": steps // 2, "data.val_files": "[]",
-              "rollout.tp": LAYOUT[variant][1], "reward.fn": "tests.e2e.rewards:length_parity"}
+              "rollout.tp": LAYOUT[variant][1], "reward.fn": "tests.e2e.rewards:length_parity",
+              # The tiny model fits every rank, so auto would replicate it everywhere: the 4-rank run takes that
+              # layout (HSDP, every rank whole; the sync takes slices from the rank's own copy), the 2-rank ones shard
+              # each weight over both ranks (the sync's all-to-all between shards).
+              "trainer.shard_size": 1 if variant == "full" else 2}
     if variant == "lora":  # the checkpoint must save and restore the adapter (and its optimizer state); vLLM gets
         # the adapter itself (model.lora.sync=adapter, the default): the log-prob check below covers it at TP 1
         common.update({"model.lora.rank": 8, "optim.lr": "1e-3"})

@@ -106,7 +106,14 @@ BAD_RANK = dims.world - 1
 
 
 def corrupt_second_slice(stream, path):
-    load_weights((((ts, t.mul_(1.001)) if k == 1 else (ts, t)) for k, (ts, t) in enumerate(stream)), path)
+    def corrupted(buckets):  # the resharder's buckets (lists of slices): the second slice of the first one
+        for k, items in enumerate(buckets):
+            if k == 0:
+                ts, t = items[1]
+                items[1] = ts, t.mul_(1.001)
+            yield items
+
+    load_weights(corrupted(stream), path)
 
 
 if dims.rank == BAD_RANK:

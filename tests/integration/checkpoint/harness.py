@@ -68,12 +68,15 @@ def _run(rank: int, scenario: Callable[..., None], world: int, port: int, result
     dist.destroy_process_group()
 
 
-def sharded_model(model_dir: str, world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """The tiny HF model, FSDP2-sharded over a 1-D mesh of all ranks, with AdamW (float32 throughout)."""
+def sharded_model(model_dir: str, world: int, shard: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The tiny HF model, FSDP2-sharded over a 1-D mesh of all ranks (`shard` 0), or HSDP over a 2-D mesh
+    (replicate x `shard`, as `trainer.shard_size`), with AdamW (float32 throughout)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    shard_model(model, init_device_mesh("cpu", (world,)), param_dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (world // shard, shard), mesh_dim_names=("replicate", "shard")) if shard \
+        else init_device_mesh("cpu", (world,))
+    shard_model(model, mesh, param_dtype=torch.float32)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
@@ -81,11 +84,14 @@ def batch(seed: int, vocab: int = 400) -> torch.Tensor:
     return torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(seed))
 
 
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> torch.Tensor:
+    """One AdamW step on this rank's batch (`seed`); its loss."""
     ids = batch(seed)
-    model(input_ids=ids, labels=ids).loss.backward()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
 
 
 def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Snapshot:

@@ -35,8 +35,32 @@ def _worker(rank: int, world: int, tp: int, port: int, results) -> None:
     results[rank] = dict(exact=exact, checksums_ok=bool(checksums_match(plan.expected, sums).all()),
                          buckets=len(plan.buckets), received=plan.bytes_per_sync, **_writers_only(rank, world, tp, full,
                                                                                                    sources, layout),
-                         **_row_landed(rank, world, tp, full, sources, layout))
+                         **_row_landed(rank, world, tp, full, sources, layout), **_hsdp(rank, world, tp, full, layout))
     dist.destroy_process_group()
+
+
+def _hsdp(rank: int, world: int, tp: int, full, layout) -> dict:
+    """HSDP (`trainer.shard_size`): 2 replicas each sharded over 2 ranks, and shard size 1 (every rank whole). Each
+    rank gets its slice from its own replica only (every byte once), exactly, with the senders' checksums."""
+    out = {}
+    for shard in (2, 1):
+        sources = []
+        for name, w in full.items():  # rank r is replica r // shard holding shard r % shard (`fsdp_mesh`)
+            a, b = fsdp_row_ranges(w.shape[0], shard)[rank % shard]
+            sources.append(SourceParam(name, w[a:b].clone(), tuple(w.shape)))
+        plan = build_plan(sources, layout, rank=rank, world=world, tp_rank_of=lambda r: r % tp,
+                          bucket_bytes=8 * 1024, dtype=torch.bfloat16, sharded=True, shard=shard)
+        exact, sums = True, []
+        for ts, tensor in stream_slices(plan, sources, device=torch.device("cpu"), probe_cols=16):
+            exact &= torch.equal(tensor, (full[ts.hf_name] if ts.dim is None else full[ts.hf_name].narrow(
+                ts.dim, ts.start, ts.stop - ts.start)).to(torch.bfloat16))
+            cols = probe_for(ts, 16, 0)
+            sums.append(block_checksum(tensor if cols is None else tensor[:, cols], row0=0, col_ids=cols))
+        peers = {pc.src for b in plan.buckets for per_src in b.recvs for pc in per_src}
+        out[f"hsdp{shard}"] = (exact, bool(checksums_match(plan.expected, torch.stack(sums)).all()),
+                               peers <= set(range(rank // shard * shard, rank // shard * shard + shard)),
+                               plan.bytes_per_sync)
+    return out
 
 
 def _row_landed(rank: int, world: int, tp: int, full, sources, layout) -> dict:
@@ -100,3 +124,7 @@ def test_every_rank_receives_exactly_its_tp_slice_from_fsdp_shards():
         assert (results[r]["w_items"] == len(full_weights())) == writer and (results[r]["w_items"] == 0) != writer
         assert (results[r]["w_allocs"] > 0) == writer
         assert results[r]["w_received"] == (results[r]["received"] if writer else 0)
+        for shard in (2, 1):
+            exact, checksums, own_replica, received = results[r][f"hsdp{shard}"]
+            assert exact and checksums and own_replica, f"rank {r}, HSDP shard size {shard}"
+            assert received == results[r]["received"], "HSDP receives a replica's bytes more than once"

@@ -21,7 +21,7 @@ def _items(phase) -> dict[str, int]:
 
 
 def test_startup_holds_each_models_shards_and_one_read(tiny_models):
-    plan = _plan(tiny_models["mid"], "reward.model_path=" + tiny_models["mid"])
+    plan = _plan(tiny_models["mid"], "reward.model_path=" + tiny_models["mid"], "trainer.shard_size=4")
     assert plan.phases[0].name == "startup"
     x, items = plan.inputs, _items(plan.phase("startup"))
     assert items.pop("actor params (fp32 shard)") == shard_bytes(x.actor.params, 4).params
