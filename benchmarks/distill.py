@@ -8,6 +8,7 @@ $HR_MODEL_CACHE (default ~/.cache/hybrid_rl) like the tests' copy. Student: the 
 the chosen blocks bit for bit), so both share the tokenizer and the student starts from the teacher's own weights.
 A cut writes no text, so `--warmup-steps N` first fine-tunes it (sequence-level KD, plain torch, seeded) on the
 teacher's greedy answers to `--warmup-prompts` training prompts: OPD then starts from a student that writes text.
+`--student DIR` starts OPD from a given folder instead (e.g. an earlier run's warmed-up student: `<cut>-warm`).
 Prompts: short one-turn chat requests written here from templates (`chat_prompts`), train and held-out disjoint.
 Training: `hybrid_rl.train --config-name=opd` (pure distillation: no reward, each token's advantage is minus the
 student-teacher log-prob gap) on 2 CPU ranks, `model.dtype=auto` (bf16 where the CPU has AVX512-BF16, else float32).
@@ -139,6 +140,7 @@ def main() -> None:
                    help="supervised warm-up steps on the teacher's greedy answers before OPD (0: none)")
     p.add_argument("--warmup-prompts", type=int, default=96, help="training prompts the teacher answers for it")
     p.add_argument("--warmup-lr", type=float, default=3e-4)
+    p.add_argument("--student", default="", help="start OPD from this model folder instead of the cut (no warm-up)")
     p.add_argument("--kl-samples", type=int, default=4, help="student samples a held-out prompt for the KL")
     p.add_argument("--name", default="distill", help="result files: benchmarks/results/NAME.json and NAME.png")
     p.add_argument("--smoke", action="store_true", help=common.SMOKE_HELP)
@@ -148,6 +150,8 @@ def main() -> None:
         a.warmup_steps, a.warmup_prompts, a.kl_samples = 2, 4, 2
     layers = parse_layers(a.layers)
     teacher, student = models(a.smoke, layers)
+    if a.student:  # e.g. an earlier run's warmed-up student: its OPD alone
+        student, a.warmup_steps = Path(a.student), 0
     train_file, val_file = chat_prompts(common.CACHE / "distill_prompts", a.val_prompts)
     val = [json.loads(line)["prompt"] for line in val_file.read_text().splitlines()]
     answers = {"teacher": greedy(teacher, val, a.max_new_tokens), "cut": greedy(student, val, a.max_new_tokens)}
