@@ -1,19 +1,24 @@
 """On-policy distillation on a real model: a 6-block cut of SmolLM2-135M-Instruct learns from the full model.
 
-    python benchmarks/distill.py [--steps 30] [--layers 0-4,29] [--lr 1e-4] [--smoke]
+    python benchmarks/distill.py [--steps 30] [--layers 0-4,29] [--lr 1e-4] [--warmup-steps 100] [--smoke]
 
 Teacher: SmolLM2-135M-Instruct (30 blocks), built offline by `hybrid_rl.model.smollm2` and cached in
 $HR_MODEL_CACHE (default ~/.cache/hybrid_rl) like the tests' copy. Student: the same model cut to `--layers`
 (`python -m hybrid_rl.model.smollm2 DIR --layers 0-4,29`: embeddings, final norm, tokenizer and chat template kept,
 the chosen blocks bit for bit), so both share the tokenizer and the student starts from the teacher's own weights.
+A cut writes no text, so `--warmup-steps N` first fine-tunes it (sequence-level KD, plain torch, seeded) on the
+teacher's greedy answers to `--warmup-prompts` training prompts: OPD then starts from a student that writes text.
+`--student DIR` starts OPD from a given folder instead (e.g. an earlier run's warmed-up student: `<cut>-warm`).
 Prompts: short one-turn chat requests written here from templates (`chat_prompts`), train and held-out disjoint.
 Training: `hybrid_rl.train --config-name=opd` (pure distillation: no reward, each token's advantage is minus the
 student-teacher log-prob gap) on 2 CPU ranks, `model.dtype=auto` (bf16 where the CPU has AVX512-BF16, else float32).
 Recorded: `opd/reverse_kl` every step (the per-token k1 estimate of KL(student || teacher) on the student's own
-samples); and, before and after, the student's greedy answers to the held-out prompts next to the teacher's, with
-their agreement: the share of the first `--k` tokens equal position by position, and the share of answers whose
-first `--k` tokens all match. Writes benchmarks/results/distill.json and distill.png (the curve).
-`--smoke`: the 4M tiny model as teacher and its 2-block cut as student, 2 steps, seconds.
+samples); before and after OPD, on the held-out prompts, KL(student || teacher) per token over the whole vocabulary
+on `--kl-samples` student samples a prompt, and the student's greedy answers next to the teacher's, with their
+agreement: the share of the first `--k` tokens equal position by position, shared with order ignored, and the share
+of answers whose first `--k` tokens all match (the chat prompts have no task reward). Helpers run with bf16 matmuls
+(`distill_kd`). Writes benchmarks/results/NAME.json and NAME.png (the curve).
+`--smoke`: the 4M tiny model as teacher and its 2-block cut as student, 2 warm-up and 2 OPD steps, seconds.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+from distill_kd import greedy, heldout_kl, warm_up  # noqa: E402
 
 SUBJECTS = ["the moon", "a rainbow", "coffee", "the ocean", "a volcano", "bread", "a bicycle", "winter", "a library",
             "the internet", "honey bees", "a thunderstorm", "chess", "a lighthouse", "the piano", "tea", "a forest",
@@ -63,30 +69,6 @@ def models(smoke: bool, layers: list[int]) -> tuple[Path, Path]:
     name = "SmolLM2-cut-" + "_".join(map(str, layers))
     student = build_smollm2_cut(cache / name, layers, full_dir=cache / "SmolLM2-135M-Instruct")
     return cache / "SmolLM2-135M-Instruct", student
-
-
-def greedy(model_dir: Path, prompts: list[list[dict]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy answers (token ids, EOS and what follows cut) with transformers, float32, one prompt at a time."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    eos = model.generation_config.eos_token_id or tok.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos])
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = tok.apply_chat_template(p, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-            gen = model.generate(**ids, do_sample=False, max_new_tokens=max_new_tokens,
-                                 pad_token_id=tok.pad_token_id or next(iter(eos)))[0, ids["input_ids"].shape[1]:]
-            answer = []
-            for t in gen.tolist():
-                if t in eos:
-                    break
-                answer.append(t)
-            out.append(answer)
-    return out
 
 
 def agreement(student: list[list[int]], teacher: list[list[int]], k: int) -> dict:
@@ -154,23 +136,45 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--val-prompts", type=int, default=8, help="held-out prompts for the greedy comparison")
     p.add_argument("--k", type=int, default=16, help="tokens of each greedy answer compared")
+    p.add_argument("--warmup-steps", type=int, default=0,
+                   help="supervised warm-up steps on the teacher's greedy answers before OPD (0: none)")
+    p.add_argument("--warmup-prompts", type=int, default=96, help="training prompts the teacher answers for it")
+    p.add_argument("--warmup-lr", type=float, default=3e-4)
+    p.add_argument("--student", default="", help="start OPD from this model folder instead of the cut (no warm-up)")
+    p.add_argument("--kl-samples", type=int, default=4, help="student samples a held-out prompt for the KL")
     p.add_argument("--name", default="distill", help="result files: benchmarks/results/NAME.json and NAME.png")
     p.add_argument("--smoke", action="store_true", help=common.SMOKE_HELP)
     a = p.parse_args()
     if a.smoke:
         a.steps, a.layers, a.prompts, a.n, a.max_new_tokens, a.val_prompts, a.k = 2, "0,3", 2, 2, 8, 2, 4
+        a.warmup_steps, a.warmup_prompts, a.kl_samples = 2, 4, 2
     layers = parse_layers(a.layers)
     teacher, student = models(a.smoke, layers)
+    if a.student:  # e.g. an earlier run's warmed-up student: its OPD alone
+        student, a.warmup_steps = Path(a.student), 0
     train_file, val_file = chat_prompts(common.CACHE / "distill_prompts", a.val_prompts)
     val = [json.loads(line)["prompt"] for line in val_file.read_text().splitlines()]
-    answers = {"teacher": greedy(teacher, val, a.max_new_tokens), "before": greedy(student, val, a.max_new_tokens)}
+    answers = {"teacher": greedy(teacher, val, a.max_new_tokens), "cut": greedy(student, val, a.max_new_tokens)}
+    warm_curve: list[dict] = []
+    if a.warmup_steps:
+        train_prompts = [json.loads(line)["prompt"] for line in train_file.read_text().splitlines()]
+        train_prompts = train_prompts[:a.warmup_prompts]
+        targets = greedy(teacher, train_prompts, a.max_new_tokens, keep_eos=True)
+        print(f"warm-up: {len(targets)} teacher answers; {a.warmup_steps} steps", flush=True)
+        student, warm_curve = warm_up(student, student.parent / (student.name + "-warm"), train_prompts, targets,
+                                      steps=a.warmup_steps, lr=a.warmup_lr, seed=0)
+    answers["before"] = greedy(student, val, a.max_new_tokens) if a.warmup_steps else answers["cut"]
+    kl = {"before": heldout_kl(student, teacher, val, n=a.kl_samples, max_new_tokens=a.max_new_tokens)}
+    print(f"held-out KL before OPD: {kl['before']}", flush=True)
     export, curve = train(teacher, student, train_file, a)
     answers["after"] = greedy(export, val, a.max_new_tokens)
+    kl["after"] = heldout_kl(export, teacher, val, n=a.kl_samples, max_new_tokens=a.max_new_tokens)
+    print(f"held-out KL after OPD: {kl['after']}", flush=True)
 
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(teacher)
-    agree = {side: agreement(answers[side], answers["teacher"], a.k) for side in ("before", "after")}
+    agree = {side: agreement(answers[side], answers["teacher"], a.k) for side in ("cut", "before", "after")}
     examples = [{"prompt": v[-1]["content"], **{s: tok.decode(answers[s][i]) for s in answers}}
                 for i, v in enumerate(val)]
     print(common.table(curve, [("step", "step", "d"), ("reverse_kl", "opd/reverse_kl", ".4f"),
@@ -180,15 +184,18 @@ def main() -> None:
               f"{g['token_overlap']:.3f} shared (order ignored), {g['exact_first_k']:.3f} of answers equal")
     headline = [{"what": "opd/reverse_kl, first step", "value": curve[0]["reverse_kl"]},
                 {"what": "opd/reverse_kl, last step", "value": curve[-1]["reverse_kl"]},
+                *({"what": f"held-out KL(student || teacher) per token, {s}", "value": v["exact"]} for s, v in kl.items()),
                 *({"what": f"greedy token agreement with the teacher (first {a.k}), {s}", "value": g["token_match"]}
                   for s, g in agree.items())]
     common.RESULTS.mkdir(parents=True, exist_ok=True)
     plot(curve, common.RESULTS / f"{a.name}.png", f"OPD: {student.name} <- {teacher.name}, {a.steps} steps")
     spec = {"teacher": str(teacher), "student": str(student), "layers": layers, "steps": a.steps, "lr": a.lr,
             "prompts": a.prompts, "n": a.n, "max_new_tokens": a.max_new_tokens, "val_prompts": a.val_prompts,
-            "k": a.k, "ranks": 2, "model_dtype": "auto"}
-    common.write_result(a.name, {"spec": spec, "curve": curve, "agreement": agree, "examples": examples,
-                                    "headline": headline}, quick=False)
+            "k": a.k, "ranks": 2, "model_dtype": "auto", "warmup_steps": a.warmup_steps,
+            "warmup_prompts": a.warmup_prompts, "warmup_lr": a.warmup_lr, "kl_samples": a.kl_samples}
+    common.write_result(a.name, {"spec": spec, "curve": curve, "agreement": agree, "heldout_kl": kl,
+                                    "warmup_curve": warm_curve, "examples": examples, "headline": headline},
+                        quick=False)
 
 
 if __name__ == "__main__":
