@@ -23,7 +23,8 @@ import common  # noqa: E402
 BENCHMARKS = ["rewards", "startup", "packing", "overhead", "throughput", "reshard", "checkpoint_engine", "scaling",
               "vs_trl", "async", "scale", "lora_sync", "time_to_reward", "tools", "distill", "speculative"]
 FULL_ONLY = {"scale", "async", "lora_sync", "time_to_reward", "tools", "distill", "speculative"}  # minutes per run: not in `make bench` (--quick)
-HELPERS = {"common", "qwen_shapes", "run_all", "profile_phases"}  # the other .py files here: libraries of the benchmarks, not benchmarks
+# the other .py files here: libraries of the benchmarks, not benchmarks
+HELPERS = {"common", "qwen_shapes", "run_all", "profile_phases", "distill_kd", "slow_tools"}
 
 
 def main() -> None:

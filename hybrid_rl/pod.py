@@ -126,7 +126,9 @@ def _live_run(etcd, wait_s: float) -> str:
     while not (runs := sorted(etcd.get_prefix("runs"))):
         if time.monotonic() > deadline:
             raise TimeoutError(f"no trainer announced a run under {etcd.key('runs')} in etcd at {etcd.endpoint} "
-                               f"within {wait_s:.0f} s")
+                               f"within {wait_s:.0f} s (a run announced with another secret is ignored: this pod "
+                               "takes HYBRID_RL_SECRET from its environment when set, else the trainer's "
+                               "<output_dir>/secret)")
         time.sleep(1.0)
     if len(runs) > 1:
         raise RuntimeError(f"{len(runs)} live runs share this output folder's name in etcd ({', '.join(runs)}): "

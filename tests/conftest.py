@@ -58,6 +58,21 @@ def pytest_collection_modifyitems(config, items) -> None:
             item._id = type(item._id).parse(f"{item.nodeid}@{'_'.join(groups)}")
 
 
+@pytest.fixture(autouse=True)
+def _no_secret_left_behind():
+    """A test that gives its process a run secret (`sidecar.auth.run_secret`, `install_secret`) takes it back: else
+    the worker's later tests would hand it to the processes they start, and a rollout-only pod, which prefers a
+    secret from its environment, would ignore the trainer's run as signed with another key."""
+    from hybrid_rl.sidecar.auth import SECRET_ENV
+
+    before = os.environ.get(SECRET_ENV)
+    yield
+    if before is None:
+        os.environ.pop(SECRET_ENV, None)
+    else:
+        os.environ[SECRET_ENV] = before
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, str]:
     """Random-weight models built offline once per session: name -> folder."""

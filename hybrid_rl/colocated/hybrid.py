@@ -202,11 +202,12 @@ class HybridEngine:
             raise RuntimeError("HybridEngine.generate() needs rollout mode: use `with engine.rollout_mode():`")
         return self.vllm.generate(prompts, sampling, seeds, max_tokens)
 
-    def turns(self, sampling: Sampling):
-        """The engine driven request by request (the multi-turn loop's per-trajectory schedule); rollout mode."""
+    def turns(self, sampling: Sampling, tally=None):
+        """The engine driven request by request (the multi-turn loop's per-trajectory schedule); rollout mode.
+        `tally` (a `SpecTally`) counts each finished turn's drafted and accepted tokens."""
         if self.mode is not Mode.ROLLOUT:
             raise RuntimeError("HybridEngine.turns() needs rollout mode: use `with engine.rollout_mode():`")
-        return self.vllm.turns(sampling)
+        return self.vllm.turns(sampling, tally)
 
     # -- weight sync -----------------------------------------------------------------------------
 

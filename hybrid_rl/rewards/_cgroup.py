@@ -16,7 +16,9 @@ import time
 from pathlib import Path
 
 _ROOT = Path("/sys/fs/cgroup")
+_PREFIX = "hybrid-rl-sandbox-"  # + the pid of the process that made it + a counter
 _counter = itertools.count()
+_swept: set[Path] = set()
 
 
 class Cgroup:
@@ -70,7 +72,10 @@ def make(limit_bytes: int) -> Cgroup | None:
     parent, v2 = own
     limit_file, peak_file = ("memory.max", "memory.peak") if v2 else ("memory.limit_in_bytes",
                                                                        "memory.max_usage_in_bytes")
-    path = parent / f"hybrid-rl-sandbox-{os.getpid()}-{next(_counter)}"
+    if parent not in _swept:
+        sweep(parent)
+        _swept.add(parent)
+    path = parent / f"{_PREFIX}{os.getpid()}-{next(_counter)}"
     try:
         path.mkdir()
     except OSError:
@@ -85,3 +90,26 @@ def make(limit_bytes: int) -> Cgroup | None:
         group.close()
         return None
     return group
+
+
+def sweep(parent: Path) -> list[Path]:
+    """Remove the cgroups left by processes that are gone (a reward worker killed mid-run never closed its run's);
+    a cgroup still holding a process cannot be removed and is kept. Returns those removed."""
+    removed = []
+    for path in parent.glob(f"{_PREFIX}*-*"):
+        pid = path.name[len(_PREFIX):].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            with contextlib.suppress(OSError):
+                path.rmdir()
+                removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -100,23 +100,29 @@ def bucket_checksums(blocks: list[torch.Tensor], *, row0s: list[int], cols: list
         src.append(b.detach())
     for dst, src in groups.values():
         torch._foreach_copy_(dst, src)
-    values = buf if buf.dtype == torch.float64 else buf.double()
+    values = buf if buf.dtype == torch.float64 else buf.double()  # scratch either way: weighted in place
     weights, segments = _bucket_weights(tuple(tuple(b.shape) for b in blocks), tuple(row0s), cols)
-    values = values * torch.from_numpy(weights).to(device)
+    values.mul_(torch.from_numpy(weights).to(device))
     out = torch.zeros(len(blocks), dtype=torch.float64, device=device)
     return out.index_add_(0, torch.from_numpy(segments).to(device), values)
 
 
 def _bucket_weights(shapes: tuple[tuple[int, ...], ...], row0s: tuple[int, ...],
                     cols: list[range | None]) -> tuple[np.ndarray, np.ndarray]:
-    """Each element's row x column weight (`block_checksum`'s), and the number of the block it belongs to."""
-    weights, segments = [], []
-    for i, (shape, row0, c) in enumerate(zip(shapes, row0s, cols, strict=True)):
+    """Each element's row x column weight (`block_checksum`'s), and the number of the block it belongs to (int32:
+    the bucket's transient memory is a few bytes per probed element, which the sync's memory bound counts)."""
+    sizes = [int(np.prod(shape[:1])) * (1 if len(shape) == 1 else len(c)) for shape, c in zip(shapes, cols, strict=True)]
+    weights, segments = np.empty(sum(sizes)), np.empty(sum(sizes), dtype=np.int32)
+    off = 0
+    for i, (shape, row0, c, n) in enumerate(zip(shapes, row0s, cols, sizes, strict=True)):
         wr = 1.0 + ((row0 + np.arange(shape[0])) % 7) / 8.0
-        w = wr if len(shape) == 1 else np.outer(wr, 1.0 + (np.arange(c.start, c.stop) % 5) / 8.0).ravel()
-        weights.append(w)
-        segments.append(np.full(w.size, i, dtype=np.int64))
-    return np.concatenate(weights), np.concatenate(segments)
+        if len(shape) == 1:
+            weights[off : off + n] = wr
+        else:
+            np.outer(wr, 1.0 + (np.arange(c.start, c.stop) % 5) / 8.0, out=weights[off : off + n].reshape(shape[0], -1))
+        segments[off : off + n] = i
+        off += n
+    return weights, segments
 
 
 _verify_checksums = bucket_checksums  # the verification's own binding (benchmarks/reshard.py times each side apart)

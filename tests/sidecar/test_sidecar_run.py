@@ -53,7 +53,7 @@ def test_grpo_in_sidecar_mode_with_a_second_pod_a_killed_server_and_an_etcd_rest
     pod_log = open(tmp_path / "pod1.log", "w")  # noqa: SIM115
     pod = subprocess.Popen([sys.executable, "-m", "hybrid_rl.pod", "--config-name=grpo", *overrides, "sidecar.pod=1",
                             f"sidecar.port={server_port()}"], cwd=REPO, stdout=pod_log, stderr=subprocess.STDOUT,
-                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                           env=_without_secret(PYTHONUNBUFFERED="1"))  # it reads the trainer's, as users' pods do
     try:
         args = {"overrides": overrides, "etcd": {"dir": str(etcd.data_dir), "port": etcd.port,
                                                  "peer_port": etcd.peer_port}}
@@ -164,6 +164,12 @@ def test_a_pod_of_four_ranks_at_tp2_runs_two_tp2_servers_both_fed_and_generating
     left = {p for p in unmapped(new) if Path(p).name.startswith(("sem.mp-", "psm_"))
             or (Path(p).name.startswith("hrl-") and f"-{run_id}-" in Path(p).name)}
     assert not left, f"left in /dev/shm: {sorted(left)}"
+
+
+def _without_secret(**extra: str) -> dict[str, str]:
+    from hybrid_rl.sidecar.auth import SECRET_ENV
+
+    return {k: v for k, v in {**os.environ, **extra}.items() if k != SECRET_ENV}
 
 
 def server_port(n: int = 1) -> int:

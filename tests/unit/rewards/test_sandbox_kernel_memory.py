@@ -7,8 +7,10 @@ memory too, and a capability left in the bounding set is one a setuid program co
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -126,4 +128,27 @@ def test_empty_files_cannot_pile_up_kernel_memory_past_the_runs_cgroup():
     assert result.memory_peak_bytes is not None, "a cgroup could be made here but the run had none"
     assert result.memory_peak_bytes <= bound, (result.memory_peak_bytes, bound)
     assert "made 300000" not in result.stdout, result
-    assert not list(own[0].glob("hybrid-rl-sandbox-*")), "the run's cgroup was left behind"
+    # this process's runs only: the other test worker's reward pools make their own at the same time
+    assert not list(own[0].glob(f"hybrid-rl-sandbox-{os.getpid()}-*")), "the run's cgroup was left behind"
+
+
+def test_cgroups_left_by_dead_processes_are_swept_and_live_ones_kept():
+    """A reward worker killed mid-run leaves its run's cgroup; the next sandbox of the machine removes it."""
+    from hybrid_rl.rewards import _cgroup
+
+    own = _cgroup._own("memory")
+    if own is None or not os.access(own[0], os.W_OK):
+        assert _cgroup.make(1 << 30) is None  # no cgroup can be made here: nothing to leave behind
+        return
+    dead = int(Path("/proc/sys/kernel/pid_max").read_text())  # pids are below it: no process has this one
+    left = own[0] / f"hybrid-rl-sandbox-{dead}-0"
+    mine = own[0] / f"hybrid-rl-sandbox-{os.getpid()}-999999"
+    left.mkdir()
+    mine.mkdir()
+    try:
+        assert left in _cgroup.sweep(own[0])
+        assert not left.exists() and mine.exists()
+    finally:
+        for path in (left, mine):
+            with contextlib.suppress(OSError):
+                path.rmdir()
