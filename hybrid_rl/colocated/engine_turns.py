@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from hybrid_rl.colocated import routes
-from hybrid_rl.colocated.vllm_engine import VLLMEngine, _generation
+from hybrid_rl.colocated.vllm_engine import VLLMEngine, _generation, request_params
 from hybrid_rl.types import Generation, Sampling
 
 
@@ -29,12 +29,7 @@ class EngineTurns:
             raise RuntimeError("the rollout engine still runs requests from before: a rollout must start idle")
 
     def add(self, key: int, context: list[int], max_tokens: int, seed: int) -> None:
-        from vllm import SamplingParams
-
-        s = self.sampling
-        params = SamplingParams(n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=max_tokens,
-                                logprobs=0, detokenize=False, stop_token_ids=list(s.stop_token_ids),
-                                flat_logprobs=True, seed=seed % (2**63))
+        params = request_params(self.sampling, max_tokens, seed)
         (rid,) = self.llm.enqueue([{"prompt_token_ids": list(context)}], [params], lora_request=self.engine._adapter,
                                   use_tqdm=False)
         self._keys[_external(rid)] = (key, len(context))

@@ -28,7 +28,7 @@ from hybrid_rl.rollout.multi_turn import LoopStats, merge_parts
 from hybrid_rl.rollout.sampling import request_seed
 from hybrid_rl.rollout.speculative import SpecTally
 from hybrid_rl.rollout.turn_schedule import ThreadedTools, TrajectorySchedule
-from hybrid_rl.types import Generation, Rollout, Sampling
+from hybrid_rl.types import Generation, Rollout
 
 
 class MultiTurnRollout:
@@ -100,7 +100,7 @@ class MultiTurnRollout:
         setup.runner.size_for(owned)
         turns = getattr(s.engine, "turns", None)
         if setup.schedule == "lockstep" or turns is None:
-            sampling = self._sampling(greedy)
+            sampling = s.sampling(greedy, 1)
 
             def generate(contexts: list[list[int]], budgets: list[int], seeds: list[int]) -> list[Generation]:
                 gens = [g[0] for g in s.engine.generate(contexts, sampling, seeds, budgets)]
@@ -110,16 +110,10 @@ class MultiTurnRollout:
             return setup.loop.run(trajs, envs, generate, seeds, share)
         tools = ThreadedTools(setup.runner, owned)
         try:
-            return TrajectorySchedule(setup.loop).run(trajs, envs, turns(self._sampling(greedy), tally), tools, seeds, share)
+            schedule = TrajectorySchedule(setup.loop)
+            return schedule.run(trajs, envs, turns(s.sampling(greedy, 1), tally), tools, seeds, share)
         finally:
             tools.close()
-
-    def _sampling(self, greedy: bool) -> Sampling:
-        s = self.sampler
-        st = s.settings
-        return Sampling(max_tokens=st.max_new_tokens, temperature=0.0 if greedy else st.temperature,
-                        top_p=1.0 if greedy else st.top_p, top_k=-1 if greedy else st.top_k, n=1,
-                        stop_token_ids=s.stop_ids)
 
 
 class GroupShare:

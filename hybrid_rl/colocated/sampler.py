@@ -46,6 +46,13 @@ class Sampler:
     def close(self) -> None:
         self.engine.close()
 
+    def sampling(self, greedy: bool, n: int) -> Sampling:
+        """The run's sampling settings for `n` responses per prompt; `greedy` (validation): argmax, no truncation."""
+        s = self.settings
+        return Sampling(max_tokens=s.max_new_tokens, temperature=0.0 if greedy else s.temperature,
+                        top_p=1.0 if greedy else s.top_p, top_k=-1 if greedy else s.top_k, n=n,
+                        stop_token_ids=self.stop_ids)
+
     def generate(self, records: list[PromptRecord], *, n: int, step: int, group_base: int,
                  greedy: bool = False) -> Rollout:
         """Sample `n` responses for every record (the same list on every rank). Collective, in rollout mode.
@@ -55,9 +62,7 @@ class Sampler:
         d = self.dims
         mine = list(range(d.dp_rank, len(records), d.dp))
         s = self.settings
-        sampling = Sampling(max_tokens=s.max_new_tokens, temperature=0.0 if greedy else s.temperature,
-                            top_p=1.0 if greedy else s.top_p, top_k=-1 if greedy else s.top_k, n=n,
-                            stop_token_ids=self.stop_ids)
+        sampling = self.sampling(greedy, n)
         seeds = [request_seed(self.seed, step, group_base + i) for i in mine]
         outs = self.engine.generate([list(records[i].prompt_ids) for i in mine], sampling, seeds)
         held, metrics = [], {}

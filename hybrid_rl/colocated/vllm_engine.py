@@ -307,19 +307,9 @@ class VLLMEngine:
         `max_tokens`: each prompt's own token limit (multi-turn: what is left of its trajectory's budget);
         None: `sampling.max_tokens` for all.
         """
-        from vllm import SamplingParams
-
         n = sampling.n
         limits = [sampling.max_tokens] * len(prompts) if max_tokens is None else max_tokens
-        params = [
-            SamplingParams(
-                n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                max_tokens=limit, logprobs=0, detokenize=False,
-                stop_token_ids=list(sampling.stop_token_ids), flat_logprobs=True,
-            )
-            for limit in limits
-            for _ in range(n)
-        ]
+        params = [request_params(sampling, limit) for limit in limits for _ in range(n)]
         reqs = [{"prompt_token_ids": list(p)} for p in prompts for _ in range(n)]
         with batch_rng(batch_seed(seeds, n)):
             outs = self.llm.generate(reqs, params, use_tqdm=False, lora_request=self._adapter)
@@ -365,6 +355,17 @@ def batch_rng(seed: int):
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         yield
+
+
+def request_params(sampling: Sampling, max_tokens: int, seed: int | None = None):
+    """vLLM's `SamplingParams` of one request (one response: the `n` of a prompt are requests of their own), with
+    the sampled tokens' log-probs as the sampler drew them; `seed`: the request's own generator."""
+    from vllm import SamplingParams
+
+    return SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                          max_tokens=max_tokens, logprobs=0, detokenize=False,
+                          stop_token_ids=list(sampling.stop_token_ids), flat_logprobs=True,
+                          seed=None if seed is None else seed % (2**63))
 
 
 def _generation(index: int, c, routes: torch.Tensor | None = None, prompt_len: int = 0) -> Generation:
