@@ -93,13 +93,7 @@ def bucket_checksums(blocks: list[torch.Tensor], *, row0s: list[int], cols: list
     for b, n in zip(blocks, sizes, strict=True):
         views.append(buf[off : off + n].view(b.shape))
         off += n
-    groups: dict[torch.dtype, tuple[list, list]] = {}
-    for v, b in zip(views, blocks, strict=True):
-        dst, src = groups.setdefault(b.dtype, ([], []))
-        dst.append(v)
-        src.append(b.detach())
-    for dst, src in groups.values():
-        torch._foreach_copy_(dst, src)
+    grouped_copy(views, [b.detach() for b in blocks])
     values = buf if buf.dtype == torch.float64 else buf.double()  # scratch either way: weighted in place
     weights, segments = _bucket_weights(tuple(tuple(b.shape) for b in blocks), tuple(row0s), cols)
     values.mul_(torch.from_numpy(weights).to(device))
