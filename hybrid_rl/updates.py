@@ -48,6 +48,7 @@ class UpdateSettings:
     grad_clip: float
     horizon: int  # the max response length: Dr. GRPO's constant denominator
     world: int
+    prefix_share: bool = False  # a group's prompt computed once per micro-batch (`data/tree.py`)
 
 
 def split_units(units: list[list[int]], k: int) -> list[list[list[int]]]:
@@ -125,7 +126,8 @@ def update_actor(actor: Model, batch: TrainBatch, objective: Objective, settings
             idx = [i for unit in units for i in unit]
             sub = batch.select(idx)
             d = denominators(sub, u.horizon)
-            for mb in micro_batches(sub.samples, u.budget, units=_renumbered(units), routes=replay is not None):
+            for mb in micro_batches(sub.samples, u.budget, units=_renumbered(units), routes=replay is not None,
+                                    share=u.prefix_share):
                 with replayed(actor.module, mb, replay):  # around backward too: a checkpointed recompute replays
                     out = policy_logprobs(actor.module, mb, temperature=u.temperature, with_entropy=objective.entropy)
                     logp, ent = out if objective.entropy else (out, None)
@@ -174,7 +176,7 @@ def update_critic(critic: Model, batch: TrainBatch, *, value_clip: float, loss_a
         for units in split_units(batch.units, u.mini_batches):
             sub = batch.select([i for unit in units for i in unit])
             d = denominators(sub, u.horizon)
-            for mb in micro_batches(sub.samples, u.budget):
+            for mb in micro_batches(sub.samples, u.budget, share=u.prefix_share):
                 v = token_values(critic.module, mb)
                 if mb.is_filler:
                     (zero_like_loss(v) * u.world).backward()
