@@ -116,9 +116,9 @@ def main() -> None:
         sides = {}
         for share in (False, True):
             tag = "shared" if share else "unshared"
-            sides[f"update_{tag}"] = timed(lambda s=share: update_pass(model, samples, budget, s))
-            sides[f"reference_{tag}"] = timed(lambda s=share: logprobs_pass(model, samples, temperature=1.0,
-                                                                            budget=budget, share=s))
+            sides[f"update_{tag}"] = timed(lambda s=share, x=samples, b=budget: update_pass(model, x, b, s))
+            sides[f"reference_{tag}"] = timed(lambda s=share, x=samples, b=budget: logprobs_pass(
+                model, x, temperature=1.0, budget=b, share=s))
         tokens = {tag: update_pass(model, samples, budget, tag == "shared") for tag in ("unshared", "shared")}  # warm
         runs = common.alternate(sides, repeats)
         runs_all[name] = runs
