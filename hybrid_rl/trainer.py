@@ -137,6 +137,8 @@ class Trainer:
             units = share.adjacent_pairs(index)
         elif self.objective.paired:
             units = share.ranked_pairs(index, scoring.result().total)
+        elif self.s.passes.prefix_share:  # a group on one rank: its prompt computed once there
+            units = share.groups(index, self.dims.world)
         else:
             units = share.singles(index)
         return share.make_share(rollout, units, self.dims, paired=self.objective.paired, fields_of=fields.get)

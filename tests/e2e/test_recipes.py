@@ -69,7 +69,10 @@ def test_every_recipe_runs_two_steps_and_logs_its_metrics(tiny_models, task_file
     runs = []
     # RLOO with truncated IS (its old log-probs come from the update's own forward; PPO's from a separate pass),
     # truncating at 1.001 so that bf16's mismatch (ratios within ~2% of 1 here) gets truncated somewhere.
-    correction = {"rloo": {"algorithm.rollout_correction": "tis", "algorithm.rollout_correction_high": 1.001}}
+    # GRPO packs each group's samples prefix-shared (its prompt once per micro-batch) in the reference pass and the
+    # update: the trainer's path of `trainer.prefix_share`, whose equality to the unshared passes the unit tests prove.
+    correction = {"rloo": {"algorithm.rollout_correction": "tis", "algorithm.rollout_correction_high": 1.001},
+                  "grpo": {"trainer.prefix_share": "true"}}
     for recipe in ("grpo", "dr_grpo", "rloo", "reinforce_pp"):
         runs.append({"name": recipe, "recipe": recipe, "overrides": overrides(recipe, **correction.get(recipe, {}))})
     # Online DPO pairs best against worst by reward: a reward whose scores vary gives it pairs to train.
