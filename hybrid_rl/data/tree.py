@@ -44,13 +44,15 @@ def shared_length(prompt_len: int, response_lens: Sequence[int]) -> int:
     return prompt_len + sum(response_lens)
 
 
-def pack_tree(groups: Sequence[tuple[torch.Tensor, Sequence[torch.Tensor]]]) -> tuple[PackedBatch, TreeLayout,
-                                                                                         ResponseIndex]:
+def pack_tree(groups: Sequence[tuple[torch.Tensor, Sequence[torch.Tensor]]], device: torch.device | str | None = None
+              ) -> tuple[PackedBatch, TreeLayout, ResponseIndex]:
     """Lay out `groups` (a prompt and its responses, each prompt non-empty) as one prefix-shared row.
 
     Returns the row (`seq_lens`/`cu_seqlens` are the segments'; `position_ids` restart at 0 at every segment and
     continue from the prompt's length in every branch), its layout, and where the response tokens and the logits
     that predict them are. The responses are numbered in order over all groups (the rows of `ResponseIndex.scatter`).
+    Built where the tokens are (the host, as samples are kept), then moved to `device` (default: the tokens') in one
+    copy per tensor.
     """
     if not groups:
         raise ValueError("no groups to pack; expected at least one")
@@ -64,11 +66,12 @@ def pack_tree(groups: Sequence[tuple[torch.Tensor, Sequence[torch.Tensor]]]) -> 
         tokens += [prompt.reshape(-1), *(r.reshape(-1) for r in responses)]
         positions += [torch.arange(p), *(torch.arange(p, p + n) for n in lens)]
     layout = TreeLayout(tuple(segments))
-    dev = tokens[0].device
+    dev = tokens[0].device if device is None else torch.device(device)
     seg = layout.segment_lens
     cu = torch.zeros(len(seg) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(seg), 0)
-    packed = PackedBatch(torch.cat([t.to(dev) for t in tokens])[None], torch.cat(positions)[None].to(dev),
+    packed = PackedBatch(torch.cat([t.to(tokens[0].device) for t in tokens])[None].to(dev),
+                         torch.cat(positions)[None].to(dev),
                          cu.to(dev), max(seg), seg)
     return packed, layout, _response_index(layout, dev)
 

@@ -139,9 +139,8 @@ def _tree_micro_batch(samples: list[Sample], units: list[list[int]]) -> MicroBat
     idx = [i for u in units for i in u]
     if all(len(u) == 1 for u in units):
         return _micro_batch(samples, idx)
-    dev = device()
-    packed, layout, resp = pack_tree([(samples[u[0]].prompt_ids.to(dev), [samples[i].response_ids.to(dev)
-                                                                          for i in u]) for u in units])
+    packed, layout, resp = pack_tree([(samples[u[0]].prompt_ids, [samples[i].response_ids for i in u])
+                                      for u in units], device())
     return MicroBatch(idx, packed, resp, tree=layout)
 
 
