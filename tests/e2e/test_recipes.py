@@ -39,7 +39,7 @@ WITH_OLD_LOGP_PASS = {"ppo", "reinforce_pp", "ppo_lora"}
 PPO_ACTOR = {"actor/entropy", "actor/clip_frac", "actor/approx_kl", "actor/pg_loss"}
 DPO_ACTOR = {"actor/dpo_loss", "actor/reward_accuracy", "actor/reward_margin"}
 EXPECTED = {
-    "grpo": ROLLOUT_KEYS | REWARD_KEYS | PPO_ACTOR | {"actor/kl", "timing/reference_s"},
+    "grpo": ROLLOUT_KEYS | REWARD_KEYS | PPO_ACTOR | {"actor/kl", "timing/reference_s", "actor/prefix_saved_frac"},
     "ppo": ROLLOUT_KEYS | REWARD_KEYS | PPO_ACTOR | {"actor/kl", "critic/value_loss", "critic/explained_variance",
                                                     "critic/clip_frac", "timing/critic_s", "actor/kl_coef",
                                                     "memory/critic_update/peak_gib", "timing/reward_model_s"},
@@ -128,6 +128,8 @@ def test_every_recipe_runs_two_steps_and_logs_its_metrics(tiny_models, task_file
         assert not missing, f"{name}: metrics missing {sorted(missing)}"
         if name not in WITH_OLD_LOGP_PASS:
             assert not OLD_LOGP_PASS & set(steps[2]), f"{name}: ran an old-log-prob pass it did not need"
+        if name == "grpo":  # trainer.prefix_share: each rank's groups packed with their prompt once
+            assert all(steps[s]["actor/prefix_saved_frac"] > 0 for s in (1, 2)), steps
         if expected & set(CORRECTION_KEYS):
             _check_correction(name, steps, applied=name == "rloo")
         assert (out / "checkpoints" / "step_2" / "COMPLETE").exists(), f"{name}: no final checkpoint"

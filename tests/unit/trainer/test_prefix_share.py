@@ -120,6 +120,8 @@ def _actor_case(samples, settings: ObjectiveSettings, *, budget: int, loss_maske
         if key in stats_a:
             assert stats_b[key] == pytest.approx(stats_a[key], rel=REL, abs=1e-9), key
     _assert_same_grads(opt_a, opt_b)
+    assert "actor/prefix_saved_frac" not in stats_a
+    return stats_b
 
 
 LONG = MATH_MAX_LEN + 20  # a prompt run by the fused CPU kernel
@@ -128,7 +130,9 @@ LONG = MATH_MAX_LEN + 20  # a prompt run by the fused CPU kernel
 def test_grpo_update_equals_unshared():
     samples = _groups([9, 5, LONG], [[4, 7, 1, 6], [3, 3], [5, 2, 8]])
     assert any(mb.tree is not None for mb in micro_batches(samples, 512, share=True))
-    _actor_case(samples, GRPO, budget=512)
+    stats = _actor_case(samples, GRPO, budget=512)
+    saved = 3 * 9 + 1 * 5 + 2 * LONG  # (n - 1) prompts per group
+    assert stats["actor/prefix_saved_frac"] == pytest.approx(saved / sum(s.length for s in samples))
 
 
 def test_dapo_with_kl_reference_pass_equals_unshared():
