@@ -65,14 +65,15 @@ def demo_prompts(tokenizer, count: int) -> list[list[int]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="2 rounds")
+    p.add_argument("--quick", action="store_true", help="2 rounds, one p256 group (~3 min)")
     p.add_argument("--size", default="25M", choices=sorted(common.SIZES))
-    p.add_argument("--groups", type=int, default=2, help="groups of the p256_r32_n8 shape (the demo: 8 groups)")
+    p.add_argument("--groups", type=int, help="groups of the p256_r32_n8 shape (default 1 quick, 2 full; the demo: 8)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (a rank's count)")
     p.add_argument("--repeats", type=int, help="alternating rounds (default 2 quick, 3 full)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--smoke", action="store_true", help=common.SMOKE_HELP)
     a = p.parse_args()
+    a.groups = a.groups or (1 if a.quick else 2)
     shapes = {"p256_r32_n8": (256, (32, 32), 8, a.groups, DEFAULT_BUDGET), "demo": (None, (4, 8), 8, 8, DEMO_BUDGET)}
     if a.smoke:
         a.size, a.repeats = "4M", 1
