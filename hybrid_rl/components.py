@@ -59,6 +59,7 @@ class PassSettings:
     use_reference: bool
     temperature: float
     budget: int  # tokens per micro-batch
+    prefix_share: bool = False  # a group's prompt computed once per micro-batch (`data/tree.py`)
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ def plan_for(cfg: Config, world: int, *, device: DeviceSpec | None = None, atten
         attention=_attention(attention, device), entropy=get_objective(a.objective).entropy,
         old_logp_pass=not a.old_logp_from_update, optimizer=cfg.optim.name, router_replay=cfg.model.moe.router_replay,
         shard=cfg.trainer.shard_size,
+        prefix_share=cfg.rollout.n if cfg.trainer.prefix_share and not get_objective(a.objective).paired else 0,
     )
     try:
         inputs = choose_shard(inputs)
@@ -155,6 +156,7 @@ def _tokens(cfg: Config, world: int, prompt_lengths: Sequence[int] | None) -> di
     (pass_tokens, pass_responses), (update_tokens, update_responses) = micro(share), micro(mini)
     return dict(pass_tokens=pass_tokens, update_tokens=update_tokens, pass_responses=pass_responses,
                 update_responses=update_responses, micro_batch_tokens=budget, max_sequence_tokens=longest_seq,
+                max_response_tokens=response,
                 step_tokens=int(share * seq))
 
 

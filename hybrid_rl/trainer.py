@@ -137,6 +137,8 @@ class Trainer:
             units = share.adjacent_pairs(index)
         elif self.objective.paired:
             units = share.ranked_pairs(index, scoring.result().total)
+        elif self.s.passes.prefix_share:  # a group on one rank: its prompt computed once there
+            units = share.groups(index, self.dims.world)
         else:
             units = share.singles(index)
         return share.make_share(rollout, units, self.dims, paired=self.objective.paired, fields_of=fields.get)
@@ -144,6 +146,7 @@ class Trainer:
     def _passes(self, mine: share.Share) -> PassOutputs:
         c, a = self.c, self.s.passes
         budget, temp, samples, out = a.budget, a.temperature, mine.samples, PassOutputs()
+        shared = a.prefix_share
         # MoE routing replay: rollout replays vLLM's routes in every policy pass (the first measures the router
         # metrics); old records the old-log-prob pass's routes, which the update then replays
         rollout, self.router = self.s.router_replay == "rollout", None
@@ -152,7 +155,8 @@ class Trainer:
             with self._phase("old_logp"):
                 record = [None] * len(samples) if self.s.router_replay == "old" else None
                 out.old_logp = logprobs_pass(c.actor.module, samples, temperature=temp, budget=budget,
-                                             replay=first if rollout else None, record=record)
+                                             replay=first if rollout else None, record=record,
+                                             share=shared)
                 if record is not None:
                     mine.samples[:] = samples = [replace(s, routes=r) for s, r in zip(samples, record, strict=True)]
                 elif rollout:
@@ -160,18 +164,19 @@ class Trainer:
         if c.reference is not None:
             with self._phase("reference"), self._resident("reference", c.reference.module):
                 out.ref_logp = logprobs_pass(c.reference.module, samples, temperature=temp, budget=budget,
-                                             replay=Replay() if rollout else None)
+                                             replay=Replay() if rollout else None, share=shared)
         elif a.use_reference and is_lora(c.actor.module):  # the frozen base is the reference
             with self._phase("reference"), adapter_disabled(c.actor.module):
                 out.ref_logp = logprobs_pass(c.actor.module, samples, temperature=temp, budget=budget,
-                                             replay=Replay() if rollout else None)
+                                             replay=Replay() if rollout else None, share=shared)
         self._update_replay = first  # the update measures what no pass did
         if c.teacher is not None:
             with self._phase("teacher"), self._resident("teacher", c.teacher.module):
-                out.teacher_logp = logprobs_pass(c.teacher.module, samples, temperature=temp, budget=budget)
+                out.teacher_logp = logprobs_pass(c.teacher.module, samples, temperature=temp, budget=budget,
+                                                 share=shared)
         if c.critic is not None:
             with self._phase("critic"), self._resident("critic", c.critic.module):
-                out.values = values_pass(c.critic.module, samples, budget=budget)
+                out.values = values_pass(c.critic.module, samples, budget=budget, share=shared)
         if c.reward_model is not None:
             with self._phase("reward_model"), self._resident("reward_model", c.reward_model.module):
                 out.rm_scores = scores_pass(c.reward_model.module, samples, budget=budget)

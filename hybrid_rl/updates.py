@@ -48,6 +48,7 @@ class UpdateSettings:
     grad_clip: float
     horizon: int  # the max response length: Dr. GRPO's constant denominator
     world: int
+    prefix_share: bool = False  # a group's prompt computed once per micro-batch (`data/tree.py`)
 
 
 def split_units(units: list[list[int]], k: int) -> list[list[list[int]]]:
@@ -120,12 +121,14 @@ def update_actor(actor: Model, batch: TrainBatch, objective: Objective, settings
                          f"not {u.epochs} epochs x {u.mini_batches} mini-batches")
     seen = None  # reuse: the update's own log-probs, gathered on the device, read once at the end
     stats, finite, grad_norms, pairs_used = StepStats(), True, [], 0
+    packed = [0, 0]  # prefix sharing: tokens packed, tokens the samples hold (host ints: no sync)
     for _ in range(u.epochs):
         for units in split_units(batch.units, u.mini_batches):
             idx = [i for unit in units for i in unit]
             sub = batch.select(idx)
             d = denominators(sub, u.horizon)
-            for mb in micro_batches(sub.samples, u.budget, units=_renumbered(units), routes=replay is not None):
+            for mb in micro_batches(sub.samples, u.budget, units=_renumbered(units), routes=replay is not None,
+                                    share=u.prefix_share):
                 with replayed(actor.module, mb, replay):  # around backward too: a checkpointed recompute replays
                     out = policy_logprobs(actor.module, mb, temperature=u.temperature, with_entropy=objective.entropy)
                     logp, ent = out if objective.entropy else (out, None)
@@ -133,6 +136,8 @@ def update_actor(actor: Model, batch: TrainBatch, objective: Objective, settings
                         (zero_like_loss(logp) * u.world).backward()
                         continue
                     w, dev = logp.shape[1], logp.device
+                    packed[0] += mb.packed.num_tokens
+                    packed[1] += sum(sub.samples[i].length for i in mb.indices)
                     if reuse:  # one mini-batch of all rows: the mini-batch's rows are the batch's
                         if seen is None:
                             seen = torch.zeros(batch.mask.shape, device=dev)
@@ -153,6 +158,9 @@ def update_actor(actor: Model, batch: TrainBatch, objective: Objective, settings
     if reuse:
         seen = torch.zeros(batch.mask.shape) if seen is None else seen.cpu()
     out["actor/lr"] = float(actor.optimizer.param_groups[0]["lr"])  # a tensor in torchao's optimizers
+    if u.prefix_share:  # the share of the update's tokens the prefix-shared layout did not compute
+        done, total = all_reduce_sum(packed)
+        out["actor/prefix_saved_frac"] = 1.0 - done / total if total else 0.0
     if batch.paired:
         out["train/pairs_used"] = all_reduce_sum([pairs_used / u.epochs])[0]
     return out, finite, seen
@@ -174,7 +182,7 @@ def update_critic(critic: Model, batch: TrainBatch, *, value_clip: float, loss_a
         for units in split_units(batch.units, u.mini_batches):
             sub = batch.select([i for unit in units for i in unit])
             d = denominators(sub, u.horizon)
-            for mb in micro_batches(sub.samples, u.budget):
+            for mb in micro_batches(sub.samples, u.budget, share=u.prefix_share):
                 v = token_values(critic.module, mb)
                 if mb.is_filler:
                     (zero_like_loss(v) * u.world).backward()

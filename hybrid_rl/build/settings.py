@@ -31,7 +31,7 @@ def trainer_settings(cfg: Config, *, world: int, distil_only: bool = False) -> T
                              dpo_kind=a.dpo_kind, dpo_label_smoothing=a.dpo_label_smoothing, correction=correction)
     updates = UpdateSettings(epochs=a.ppo_epochs, mini_batches=a.mini_batches, budget=t.micro_batch_tokens,
                              temperature=r.temperature, grad_clip=cfg.optim.grad_clip, horizon=r.max_new_tokens,
-                             world=world)
+                             world=world, prefix_share=prefix_share(cfg))
     batch = BatchSettings(estimator="" if get_objective(a.objective).paired else a.advantage,
                           advantage=AdvantageSettings(gamma=a.gamma, lam=a.lam, norm_by_std=a.norm_by_std),
                           kl_in_reward=a.kl_in_reward, kl_estimator=a.kl_estimator, max_new_tokens=r.max_new_tokens,
@@ -48,10 +48,25 @@ def trainer_settings(cfg: Config, *, world: int, distil_only: bool = False) -> T
         objective=a.objective, offline_pairs=a.offline_pairs, value_clip=a.value_clip, loop=loop,
         kl=KLSettings(coef=a.kl_coef, target=a.kl_target, horizon=a.kl_horizon, estimator=a.kl_estimator),
         passes=PassSettings(old_logp_from_update=a.old_logp_from_update, use_reference=a.use_reference,
-                            temperature=r.temperature, budget=t.micro_batch_tokens),
+                            temperature=r.temperature, budget=t.micro_batch_tokens,
+                            prefix_share=prefix_share(cfg)),
         loss=loss, updates=updates, batch=batch, source=source,
         offload={name: getattr(cfg.offload, name) for name in FROZEN_MODELS}, config=to_dict(cfg),
         router_replay=router_replay(cfg))
+
+
+def prefix_share(cfg: Config) -> bool:
+    """`trainer.prefix_share` where the attention supports it: flash-attn's varlen kernels (CUDA with flash-attn
+    installed) have no prefix-shared layout, so it is off there, with a warning."""
+    if not cfg.trainer.prefix_share:
+        return False
+    from hybrid_rl.model.loading import attn_implementation
+
+    if attn_implementation() == "flash_attention_2":
+        log.warning("trainer.prefix_share is off: flash-attn's varlen attention has no prefix-shared layout "
+                    "(uninstall flash-attn to use the packed SDPA, which has)")
+        return False
+    return True
 
 
 def router_replay(cfg: Config) -> str:

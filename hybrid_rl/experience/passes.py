@@ -29,12 +29,14 @@ def width_of(samples: list[Sample]) -> int:
 
 @torch.no_grad()
 def logprobs_pass(model: torch.nn.Module, samples: list[Sample], *, temperature: float, budget: int,
-                  replay: Replay | None = None, record: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+                  replay: Replay | None = None, record: list[torch.Tensor | None] | None = None,
+                  share: bool = False) -> torch.Tensor:
     """Log-probs `[B, T]` of the response tokens (reference or pre-update actor), on the CPU.
 
     MoE routing replay: `replay` (an accumulator of what the routers did): the forwards use the samples' routes;
-    `record` (one slot per sample): each sample's own routes of this pass, `[length, layers, top_k]`, go there."""
-    mbs = micro_batches(samples, budget, routes=replay is not None)
+    `record` (one slot per sample): each sample's own routes of this pass, `[length, layers, top_k]`, go there.
+    `share`: prefix-shared micro-batches (`model.forward.micro_batches`); not while recording routes."""
+    mbs = micro_batches(samples, budget, routes=replay is not None, share=share and record is None)
 
     def fn(mb):
         if record is None or mb.is_filler:
@@ -50,8 +52,8 @@ def logprobs_pass(model: torch.nn.Module, samples: list[Sample], *, temperature:
 
 
 @torch.no_grad()
-def values_pass(model: torch.nn.Module, samples: list[Sample], *, budget: int) -> torch.Tensor:
-    mbs = micro_batches(samples, budget)
+def values_pass(model: torch.nn.Module, samples: list[Sample], *, budget: int, share: bool = False) -> torch.Tensor:
+    mbs = micro_batches(samples, budget, share=share)
     return gather_per_token(lambda mb: token_values(model, mb), mbs, len(samples), width_of(samples))
 
 

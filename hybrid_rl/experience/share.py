@@ -42,6 +42,15 @@ def singles(index: BatchIndex) -> list[list[int]]:
     return [[u] for u in range(index.size)]
 
 
+def groups(index: BatchIndex, world: int) -> list[list[int]]:
+    """Prefix sharing: each group's samples as one unit, so that they land on one rank and are packed with their
+    prompt once (`trainer.prefix_share`); singles where there are fewer groups than ranks (a rank would get none)."""
+    out: dict[int, list[int]] = {}
+    for u, g in enumerate(index.groups.tolist()):
+        out.setdefault(g, []).append(u)
+    return list(out.values()) if len(out) >= world else singles(index)
+
+
 def adjacent_pairs(index: BatchIndex) -> list[list[int]]:
     """Offline DPO: rows (2k, 2k + 1) are record k's (chosen, rejected)."""
     return [[u, u + 1] for u in range(0, index.size, 2)]

@@ -12,6 +12,10 @@ forward (a gigabyte and seconds at 32k packed tokens, measured), so `packed_mask
 where no padding mask is given and the whole input is new tokens (no KV cache); the attention
 above needs none then.
 
+A prefix-shared row (`data/tree.py`, `trainer.prefix_share`; the layout comes in as `packed_tree`) runs per group
+one causal SDPA over the prompt and one over its responses, padded into a batch, each attending to [prompt keys,
+its own keys] under a lower-right causal mask (`tree_sdpa`).
+
 Anything else (padded batches with a mask, decoding with a KV cache) goes to transformers' SDPA
 and its mask builder unchanged. Registered under `PACKED_SDPA`.
 """
@@ -53,8 +57,11 @@ def _sequence_lengths(kwargs: dict, position_ids: torch.Tensor | None, total: in
 
 def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """`query` [1, heads, T, d], `key`/`value` [1, kv_heads, T, d] -> ([1, T, heads, d], None)."""
-    lengths = None
+    lengths, tree = None, kwargs.pop("packed_tree", None)
     if query.shape[0] == 1 and query.shape[2] == key.shape[2] > 1:
+        if tree is not None and sum(tree.segment_lens) == query.shape[2]:
+            kwargs.pop("packed_seq_lens", None)
+            return tree_sdpa(query, key, value, tree.segments, scaling, dropout), None
         lengths = _sequence_lengths(kwargs, kwargs.get("position_ids"), query.shape[2])
     kwargs.pop("packed_seq_lens", None)
     if lengths is None:
@@ -69,6 +76,54 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: floa
             out.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling,
                                                       enable_gqa=gqa))
     return torch.cat(out, dim=2).transpose(1, 2).contiguous(), None
+
+
+def tree_sdpa(query, key, value, segments, scaling, dropout: float = 0.0) -> torch.Tensor:
+    """Attention over a prefix-shared row (`data/tree.py`): `[1, heads, T, d]` -> `[1, T, heads, d]`.
+
+    Per segment: the prefix runs causally on its own; its branches, padded to the longest, run as one batch of
+    one SDPA each attending to [prefix keys, own keys] with a lower-right causal mask (a branch row sees the whole
+    prefix and its own tokens up to itself; padding is never attended by a real row, and its outputs are dropped).
+    A segment of one branch is a plain sequence: one causal SDPA."""
+    gqa = query.shape[1] != key.shape[1]
+    lens = [p + sum(b) for p, b in segments]
+    out = []
+    for (p, branches), q, k, v in zip(segments, query.split(lens, 2), key.split(lens, 2), value.split(lens, 2),
+                                      strict=True):
+        if len(branches) == 1:
+            out.append(_causal(q, k, v, scaling, gqa, dropout))
+            continue
+        out.append(_causal(q[:, :, :p], k[:, :, :p], v[:, :, :p], scaling, gqa, dropout))
+        if sum(branches):
+            out.append(_branches(q[:, :, p:], k[:, :, :p], v[:, :, :p], k[:, :, p:], v[:, :, p:], branches, scaling,
+                                 gqa, dropout))
+    return torch.cat(out, dim=2).transpose(1, 2).contiguous()
+
+
+def _causal(q, k, v, scaling, gqa: bool, dropout: float) -> torch.Tensor:
+    with sdpa_kernel(_backends(q.device, q.shape[2])):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling,
+                                              enable_gqa=gqa)
+
+
+def _padded(x: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """`[1, heads, sum(lens), d]` -> `[branches, heads, max(lens), d]`, zero-padded."""
+    parts = x[0].transpose(0, 1).split(lens)  # [len, heads, d] each
+    return torch.nn.utils.rnn.pad_sequence(parts, batch_first=True).permute(0, 2, 1, 3)
+
+
+def _branches(q, kp, vp, kb, vb, branches: tuple[int, ...], scaling, gqa: bool, dropout: float) -> torch.Tensor:
+    """The branches of one segment against [prefix, own tokens]: `[1, heads, sum(branches), d]`."""
+    lens, n, p = list(branches), len(branches), kp.shape[2]
+    width = max(lens)
+    qs = _padded(q, lens)
+    ks = torch.cat([kp.expand(n, -1, -1, -1), _padded(kb, lens)], dim=2)
+    vs = torch.cat([vp.expand(n, -1, -1, -1), _padded(vb, lens)], dim=2)
+    mask = torch.ones(width, p + width, dtype=torch.bool, device=q.device).tril(diagonal=p)
+    with sdpa_kernel(_backends(q.device, p + width)):
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                                           enable_gqa=gqa)
+    return torch.cat([o[i, :, :m] for i, m in enumerate(lens) if m], dim=1)[None]
 
 
 def _backends(device: torch.device, length: int) -> list[SDPBackend]:

@@ -17,8 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from hybrid_rl.data import PackedBatch, ResponseIndex, pack, split_by_token_budget
+from hybrid_rl.data.tree import TreeLayout, pack_tree, shared_length
 from hybrid_rl.distributed.collectives import all_reduce_max
 from hybrid_rl.distributed.mesh import device
+from hybrid_rl.model.attention import PACKED_SDPA
 from hybrid_rl.model.logprobs import logits_to_logprobs
 from hybrid_rl.model.routing_replay import Replay, replay_routes
 from hybrid_rl.types import Sample
@@ -38,6 +40,8 @@ class MicroBatch:
     # and [packed tokens] bool, which of them were recorded (the others route themselves); None: no replay
     routes: torch.Tensor | None = None
     known: torch.Tensor | None = None
+    # prefix sharing: the row's groups as segments of [prompt, responses...] (`data/tree.py`); None: plain packing
+    tree: TreeLayout | None = None
 
     @property
     def is_filler(self) -> bool:
@@ -45,18 +49,32 @@ class MicroBatch:
 
 
 def micro_batches(samples: list[Sample], token_budget: int, *,
-                  units: Sequence[Sequence[int]] | None = None, routes: bool = False) -> list[MicroBatch]:
+                  units: Sequence[Sequence[int]] | None = None, routes: bool = False,
+                  share: bool = False) -> list[MicroBatch]:
     """Cut `samples` into packed micro-batches of at most `token_budget` tokens, as many on every rank.
 
     `units` (default: every sample alone) are lists of sample indices that share a micro-batch.
     `routes`: each micro-batch carries its samples' MoE routes (`Sample.routes`) packed like their tokens.
+    `share`: the samples of a group (same `group`, same prompt) become one unit packed prefix-shared
+    (`data/tree.py`), counted as the prompt once plus their responses; a group whose shared length exceeds the
+    budget is packed unshared, sample by sample. Not with `routes` or multi-sample `units` (preference pairs):
+    those are packed unshared.
     A collective: every rank calls it, with its own samples.
     """
+    single = units is None or all(len(u) == 1 for u in units)
+    tree = share and not routes and single
     units = [[i] for i in range(len(samples))] if units is None else [list(u) for u in units]
-    lengths = [sum(samples[i].length for i in u) for u in units]
+    if tree:
+        units = prefix_groups(samples, [u[0] for u in units], token_budget)
+        lengths = [shared_length(samples[u[0]].prompt_len, [samples[i].response_len for i in u]) for u in units]
+    else:
+        lengths = [sum(samples[i].length for i in u) for u in units]
     count = int(all_reduce_max([len(split_by_token_budget(lengths, token_budget))])[0])
     groups = split_by_token_budget(lengths, token_budget, min_micro_batches=min(count, len(units))) if units else []
-    out = [_micro_batch(samples, sorted(i for g in group for i in units[g])) for group in groups]
+    if tree:
+        out = [_tree_micro_batch(samples, [units[g] for g in sorted(group)]) for group in groups]
+    else:
+        out = [_micro_batch(samples, sorted(i for g in group for i in units[g])) for group in groups]
     if routes:
         out = [_with_routes(mb, samples) for mb in out]
     return out + [_filler() for _ in range(count - len(out))]
@@ -102,6 +120,30 @@ def _micro_batch(samples: list[Sample], idx: list[int]) -> MicroBatch:
     return MicroBatch(idx, packed, resp)
 
 
+def prefix_groups(samples: list[Sample], order: list[int], token_budget: int) -> list[list[int]]:
+    """`order`'s samples as units of the samples sharing a prompt (same `group`, equal `prompt_ids`), in order of
+    first appearance; a group that does not fit `token_budget` shared is split into single samples."""
+    by_key: dict[tuple[int, bytes], list[int]] = {}
+    for i in order:
+        s = samples[i]
+        by_key.setdefault((s.group, s.prompt_ids.cpu().numpy().tobytes()), []).append(i)
+    out = []
+    for unit in by_key.values():
+        fits = shared_length(samples[unit[0]].prompt_len, [samples[i].response_len for i in unit]) <= token_budget
+        out += [unit] if fits or len(unit) == 1 else [[i] for i in unit]
+    return out
+
+
+def _tree_micro_batch(samples: list[Sample], units: list[list[int]]) -> MicroBatch:
+    """Prefix-shared units packed as one row; where no unit has two samples, the plain packing (the same row)."""
+    idx = [i for u in units for i in u]
+    if all(len(u) == 1 for u in units):
+        return _micro_batch(samples, idx)
+    packed, layout, resp = pack_tree([(samples[u[0]].prompt_ids, [samples[i].response_ids for i in u])
+                                      for u in units], device())
+    return MicroBatch(idx, packed, resp, tree=layout)
+
+
 def _filler() -> MicroBatch:
     dev = device()
     packed = pack([torch.zeros(2, dtype=torch.int64, device=dev)])
@@ -114,6 +156,13 @@ def _forward(model, mb: MicroBatch, **kwargs):
     (a `.max().item()` host sync each time); and as Python ints for the packed SDPA of installs without flash-attn
     (`model/attention.py`), which then reads no device tensor either. Other attentions ignore what is not theirs."""
     p = mb.packed
+    if mb.tree is not None:  # the packed SDPA only (`model/attention.py`): flash-attn's varlen has no tree
+        impl = getattr(getattr(model, "config", None), "_attn_implementation", PACKED_SDPA)
+        if impl != PACKED_SDPA:
+            raise ValueError(f"prefix-shared packing needs the attention {PACKED_SDPA!r}, the model has {impl!r}; "
+                             "set trainer.prefix_share=false")
+        return model(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False, packed_tree=mb.tree,
+                     packed_seq_lens=tuple(p.seq_lens), **kwargs)
     return model(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False, cu_seq_lens_q=p.cu_seqlens,
                  cu_seq_lens_k=p.cu_seqlens, max_length_q=p.max_seqlen, max_length_k=p.max_seqlen,
                  packed_seq_lens=tuple(p.seq_lens), **kwargs)

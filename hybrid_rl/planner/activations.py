@@ -84,14 +84,49 @@ def layer_saved_per_token(d: ArchDims, tokens: int, b: int, attention: Attention
     copies of q, k and v at every query head and two float32 score rows per head; counted for every token.
     """
     h, q = d.hidden_size, d.num_heads * d.head_dim
-    kv = _kv_width(d, attention)
-    attn = b * (2 * q + 2 * kv) + 4 * d.num_heads  # q, k, v, output (the o_proj input) and log-sum-exp
-    if math_len:
-        attn += 4 * d.num_heads * (3 * d.head_dim + 2 * math_len)
+    attn = attention_row_bytes(d, b, attention, math_len)
     if d.qk_norm:
         attn += _norm(q, d.num_heads, b) + _norm(d.num_kv_heads * d.head_dim, d.num_kv_heads, b)
     norms_and_inputs = 2 * (_norm(h, 1, b) + b * h)  # two norms + their outputs kept by the next linear
     return norms_and_inputs + attn + _mlp_saved(d, b, moe)
+
+
+def attention_row_bytes(d: ArchDims, b: int, attention: Attention, math_len: int = 0) -> int:
+    """What one block's attention keeps for backward per row: q, k, v, output (the o_proj input) and log-sum-exp,
+    and with the math kernel float32 q, k, v at every query head and two float32 score rows per head."""
+    q = d.num_heads * d.head_dim
+    attn = b * (2 * q + 2 * _kv_width(d, attention)) + 4 * d.num_heads
+    return attn + (4 * d.num_heads * (3 * d.head_dim + 2 * math_len) if math_len else 0)
+
+
+@dataclass(frozen=True)
+class SharedRows:
+    """Attention rows a prefix-shared micro-batch holds beyond its tokens (`model/attention.py`'s `tree_sdpa`): key
+    rows (each branch attends to its group's prompt keys, copied once per branch) and padded query rows (a group's
+    branches are padded to the longest, key and query)."""
+
+    keys: int = 0
+    queries: int = 0
+
+
+def shared_extra_rows(tokens: int, n: int, longest: int, longest_response: int) -> SharedRows:
+    """`SharedRows` of a micro-batch of `tokens` tokens in groups of `n`, samples up to `longest` tokens.
+
+    A group of prompt p and n branches of R tokens in all (each at least one), the longest r, holds n (p + r) key
+    rows for its p + R tokens: at most (n - 1)(L - 1) / (L + n - 1) more per token, L = p + r <= `longest` (a bound).
+    Its padding, n r - R <= (n - 1)(r - 1) rows, is counted per token as if every prompt were as long as the longest
+    sample's (an estimate: short prompts with one long response pad more per token)."""
+    if n <= 1:
+        return SharedRows()
+    per = longest + n - 1
+    return SharedRows(tokens * (n - 1) * (longest - 1) // per, tokens * (n - 1) * max(longest_response - 1, 0) // per)
+
+
+def _shared_bytes(d: ArchDims, b: int, attention: Attention, math_len: int, rows: SharedRows) -> int:
+    """One block's saved bytes for `rows`: a key row keeps k and v (and float32 copies at every query head with the
+    math kernel), a padded query row what a token's attention keeps."""
+    key = b * 2 * _kv_width(d, attention) + (8 * d.num_heads * d.head_dim if math_len else 0)
+    return rows.keys * key + rows.queries * attention_row_bytes(d, b, attention, math_len)
 
 
 def _kv_width(d: ArchDims, attention: Attention) -> int:
@@ -128,11 +163,12 @@ def _logits_no_grad(d: ArchDims, tokens: int, responses: int, b: int, entropy: b
 
 def train_activations(d: ArchDims, tokens: int, *, b: int, attention: Attention, checkpointing: bool,
                       head: str = "lm", entropy: bool = True, responses: int | None = None,
-                      math_len: int = 0) -> ActivationBytes:
+                      math_len: int = 0, extra_rows: SharedRows = SharedRows()) -> ActivationBytes:
     """Peak activation memory of one forward + backward of a `tokens`-token packed micro-batch.
 
     `responses`: response tokens in it (default: all of them, an upper bound). `math_len`: as
-    `layer_saved_per_token`'s.
+    `layer_saved_per_token`'s. `extra_rows`: attention rows beyond the tokens (prefix sharing,
+    `shared_extra_rows`).
     """
     responses = tokens if responses is None else responses
     per_layer = {moe: layer_saved_per_token(d, tokens, b, attention, math_len, moe=moe) * tokens
@@ -142,12 +178,16 @@ def train_activations(d: ArchDims, tokens: int, *, b: int, attention: Attention,
         layers, transient = d.num_layers * tokens * d.hidden_size * b, transient + max(per_layer.values())
     else:
         layers = sum(n * per_layer[moe] for n, moe in _kinds(d))
+    shared = _shared_bytes(d, b, attention, math_len, extra_rows)
+    layers += 0 if checkpointing else d.num_layers * shared
+    transient += shared if checkpointing else 0
     logits = _logits_grad(d, tokens, responses, b, entropy) if head == "lm" else tokens * 8
     return ActivationBytes(layers + _model_level(d, tokens, b, attention), logits, transient)
 
 
 def forward_activations(d: ArchDims, tokens: int, *, b: int, attention: Attention, head: str = "lm",
-                        entropy: bool = False, responses: int | None = None) -> ActivationBytes:
+                        entropy: bool = False, responses: int | None = None,
+                        extra_rows: SharedRows = SharedRows()) -> ActivationBytes:
     """Peak activation memory of one no-grad forward (old log-probs, reference, critic values, reward scores).
 
     Nothing is saved: the residual stream and one block's intermediates are alive at a time, the
@@ -157,7 +197,7 @@ def forward_activations(d: ArchDims, tokens: int, *, b: int, attention: Attentio
     responses = tokens if responses is None else responses
     h, q = d.hidden_size, d.num_heads * d.head_dim
     residual = tokens * (2 * h * b + 4 * h)  # the block's input, its normalised copy, the float32 norm copy
-    attn = tokens * b * (2 * q + 2 * _kv_width(d, attention))
+    attn = (tokens + extra_rows.queries) * b * 2 * q + (tokens + extra_rows.keys) * b * 2 * _kv_width(d, attention)
     block = max(attn, *(tokens * _mlp_saved(d, b, moe) for _, moe in _kinds(d)))
     logits = _logits_no_grad(d, tokens, responses, b, entropy) if head == "lm" else tokens * 8
     return ActivationBytes(residual + tokens * 2 * d.head_dim * b, logits, block)

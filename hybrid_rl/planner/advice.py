@@ -170,7 +170,7 @@ def _activation_note(x: PlanInputs) -> Iterator[str]:
     a = x.actor
     plain, ckpt = (train_activations(a.dims, x.update_tokens, b=x.compute_bytes, attention=x.attention,
                                      checkpointing=c, entropy=x.entropy, responses=x.update_responses,
-                                     math_len=x.math_len).total
+                                     math_len=x.math_len, extra_rows=x.extra_rows(x.update_tokens)).total
                    for c in (False, True))
     responses = "every token" if x.update_responses is None else f"{x.update_responses} tokens"
     yield (f"actor activations of one {x.update_tokens}-token micro-batch ({x.attention} attention): "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybrid_rl.planner.activations import Attention
+from hybrid_rl.planner.activations import Attention, SharedRows, shared_extra_rows
 from hybrid_rl.planner.param_count import ArchDims, ParamShape, active_numel
 from hybrid_rl.types import MATH_MAX_LEN, Head
 
@@ -105,10 +105,16 @@ class PlanInputs:
     router_replay: str = "none"  # model.moe.router_replay (a mixture of experts: `rollout` records vLLM's routes)
     step_tokens: int = 0  # tokens of the samples one rank trains on in a step (what their routes cover)
     shard: int = 0  # trainer.shard_size: ranks FSDP splits each weight over (HSDP), 0 = the world
+    max_response_tokens: int = 0  # the longest response (rollout.max_new_tokens)
+    prefix_share: int = 0  # trainer.prefix_share: rollout.n, the branches of a group's segment (0: off)
 
     @property
     def shard_ranks(self) -> int:
         return self.shard or self.world
+
+    def extra_rows(self, tokens: int) -> SharedRows:
+        """Attention rows a micro-batch of `tokens` holds beyond them in the prefix-shared layout (none: off)."""
+        return shared_extra_rows(tokens, self.prefix_share, self.max_sequence_tokens, self.max_response_tokens)
 
     @property
     def math_len(self) -> int:

@@ -78,14 +78,15 @@ def _activations(name: str, spec: ModelSpec, x: PlanInputs, *, train: bool) -> I
     if train:
         ckpt = x.activation_checkpointing and name in ("actor", "critic")  # build.py checkpoints both
         a = train_activations(d, x.update_tokens, b=b, attention=x.attention, checkpointing=ckpt, head=spec.head,
-                              entropy=x.entropy, responses=x.update_responses, math_len=x.math_len)
+                              entropy=x.entropy, responses=x.update_responses, math_len=x.math_len,
+                              extra_rows=x.extra_rows(x.update_tokens))
         # LoRA: each adapted linear also keeps its [T, rank] down-projection for lora_B's backward.
         extra = 0 if ckpt else d.num_layers * spec.lora_targets * x.update_tokens * spec.lora_rank * b
         what = f"activations, {x.update_tokens} tok{' (ckpt)' if ckpt else ''}"
         return Item(name, what, a.total + extra)
     else:
         a = forward_activations(d, x.pass_tokens, b=b, attention=x.attention, head=spec.head,
-                                responses=x.pass_responses)
+                                responses=x.pass_responses, extra_rows=x.extra_rows(x.pass_tokens))
         what = f"activations, {x.pass_tokens} tok (no grad)"
     return Item(name, what, a.total)
 

@@ -39,7 +39,7 @@ WITH_OLD_LOGP_PASS = {"ppo", "reinforce_pp", "ppo_lora"}
 PPO_ACTOR = {"actor/entropy", "actor/clip_frac", "actor/approx_kl", "actor/pg_loss"}
 DPO_ACTOR = {"actor/dpo_loss", "actor/reward_accuracy", "actor/reward_margin"}
 EXPECTED = {
-    "grpo": ROLLOUT_KEYS | REWARD_KEYS | PPO_ACTOR | {"actor/kl", "timing/reference_s"},
+    "grpo": ROLLOUT_KEYS | REWARD_KEYS | PPO_ACTOR | {"actor/kl", "timing/reference_s", "actor/prefix_saved_frac"},
     "ppo": ROLLOUT_KEYS | REWARD_KEYS | PPO_ACTOR | {"actor/kl", "critic/value_loss", "critic/explained_variance",
                                                     "critic/clip_frac", "timing/critic_s", "actor/kl_coef",
                                                     "memory/critic_update/peak_gib", "timing/reward_model_s"},
@@ -69,7 +69,10 @@ def test_every_recipe_runs_two_steps_and_logs_its_metrics(tiny_models, task_file
     runs = []
     # RLOO with truncated IS (its old log-probs come from the update's own forward; PPO's from a separate pass),
     # truncating at 1.001 so that bf16's mismatch (ratios within ~2% of 1 here) gets truncated somewhere.
-    correction = {"rloo": {"algorithm.rollout_correction": "tis", "algorithm.rollout_correction_high": 1.001}}
+    # GRPO packs each group's samples prefix-shared (its prompt once per micro-batch) in the reference pass and the
+    # update: the trainer's path of `trainer.prefix_share`, whose equality to the unshared passes the unit tests prove.
+    correction = {"rloo": {"algorithm.rollout_correction": "tis", "algorithm.rollout_correction_high": 1.001},
+                  "grpo": {"trainer.prefix_share": "true"}}
     for recipe in ("grpo", "dr_grpo", "rloo", "reinforce_pp"):
         runs.append({"name": recipe, "recipe": recipe, "overrides": overrides(recipe, **correction.get(recipe, {}))})
     # Online DPO pairs best against worst by reward: a reward whose scores vary gives it pairs to train.
@@ -125,6 +128,8 @@ def test_every_recipe_runs_two_steps_and_logs_its_metrics(tiny_models, task_file
         assert not missing, f"{name}: metrics missing {sorted(missing)}"
         if name not in WITH_OLD_LOGP_PASS:
             assert not OLD_LOGP_PASS & set(steps[2]), f"{name}: ran an old-log-prob pass it did not need"
+        if name == "grpo":  # trainer.prefix_share: each rank's groups packed with their prompt once
+            assert all(steps[s]["actor/prefix_saved_frac"] > 0 for s in (1, 2)), steps
         if expected & set(CORRECTION_KEYS):
             _check_correction(name, steps, applied=name == "rloo")
         assert (out / "checkpoints" / "step_2" / "COMPLETE").exists(), f"{name}: no final checkpoint"

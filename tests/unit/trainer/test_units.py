@@ -9,7 +9,7 @@ and every pair lands exactly once. (The gradients of the same path on FSDP ranks
 import pytest
 import torch
 
-from hybrid_rl.experience.share import adjacent_pairs, assign, ranked_pairs, singles
+from hybrid_rl.experience.share import adjacent_pairs, assign, groups, ranked_pairs, singles
 from hybrid_rl.model.forward import micro_batches
 from hybrid_rl.types import BatchIndex
 from hybrid_rl.updates import split_units
@@ -70,3 +70,11 @@ def test_single_units_cover_every_sample():
     per_rank, owner = assign(singles(index), index, 4)
     assert sorted(u for m in per_rank for unit in m for u in unit) == list(range(7))
     assert (owner >= 0).all()
+
+
+def test_prefix_sharing_puts_each_group_on_one_rank_and_falls_back_to_singles_with_fewer_groups_than_ranks():
+    index = _index(_responses(12), groups=[0, 1, 2] * 4)  # a group's samples need not be adjacent
+    assert groups(index, 3) == [[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8, 11]]
+    per_rank, owner = assign(groups(index, 2), index, 2)
+    assert all(len(set(owner[[g, g + 3, g + 6, g + 9]].tolist())) == 1 for g in range(3))
+    assert groups(index, 4) == singles(index)
