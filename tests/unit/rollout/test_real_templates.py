@@ -44,3 +44,36 @@ def test_the_sdist_is_checked_and_a_wrong_file_fails(tmp_path, monkeypatch):
     monkeypatch.setenv("HR_LLAMA_CPP_SDIST", str(wrong))
     with pytest.raises(RuntimeError, match="sha256 .* expected " + real_templates.SHA256):
         real_templates._fetch_sdist(tmp_path)
+
+
+def test_qwen3_coder_calls_read_back_typed_by_the_tools_schema(calc_runner):
+    """Qwen3-Coder's template writes every scalar argument as bare text (`123` for the string "123" and for the
+    number): the tool's schema says which it is."""
+    from hybrid_rl.rollout.tool_calls import get_parser, typed
+    from hybrid_rl.rollout.tools.spec import schema_of
+    from tests.unit.rollout.tool_fns import echo
+
+    tok = tokenizer_for("qwen3-coder")
+    schemas = [schema_of(echo, "echo"), *SCHEMAS]
+    calls = [{"type": "function", "function": {"name": "echo", "arguments": {"text": "123"}}},
+             {"type": "function", "function": {"name": "calc", "arguments": {"a": 2, "b": 3}}}]
+    rendered = tok.apply_chat_template([{"role": "user", "content": "hi"},
+                                        {"role": "assistant", "content": "", "tool_calls": calls}],
+                                       tools=schemas, tokenize=False)
+    written = rendered.rsplit("<|im_start|>assistant\n", 1)[1].removesuffix("<|im_end|>\n")
+    assert "<parameter=text>\n123\n</parameter>" in written  # the string, as the template writes it
+    read = [typed(c, schemas) for c in get_parser("qwen3_coder")(written)]
+    assert [(c.name, c.arguments) for c in read] == [("echo", {"text": "123"}), ("calc", {"a": 2, "b": 3})]
+    # the tool loop reads a model turn so
+    from hybrid_rl.rollout.multi_turn import ToolLoop, TurnLimits
+    from hybrid_rl.rollout.trajectory import Trajectory
+    from hybrid_rl.types import Generation
+
+    loop = ToolLoop(tok, ToolSuffix(tok, FAMILIES["qwen3_coder"], schemas), get_parser("qwen3_coder"), calc_runner,
+                    TurnLimits(3, 3, 64, 512))
+    ids = tok(written, add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
+    turn_calls, ended = loop.model_turn(Trajectory([1]), Generation(0, ids, [-0.5] * len(ids), "stop"))
+    assert ended and [c.arguments for c in turn_calls] == [{"text": "123"}, {"a": 2, "b": 3}]
+    # JSON formats say their types themselves: nothing to change
+    (hermes,) = get_parser("hermes")('<tool_call>{"name": "echo", "arguments": {"text": 123}}</tool_call>')
+    assert typed(hermes, schemas) == hermes

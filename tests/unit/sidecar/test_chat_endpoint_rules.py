@@ -120,3 +120,14 @@ def test_tool_calls_come_back_parsed_in_the_openai_format(endpoint_for, name, fa
     assert call["id"] == FAMILIES[family].call_id(parsed, 0) and choice["finish_reason"] == "tool_calls"
     assert choice["message"]["content"] == ("Let me add." if prose else "<think>\nadd them\n</think>"
                                             if family == "qwen3" else "")
+
+
+def test_a_qwen3_coder_string_argument_comes_back_a_string(endpoint_for):
+    """The XML format writes the string "123" as bare 123; the request's tool schema says it is a string."""
+    echo = {"type": "function", "function": {"name": "echo", "description": "Echo.", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string"}}}}}
+    reply = "<tool_call>\n<function=echo>\n<parameter=text>\n123\n</parameter>\n</function>\n</tool_call>"
+    _, _, _, url = endpoint_for("qwen3-coder", "qwen3_coder", "<|im_end|>", [reply])
+    r = _post(url, messages=[{"role": "user", "content": "say 123"}], tools=[echo, TOOL])
+    (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"text": "123"}
