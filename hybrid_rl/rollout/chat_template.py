@@ -178,7 +178,7 @@ class ToolSuffix:
                 return full[len(base):]
         at = next((i for i, (a, b) in enumerate(zip(base, full, strict=False)) if a != b), len(full))
         raise TemplateError(
-            "the chat template is not append-only: adding tool messages changes the earlier turns' text at char "
+            "the chat template is not append-only: adding messages after a model turn changes the earlier turns' text at char "
             f"{at} ({base[at:at + 40]!r} becomes {full[at:at + 40]!r}), so the trainer would see text the engine "
             "never saw. Use a template that renders earlier turns the same whatever follows.")
 

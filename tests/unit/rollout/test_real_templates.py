@@ -24,7 +24,7 @@ class _Tomorrow(dt.datetime):
 
 
 @pytest.mark.parametrize("name", ["llama3.2", "mistral-small-3.2"])
-def test_a_template_that_writes_todays_date_still_appends_after_midnight(name, monkeypatch):
+def test_a_template_that_writes_todays_date_still_appends_after_midnight(name, monkeypatch, real_chat_templates):
     """The start-up suffix check renders the base conversation with today's date in its system prompt; a run that
     goes past midnight must still append tool turns (not stop on 'not append-only')."""
     import transformers.utils.chat_template_utils as ctu
@@ -46,7 +46,7 @@ def test_the_sdist_is_checked_and_a_wrong_file_fails(tmp_path, monkeypatch):
         real_templates._fetch_sdist(tmp_path)
 
 
-def test_qwen3_coder_calls_read_back_typed_by_the_tools_schema(calc_runner):
+def test_qwen3_coder_calls_read_back_typed_by_the_tools_schema(calc_runner, real_chat_templates):
     """Qwen3-Coder's template writes every scalar argument as bare text (`123` for the string "123" and for the
     number): the tool's schema says which it is."""
     from hybrid_rl.rollout.tool_calls import get_parser, typed

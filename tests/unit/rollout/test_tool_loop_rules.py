@@ -59,7 +59,7 @@ def _play(tok, turns, calc_runner, limits):
     ("devstral", '[TOOL_CALLS]calc[ARGS]{"a": 2, "b": 3}', "[TOOL_RESULTS]5[/TOOL_RESULTS]"),
     ("mistral-v3", '[TOOL_CALLS][{"name": "calc", "arguments": {"a": 2, "b": 3}}]',
      '[TOOL_RESULTS]{"content": 5, "call_id": "call00000"}[/TOOL_RESULTS]')])
-def test_mistral_tool_messages_carry_an_id_its_template_accepts(name, call, result, calc_runner):
+def test_mistral_tool_messages_carry_an_id_its_template_accepts(name, call, result, calc_runner, real_chat_templates):
     tok = tokenizer_for(name)
     eot = tok.convert_tokens_to_ids("</s>")
     turn1, turn2 = _enc(tok, call) + [eot], _enc(tok, "5") + [eot]
@@ -210,7 +210,7 @@ def test_the_newer_call_formats_read_calls_and_report_malformed_ones():
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_each_family_is_detected_and_its_probe_exchange_renders(name):
+def test_each_family_is_detected_and_its_probe_exchange_renders(name, real_chat_templates):
     tok = tokenizer_for(name)
     family = FAMILIES[FAMILY_OF[name]]
     assert detect_family(tok.chat_template) == family

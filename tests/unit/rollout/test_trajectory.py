@@ -52,7 +52,7 @@ def _play(tok, turns, calc_runner, *, budget=512, max_turns=4):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_trained_ids_are_the_engines_and_the_mask_is_the_models_tokens(name, calc_runner):
+def test_trained_ids_are_the_engines_and_the_mask_is_the_models_tokens(name, calc_runner, real_chat_templates):
     tok = tokenizer_for(name)
     family = FAMILIES[FAMILY_OF[name]]
     assert detect_family(tok.chat_template) == family

@@ -39,7 +39,7 @@ class ScriptedServer:
 
 
 @pytest.fixture
-def endpoint_for():
+def endpoint_for(real_chat_templates):
     made = []
 
     def make(name, family, eot, replies):
