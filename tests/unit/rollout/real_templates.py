@@ -27,6 +27,7 @@ $HR_LLAMA_CPP_SDIST may name a local copy of the sdist (its sha256 is checked al
 from __future__ import annotations
 
 import copy
+import fcntl
 import functools
 import hashlib
 import json
@@ -71,6 +72,7 @@ TOKENIZERS = {
 }
 _V11_EXTRA = ["[ARGS]", "[CALL_ID]"]
 _DONE = ".built"
+_BUILD = 1  # raised when the way the tokenizers are built changes
 
 
 def cache_dir() -> Path:
@@ -128,12 +130,18 @@ def _edit_vocab(tok, tokens: dict[int, str], special: bool):
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)))
 
 
-def _build_tokenizer(name: str, files: Path, out: Path) -> None:
+@functools.cache
+def _from_gguf(files: Path, source: str):
+    """The tokenizer of a GGUF file (read once: reading 150k tokens through `gguf` takes most of the build)."""
     from transformers import AutoTokenizer
 
+    return AutoTokenizer.from_pretrained(files, gguf_file=source)
+
+
+def _build_tokenizer(name: str, files: Path, out: Path) -> None:
     source, tokens, special, bos, eos = TOKENIZERS[name]
     if source.endswith(".gguf"):
-        tok = _edit_vocab(AutoTokenizer.from_pretrained(files, gguf_file=source), tokens, special)
+        tok = _edit_vocab(_from_gguf(files, source), tokens, special)
     else:
         import mistral_common
         from transformers.integrations.mistral import convert_tekken_tokenizer
@@ -145,21 +153,38 @@ def _build_tokenizer(name: str, files: Path, out: Path) -> None:
     tok.save_pretrained(out)
 
 
+def _marker() -> dict:
+    """What a finished build holds: a cache built from other settings is rebuilt."""
+    return {"sdist": SDIST, "sha256": SHA256, "templates": TEMPLATES, "tokenizers": sorted(TOKENIZERS),
+            "build": _BUILD}
+
+
+def _is_built(out: Path) -> bool:
+    return (out / _DONE).exists() and json.loads((out / _DONE).read_text()) == _marker()
+
+
 def build(force: bool = False) -> Path:
-    """The cache folder: the templates (`<file>.jinja`) and one tokenizer folder per `TOKENIZERS` entry."""
+    """The cache folder: the templates (`<file>.jinja`) and one tokenizer folder per `TOKENIZERS` entry. Built under
+    a file lock: the test workers of one `make test` (pytest-xdist) may all ask for it at once."""
     out = cache_dir()
-    if (out / _DONE).exists() and not force:
+    if _is_built(out) and not force:
         return out
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        _extract(_fetch_sdist(Path(tmp)), out)
-    for name in TOKENIZERS:
-        _build_tokenizer(name, out, out / "tokenizers" / name)
-    for vocab in VOCABS:  # built into the tokenizers: the GGUF files are not needed again
-        (out / vocab).unlink()
-    (out / _DONE).write_text(json.dumps({"sdist": SDIST, "sha256": SHA256}) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with (out.parent / f"{out.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (or the process dies)
+        if _is_built(out) and not force:  # another worker built it while this one waited
+            return out
+        if out.exists():
+            shutil.rmtree(out)
+        out.mkdir()
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            _extract(_fetch_sdist(Path(tmp)), out)
+        for name in TOKENIZERS:
+            _build_tokenizer(name, out, out / "tokenizers" / name)
+        _from_gguf.cache_clear()
+        for vocab in VOCABS:  # built into the tokenizers: the GGUF files are not needed again
+            (out / vocab).unlink()
+        (out / _DONE).write_text(json.dumps(_marker()) + "\n")
     return out
 
 
