@@ -1,6 +1,7 @@
 """What the models' own chat templates do that a hand-written mirror did not, and the source they come from: templates
-that write today's date (Llama 3.2, Mistral Small 3.2) keep appending tool turns after the date changes; the real
-templates are fetched from a pinned, checked sdist, and a wrong file fails loudly."""
+that write today's date (Llama 3.2, Mistral Small 3.2) keep appending tool turns after the date changes; Qwen3-Coder's
+bare-text arguments are typed by the tool's schema; the templates come from a pinned sdist whose sha256 is checked,
+and a wrong file or a failed download fails the tests (never skips them)."""
 
 from __future__ import annotations
 
@@ -77,3 +78,10 @@ def test_qwen3_coder_calls_read_back_typed_by_the_tools_schema(calc_runner, real
     # JSON formats say their types themselves: nothing to change
     (hermes,) = get_parser("hermes")('<tool_call>{"name": "echo", "arguments": {"text": 123}}</tool_call>')
     assert typed(hermes, schemas) == hermes
+
+
+def test_a_failed_download_raises_and_names_the_source(tmp_path, monkeypatch):
+    monkeypatch.delenv("HR_LLAMA_CPP_SDIST", raising=False)
+    monkeypatch.setattr(real_templates, "URL", "http://127.0.0.1:9/llama_cpp_python.tar.gz")  # nothing listens
+    with pytest.raises(RuntimeError, match="could not download http://127.0.0.1:9/.*from PyPI"):
+        real_templates._fetch_sdist(tmp_path)
