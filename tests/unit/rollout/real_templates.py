@@ -72,7 +72,7 @@ TOKENIZERS = {
 }
 _V11_EXTRA = ["[ARGS]", "[CALL_ID]"]
 _DONE = ".built"
-_BUILD = 1  # raised when the way the tokenizers are built changes
+_BUILD = 2  # raised when the way the tokenizers are built changes
 
 
 def cache_dir() -> Path:
@@ -123,7 +123,8 @@ def _edit_vocab(tok, tokens: dict[int, str], special: bool):
     for i, new in tokens.items():
         spec["model"]["vocab"].pop(by_id[i])
         spec["model"]["vocab"][new] = i
-    added = [a for a in spec["added_tokens"] if a["id"] not in tokens]
+    # (transformers' GGUF reader appends an <|endoftext|> past Llama 3's vocabulary, which the model has not)
+    added = [a for a in spec["added_tokens"] if a["id"] not in tokens and a["id"] < len(spec["model"]["vocab"])]
     added += [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
                "special": special} for i, t in tokens.items()]
     spec["added_tokens"] = sorted(added, key=lambda a: a["id"])
