@@ -124,6 +124,16 @@ def smollm2() -> str:
     return str(build_smollm2(cache / "SmolLM2-135M-Instruct"))
 
 
+@pytest.fixture(scope="session")
+def real_chat_templates() -> Path:
+    """The models' own chat templates and real tokenizers of their families (`tests/unit/rollout/real_templates.py`):
+    fetched from PyPI's pinned llama-cpp-python sdist and built once into $HR_MODEL_CACHE (default
+    ~/.cache/hybrid_rl), a few minutes the first time, reused across sessions; a failed download fails the test."""
+    from tests.unit.rollout.real_templates import built
+
+    return built()
+
+
 def run_torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: int = 900, tmp_path: Path) -> dict:
     """Launch `script` under `torchrun --nproc_per_node=nproc`; return the JSON its rank 0 wrote.
 

@@ -166,16 +166,21 @@ class ToolSuffix:
                                 f"{type(e).__name__}: {e}") from e
 
     def text(self, messages: Sequence[Message]) -> str:
-        """The text the template adds after a finished assistant turn for `messages` and the next generation prompt."""
-        full = self._render([*self.family.base, *messages], generation_prompt=True)
-        if not full.startswith(self.base_text):
-            at = next((i for i, (a, b) in enumerate(zip(self.base_text, full, strict=False)) if a != b),
-                      len(full))
-            raise TemplateError(
-                "the chat template is not append-only: adding tool messages changes the earlier turns' text at char "
-                f"{at} ({self.base_text[at:at + 40]!r} becomes {full[at:at + 40]!r}), so the trainer would see text the "
-                "engine never saw. Use a template that renders earlier turns the same whatever follows.")
-        return full[len(self.base_text):]
+        """The text the template adds after a finished assistant turn for `messages` and the next generation prompt.
+
+        The base is rendered again with the messages, not taken from start-up: templates that write today's date
+        (Llama 3.2's, Mistral Small 3.2's) render it differently once the date changes, and a run goes on past
+        midnight. A second try covers the date changing between the two renderings."""
+        for _ in range(2):
+            full = self._render([*self.family.base, *messages], generation_prompt=True)
+            base = self._render(self.family.base, generation_prompt=False)
+            if full.startswith(base):
+                return full[len(base):]
+        at = next((i for i, (a, b) in enumerate(zip(base, full, strict=False)) if a != b), len(full))
+        raise TemplateError(
+            "the chat template is not append-only: adding messages after a model turn changes the earlier turns' text at char "
+            f"{at} ({base[at:at + 40]!r} becomes {full[at:at + 40]!r}), so the trainer would see text the engine "
+            "never saw. Use a template that renders earlier turns the same whatever follows.")
 
     def ids(self, messages: Sequence[Message], *, ended: bool) -> list[int]:
         """Context ids after a model turn: its end-of-turn token when the engine did not produce it (`ended`: the

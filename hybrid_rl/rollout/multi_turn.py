@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from hybrid_rl.rollout.chat_template import ToolSuffix
-from hybrid_rl.rollout.tool_calls import ToolCall
+from hybrid_rl.rollout.tool_calls import ToolCall, typed
 from hybrid_rl.rollout.tools._worker import ERROR, INFRA, TIMEOUT
 from hybrid_rl.rollout.tools.runner import ToolRequest, ToolResult, ToolRunner
 from hybrid_rl.rollout.tools.spec import RESPOND
@@ -155,7 +155,7 @@ class ToolLoop:
         # special tokens kept (Mistral's [TOOL_CALLS] is one), the end-of-turn token not
         text = self.tokenizer.decode(list(g.token_ids)[: -1 if ended else None], skip_special_tokens=False)
         answer = self.suffix.family.answer_text(text)
-        calls = self.parser(answer)  # a call inside the reasoning is a thought
+        calls = [typed(c, self.suffix.tools) for c in self.parser(answer)]  # a call inside the reasoning is a thought
         # past max_tool_calls the calls are still answered (with the limit's error), so the model learns the limit
         if t.turns >= lim.max_turns or not (calls or self.user_turns):
             t.done = True

@@ -10,8 +10,8 @@ from __future__ import annotations
 import ast
 import json
 import re
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hybrid_rl.rewards.names import import_object
@@ -23,6 +23,24 @@ class ToolCall:
     arguments: dict[str, Any] = field(default_factory=dict)
     error: str = ""  # set: the call could not be read (malformed); name may be empty
     id: str = ""  # the id the model wrote for the call, in formats that have one (Mistral's)
+    # Each argument's text as written, in formats that write values as bare text (Qwen3-Coder's XML, where `5` is
+    # the number or the string): `typed` reads them by the tool's schema.
+    written: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+
+
+def typed(call: ToolCall, schemas: Sequence[dict] | None) -> ToolCall:
+    """`call` with the values of a bare-text format typed by its tool's JSON schema: an argument the schema declares a
+    string keeps the text written (`123` stays "123"); the others keep their JSON reading. Calls of JSON formats,
+    whose values carry their types, come back as they are."""
+    if not call.written or call.error:
+        return call
+    fn = next((s.get("function", s) for s in schemas or () if s.get("function", s).get("name") == call.name), {})
+    params = fn.get("parameters", {}).get("properties", {})
+    args = dict(call.arguments)
+    for key, text in call.written:
+        if params.get(key, {}).get("type") == "string":
+            args[key] = text
+    return replace(call, arguments=args)
 
 
 def _from_json(text: str, args_key: str = "arguments") -> ToolCall:
@@ -127,14 +145,15 @@ def _xml_value(text: str) -> Any:
 
 def qwen3_coder(text: str) -> list[ToolCall]:
     """Qwen3-Coder's XML calls: `<tool_call><function=name><parameter=key>value</parameter>...</function></tool_call>`
-    (values as written: text, or JSON for numbers and structures)."""
+    (values read as JSON where they are, else as text; `typed` then types them by the tool's schema)."""
     calls = []
     for block in _HERMES.findall(text):
         m = _XML_FUNCTION.search(block)
         if m is None:
             calls.append(ToolCall("", error=f"a tool call must hold <function=name>...</function>, got {block[:200]!r}"))
             continue
-        calls.append(ToolCall(m.group(1), {k: _xml_value(v) for k, v in _XML_PARAMETER.findall(m.group(2))}))
+        written = tuple(_XML_PARAMETER.findall(m.group(2)))
+        calls.append(ToolCall(m.group(1), {k: _xml_value(v) for k, v in written}, written=written))
     return calls
 
 

@@ -40,7 +40,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from hybrid_rl.rollout.chat_template import TemplateError, TemplateFamily, ToolSuffix
-from hybrid_rl.rollout.tool_calls import get_format
+from hybrid_rl.rollout.tool_calls import get_format, typed
 from hybrid_rl.sidecar.completions import CompletionClient, Router
 from hybrid_rl.sidecar.stitch import RecordedCall
 from hybrid_rl.sidecar.vllm_server import SERVED_MODEL
@@ -153,7 +153,7 @@ class ChatEndpoint:
                 # the ids up to the one that completed the stop string: what the server sampled, kept whole
                 ids, logprobs, versions, finish = ids[:cut], logprobs[:cut], versions[:cut], "stop"
             ended = bool(ids) and ids[-1] == suffix.end_of_turn_id
-            message = self._message(ids, ended, stop, ep.tool_calls)
+            message = self._message(ids, ended, stop, ep.tool_calls, tools)
             ep.calls.append(RecordedCall(prompt, ids, logprobs, versions))
             ep.messages = [*messages]
             ep.reply, ep.ended = message["content"], ended
@@ -166,7 +166,8 @@ class ChatEndpoint:
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
                           "total_tokens": len(prompt) + len(ids)}}
 
-    def _message(self, ids: list[int], ended: bool, stop: list[str], calls_before: int) -> dict:
+    def _message(self, ids: list[int], ended: bool, stop: list[str], calls_before: int,
+                 tools: list[dict] | None) -> dict:
         """The OpenAI assistant message of a reply: its text (before the first stop string), and the tool calls the
         family's format reads in it (then `content` is the text without them, as the format writes it)."""
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -174,7 +175,7 @@ class ChatEndpoint:
             text = text[:min(at)]
         # special tokens kept (Mistral's [TOOL_CALLS] is one), the end-of-turn token not
         raw = self.tokenizer.decode(ids[: -1 if ended else None], skip_special_tokens=False)
-        calls = [c for c in self.format.parse(self.family.answer_text(raw)) if not c.error]
+        calls = [typed(c, tools) for c in self.format.parse(self.family.answer_text(raw)) if not c.error]
         if not calls:
             return {"role": "assistant", "content": text}
         return {"role": "assistant", "content": self.format.content(raw),

@@ -15,6 +15,7 @@ from hybrid_rl.rollout.tool_calls import hermes
 from hybrid_rl.rollout.tools import EnvironmentReward, ToolRunner, load_environment
 from hybrid_rl.rollout.trajectory import Trajectory
 from hybrid_rl.types import Generation
+from tests.unit.rollout.conftest import CALC
 from tests.unit.rollout.templates import tokenizer_for
 
 
@@ -75,3 +76,8 @@ def test_a_template_that_rewrites_earlier_turns_after_a_user_message_is_refused_
     ToolSuffix(tokenizer_for("qwen2.5"), FAMILIES["chatml"], user_turns=True)  # ChatML appends a user turn
     with pytest.raises(TemplateError, match="answers as the user.*not append-only"):
         ToolSuffix(tokenizer_for("qwen3"), FAMILIES["qwen3"], user_turns=True)  # drops the earlier reasoning
+    schemas = [t.schema for t in CALC]
+    ToolSuffix(tokenizer_for("llama3.1"), FAMILIES["llama3"], schemas, user_turns=True)
+    with pytest.raises(TemplateError, match="answers as the user.*not append-only.*AVAILABLE_TOOLS"):
+        # Mistral's real templates write the tools before the last user message: a new one moves them
+        ToolSuffix(tokenizer_for("mistral-nemo"), FAMILIES["mistral"], schemas, user_turns=True)

@@ -2,7 +2,8 @@
 format and a template that refuses a tool exchange stops the run at start-up, naming its family; Qwen3's thinking is
 never executed; a call past `max_tool_calls` in a later turn is answered, not a silent end; a turn cut by
 `max_turn_tokens` is marked; environment methods stuck past their limit cost their trajectory, not the rollout; the
-overlong penalty counts the model's own tokens. The templates mirror the real ones' rules (`templates.py`)."""
+overlong penalty counts the model's own tokens. Each runs on the models' own templates and real tokenizers of their
+families (`templates.py`)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from hybrid_rl.rollout.tools._worker import INFRA, OK
 from hybrid_rl.rollout.trajectory import Trajectory
 from hybrid_rl.types import Generation, Scores
 from tests.unit.rollout.conftest import CALC
-from tests.unit.rollout.templates import CALL_TEXT, SMOLLM2, tokenizer_for
+from tests.unit.rollout.templates import CALL_TEXT, FAMILY_OF, NAMES, tokenizer_for
 
 SCHEMAS = [t.schema for t in CALC]
 
@@ -50,28 +51,37 @@ def _play(tok, turns, calc_runner, limits):
     return traj, seen
 
 
-def test_mistral_tool_messages_carry_an_id_its_template_accepts(calc_runner):
-    tok = tokenizer_for("mistral")
+# A call as the model writes it without an id of its own, and what the template writes for its result
+@pytest.mark.parametrize(("name", "call", "result"), [
+    ("mistral-nemo", '[TOOL_CALLS][{"name": "calc", "arguments": {"a": 2, "b": 3}}]',
+     '[TOOL_RESULTS]{"content": 5, "call_id": "call00000"}[/TOOL_RESULTS]'),
+    ("mistral-small-3.2", '[TOOL_CALLS]calc[ARGS]{"a": 2, "b": 3}', "[TOOL_RESULTS]call00000[TOOL_CONTENT]5[/TOOL_RESULTS]"),
+    ("devstral", '[TOOL_CALLS]calc[ARGS]{"a": 2, "b": 3}', "[TOOL_RESULTS]5[/TOOL_RESULTS]"),
+    ("mistral-v3", '[TOOL_CALLS][{"name": "calc", "arguments": {"a": 2, "b": 3}}]',
+     '[TOOL_RESULTS]{"content": 5, "call_id": "call00000"}[/TOOL_RESULTS]')])
+def test_mistral_tool_messages_carry_an_id_its_template_accepts(name, call, result, calc_runner, real_chat_templates):
+    tok = tokenizer_for(name)
     eot = tok.convert_tokens_to_ids("</s>")
-    turn1 = _enc(tok, CALL_TEXT["mistral"]) + [eot]
-    traj, seen = _play(tok, [turn1, _enc(tok, "5") + [eot]], calc_runner, TurnLimits(3, 3, 64, 512))
+    turn1, turn2 = _enc(tok, call) + [eot], _enc(tok, "5") + [eot]
+    traj, seen = _play(tok, [turn1, turn2], calc_runner, TurnLimits(3, 3, 64, 512))
     assert traj.turns == 2 and traj.log[0]["status"] == "ok" and not traj.infra_failed
-    context = tok.decode(traj.response_ids[len(turn1): len(traj.response_ids) - 2])
-    assert '"call_id": "call00000"' in context and '"content": "5"' in context
+    assert tok.decode(traj.response_ids[len(turn1): len(traj.response_ids) - len(turn2)]) == result
 
 
 def test_the_models_own_mistral_call_id_is_the_tool_messages():
     calls = get_parser("mistral")('[TOOL_CALLS] [{"name": "calc", "arguments": {"a": 1}, "id": "Ab3dE6gH9"}]')
     assert calls == [ToolCall("calc", {"a": 1}, id="Ab3dE6gH9")]
-    suffix = ToolSuffix(tokenizer_for("mistral"), FAMILIES["mistral"], SCHEMAS)
+    suffix = ToolSuffix(tokenizer_for("mistral-nemo"), FAMILIES["mistral"], SCHEMAS)
     assert suffix.tool_message(calls[0], "5", 4)["tool_call_id"] == "Ab3dE6gH9"
     assert suffix.tool_message(ToolCall("calc", id="short"), "5", 4)["tool_call_id"] == "call00004"
 
 
 def test_a_template_that_refuses_a_tool_exchange_stops_the_run_at_start_naming_its_family():
     tok = tokenizer_for("smollm2")
-    tok.chat_template = SMOLLM2.replace("{%- for m in messages %}", "{%- for m in messages %}{%- if m.role == 'tool' %}"
-                                        "{{ raise_exception('tool messages need a tool_call_id') }}{%- endif %}")
+    loop = "{% for message in messages %}"
+    assert loop in tok.chat_template
+    tok.chat_template = tok.chat_template.replace(loop, loop + "{% if message['role'] == 'tool' %}"
+                                                  "{{ raise_exception('tool messages need a tool_call_id') }}{% endif %}")
     with pytest.raises(TemplateError, match="chatml.*tool exchange.*tool messages need a tool_call_id"):
         ToolSuffix(tok, FAMILIES["chatml"], SCHEMAS)
 
@@ -199,14 +209,13 @@ def test_the_newer_call_formats_read_calls_and_report_malformed_ones():
     assert get_parser("mistral_args")("[TOOL_CALLS]calc{}")[0].error
 
 
-@pytest.mark.parametrize(("name", "family"), [("smollm2-real", "chatml"), ("qwen3-coder", "qwen3_coder"),
-                                              ("llama4", "llama4"),
-                                              ("mistral-v3", "mistral"), ("mistral-v7", "mistral"),
-                                              ("mistral-v11", "mistral_args"), ("mistral-v13", "mistral_args")])
-def test_each_family_is_detected_and_its_probe_exchange_renders(name, family):
+@pytest.mark.parametrize("name", NAMES)
+def test_each_family_is_detected_and_its_probe_exchange_renders(name, real_chat_templates):
     tok = tokenizer_for(name)
-    assert detect_family(tok.chat_template) == FAMILIES[family]
-    ToolSuffix(tok, FAMILIES[family], SCHEMAS)  # renders the probe tool exchange through the template
+    family = FAMILIES[FAMILY_OF[name]]
+    assert detect_family(tok.chat_template) == family
+    suffix = ToolSuffix(tok, family, SCHEMAS)  # renders the probe tool exchange through the template
+    assert "ok" in suffix.text([suffix.tool_message(ToolCall("probe"), "ok", 0)])
 
 
 def test_the_sidecars_tool_batcher_serves_the_tool_loop_like_the_runner():

@@ -1,7 +1,8 @@
-"""Multi-turn trajectories as token ids, for each supported chat-template family: the ids trained are, id for id,
-those the engine saw; the loss mask covers exactly the model's tokens; boundary tokens are context; a template that
-rewrites earlier turns is refused with a clear error. The engine is scripted (token ids per turn); the tools run in
-the real tool runner."""
+"""Multi-turn trajectories as token ids, for each supported chat-template family, on the models' own templates and
+real tokenizers where available (`templates.py`): the ids trained are, id for id, those the engine saw and those the
+template gives for the whole conversation; the loss mask covers exactly the model's tokens; boundary tokens are
+context; a template that rewrites earlier turns is refused with a clear error. The engine is scripted (token ids
+per turn); the tools run in the real tool runner."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import torch
 
 from hybrid_rl.rollout.chat_template import FAMILIES, TemplateError, ToolSuffix, detect_family
 from hybrid_rl.rollout.multi_turn import ToolLoop, TurnLimits
-from hybrid_rl.rollout.tool_calls import ToolCall, get_parser
+from hybrid_rl.rollout.tool_calls import get_parser
 from hybrid_rl.rollout.trajectory import Trajectory
 from hybrid_rl.types import Generation
 from tests.unit.rollout.conftest import CALC
-from tests.unit.rollout.templates import CALL_TEXT, FAMILY_OF, tokenizer_for
+from tests.unit.rollout.templates import CALL_TEXT, FAMILY_OF, NAMES, call_message, call_text, tokenizer_for
 
 SCHEMAS = [t.schema for t in CALC]
 
@@ -50,14 +51,13 @@ def _play(tok, turns, calc_runner, *, budget=512, max_turns=4):
     return traj, engine, suffix
 
 
-@pytest.mark.parametrize("name", ["qwen2.5", "smollm2", "smollm2-real", "qwen3", "llama3", "mistral", "qwen3-coder",
-                                  "llama4", "mistral-v3", "mistral-v7", "mistral-v11", "mistral-v13"])
-def test_trained_ids_are_the_engines_and_the_mask_is_the_models_tokens(name, calc_runner):
+@pytest.mark.parametrize("name", NAMES)
+def test_trained_ids_are_the_engines_and_the_mask_is_the_models_tokens(name, calc_runner, real_chat_templates):
     tok = tokenizer_for(name)
     family = FAMILIES[FAMILY_OF[name]]
     assert detect_family(tok.chat_template) == family
     eot = tok.convert_tokens_to_ids(family.end_of_turn)
-    turn1 = _enc(tok, CALL_TEXT[family.name]) + [eot]
+    turn1 = _enc(tok, call_text(name)) + [eot]
     final = ("<think>\nit is 5\n</think>\n\n" if family.name == "qwen3" else "") + "The answer is 5."
     turn2 = _enc(tok, final) + [eot]
     traj, engine, suffix = _play(tok, [turn1, turn2], calc_runner)
@@ -76,15 +76,16 @@ def test_trained_ids_are_the_engines_and_the_mask_is_the_models_tokens(name, cal
     assert ctx_ids[: len(suffix.boundary_ids)] == suffix.boundary_ids
     assert "5" in tok.decode(ctx_ids) and traj.log[0]["status"] == "ok"
 
-    # The same conversation rendered as text by the template (what a re-tokenising trainer would start from):
-    text = tok.decode(full)
-    call_message = {"role": "assistant", "content": CALL_TEXT[family.name]}
-    rendered = tok.apply_chat_template([{"role": "user", "content": "what is 2 + 3?"}, call_message,
+    # The same conversation as an agent's history (the call in the OpenAI format), rendered by the template and
+    # tokenized whole: the same text, and the same ids.
+    (call,) = get_parser(family.parser)(family.answer_text(call_text(name)))
+    rendered = tok.apply_chat_template([{"role": "user", "content": "what is 2 + 3?"}, call_message(name),
                                         {"role": "tool", "name": "calc", "content": "5",
-                                         "tool_call_id": family.call_id(ToolCall("calc"), 0)},
+                                         "tool_call_id": family.call_id(call, 0)},
                                         {"role": "assistant", "content": final}], tools=SCHEMAS,
                                        tokenize=False)
-    assert text + family.after_turn == rendered
+    assert tok.decode(full) + family.after_turn == rendered
+    assert full + suffix.boundary_ids == _enc(tok, rendered)
 
 
 def test_boundary_tokens_the_model_did_not_sample_are_context():

@@ -11,10 +11,11 @@ import pytest
 import requests
 
 from hybrid_rl.rollout.chat_template import FAMILIES
+from hybrid_rl.rollout.tool_calls import get_parser
 from hybrid_rl.sidecar.chat_endpoint import ChatEndpoint
 from hybrid_rl.sidecar.completions import Router
 from hybrid_rl.types import Generation, Sampling
-from tests.unit.rollout.templates import CALL_TEXT, QWEN3, tokenizer_for
+from tests.unit.rollout.templates import call_text, tokenizer_for
 
 TOOL = {"type": "function", "function": {"name": "calc", "description": "Add.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
@@ -38,7 +39,7 @@ class ScriptedServer:
 
 
 @pytest.fixture
-def endpoint_for():
+def endpoint_for(real_chat_templates):
     made = []
 
     def make(name, family, eot, replies):
@@ -58,7 +59,9 @@ def _post(url, **body):
     return requests.post(f"{url}/chat/completions", json={"model": "policy", **body}, timeout=30)
 
 
-@pytest.mark.parametrize(("name", "family", "eot"), [("qwen3", "qwen3", "<|im_end|>"), ("mistral", "mistral", "</s>"),
+@pytest.mark.parametrize(("name", "family", "eot"), [("qwen3", "qwen3", "<|im_end|>"),
+                                                     ("mistral-nemo", "mistral", "</s>"),
+                                                     ("mistral-small-3.2", "mistral_args", "</s>"),
                                                      ("mistral-v3", "mistral", "</s>")])
 def test_a_user_follow_up_is_rendered_whole_not_refused(endpoint_for, name, family, eot):
     ep, server, tok, url = endpoint_for(name, family, eot, ["first answer", "second answer"])
@@ -75,7 +78,7 @@ def test_a_user_follow_up_is_rendered_whole_not_refused(endpoint_for, name, fami
 
 
 def test_an_error_raised_by_the_chat_template_is_a_400(endpoint_for):
-    _, _, _, url = endpoint_for("mistral", "mistral", "</s>", ["x"])
+    _, _, _, url = endpoint_for("mistral-nemo", "mistral", "</s>", ["x"])
     r = _post(url, messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},
                              {"role": "tool", "content": "5"}])  # no tool_call_id: the template raises
     assert r.status_code == 400 and "Tool call IDs" in r.json()["error"]["message"]
@@ -94,24 +97,37 @@ def test_stop_cuts_the_reply_and_its_recorded_ids(endpoint_for):
 def test_chat_template_kwargs_reach_the_template(endpoint_for):
     ep, server, tok, url = endpoint_for("qwen3", "qwen3", "<|im_end|>", ["4"])
     # the generation prompt of a non-thinking turn, as Qwen3's own template writes it
-    tok.chat_template = QWEN3 + ("{%- if add_generation_prompt and enable_thinking is defined and not enable_thinking"
-                                 " %}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}")
     r = _post(url, messages=[{"role": "user", "content": "2+2?"}], chat_template_kwargs={"enable_thinking": False})
     assert r.status_code == 200, r.text
     assert tok.decode(server.prompts[0]).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
 @pytest.mark.parametrize(("name", "family", "eot"), [
-    ("qwen2.5", "chatml", "<|im_end|>"), ("mistral-v3", "mistral", "</s>"), ("llama3", "llama3", "<|eot_id|>"),
-    ("qwen3-coder", "qwen3_coder", "<|im_end|>"), ("llama4", "llama4", "<|eot|>"),
+    ("qwen2.5", "chatml", "<|im_end|>"), ("qwen3", "qwen3", "<|im_end|>"), ("mistral-nemo", "mistral", "</s>"),
+    ("mistral-v3", "mistral", "</s>"), ("llama3.1", "llama3", "<|eot_id|>"), ("llama3.2", "llama3", "<|eot_id|>"),
+    ("qwen3-coder", "qwen3_coder", "<|im_end|>"), ("llama4-mirror", "llama4", "<|eot|>"),
+    ("mistral-small-3.2", "mistral_args", "</s>"), ("devstral", "mistral_args", "</s>"),
     ("mistral-v13", "mistral_args", "</s>")])
 def test_tool_calls_come_back_parsed_in_the_openai_format(endpoint_for, name, family, eot):
     prose = family in ("chatml", "qwen3_coder")  # formats where text may come before the calls
-    ep, _, _, url = endpoint_for(name, family, eot, ["Let me add. " * prose + CALL_TEXT[family]])
+    ep, _, _, url = endpoint_for(name, family, eot, ["Let me add. " * prose + call_text(name)])
     r = _post(url, messages=[{"role": "user", "content": "2+3?"}], tools=[TOOL])
     choice = r.json()["choices"][0]
     (call,) = choice["message"]["tool_calls"]
     assert call["type"] == "function" and call["function"]["name"] == "calc"
     assert json.loads(call["function"]["arguments"]) == {"a": 2, "b": 3}
-    assert call["id"] == FAMILIES[family].call_id_format.format(k=0) and choice["finish_reason"] == "tool_calls"
-    assert choice["message"]["content"] == ("Let me add." if prose else "")
+    (parsed,) = get_parser(FAMILIES[family].parser)(FAMILIES[family].answer_text(call_text(name)))
+    assert call["id"] == FAMILIES[family].call_id(parsed, 0) and choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == ("Let me add." if prose else "<think>\nadd them\n</think>"
+                                            if family == "qwen3" else "")
+
+
+def test_a_qwen3_coder_string_argument_comes_back_a_string(endpoint_for):
+    """The XML format writes the string "123" as bare 123; the request's tool schema says it is a string."""
+    echo = {"type": "function", "function": {"name": "echo", "description": "Echo.", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string"}}}}}
+    reply = "<tool_call>\n<function=echo>\n<parameter=text>\n123\n</parameter>\n</function>\n</tool_call>"
+    _, _, _, url = endpoint_for("qwen3-coder", "qwen3_coder", "<|im_end|>", [reply])
+    r = _post(url, messages=[{"role": "user", "content": "say 123"}], tools=[echo, TOOL])
+    (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"text": "123"}
