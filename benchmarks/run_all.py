@@ -22,8 +22,9 @@ import common  # noqa: E402
 # Cheapest first: a broken environment shows up in seconds, not after the vLLM benchmarks.
 BENCHMARKS = ["rewards", "startup", "packing", "overhead", "throughput", "reshard", "checkpoint_engine", "scaling",
               "vs_trl", "async", "scale", "lora_sync", "time_to_reward", "tools", "distill", "speculative",
-              "prefix_share"]
-FULL_ONLY = {"scale", "async", "lora_sync", "time_to_reward", "tools", "distill", "speculative"}  # minutes per run: not in `make bench` (--quick)
+              "prefix_share", "moe_step"]
+FULL_ONLY = {"scale", "async", "lora_sync", "time_to_reward", "tools", "distill", "speculative",
+             "moe_step"}  # minutes per run: not in `make bench` (--quick)
 # the other .py files here: libraries of the benchmarks, not benchmarks
 HELPERS = {"common", "qwen_shapes", "run_all", "profile_phases", "distill_kd", "slow_tools"}
 

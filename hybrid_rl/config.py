@@ -44,8 +44,9 @@ class LoraConfig:
 @dataclass
 class MoeConfig:
     # Routing replay for a mixture of experts: rollout (R3: the trainer's forwards use the experts vLLM chose),
-    # old (R2: the update uses the experts of the trainer's own old-log-prob pass) or none. Dense models ignore it
-    router_replay: str = choice("rollout", "old", "none")
+    # old (R2: the update uses the experts of the trainer's own old-log-prob pass) or none; auto: rollout colocated,
+    # old in sidecar mode (its vLLM servers return no routes). Dense models ignore it
+    router_replay: str = choice("auto", "rollout", "old", "none")
 
 
 @dataclass
@@ -381,6 +382,7 @@ def load_config(config_name: str, overrides: list[str], *, platform: str | None 
     obj = _drop_hydra(obj)
     validate(obj)
     resolve_dtypes(obj, platform or local_platform())
+    resolve_router_replay(obj)
     return obj
 
 
@@ -420,6 +422,27 @@ def resolve_dtypes(cfg: Config, platform: str, *, has_bf16: bool | None = None) 
         logging.getLogger(__name__).warning(
             "%s=auto: float32, since this CPU has no bf16 instructions (AVX512-BF16 or AMX) and would emulate bf16, "
             "several times slower; set %s=bfloat16 to have it anyway", " and ".join(resolved), resolved[0])
+
+
+def resolve_router_replay(cfg: Config) -> None:
+    """`model.moe.router_replay=auto` -> `rollout` (R3) colocated; in sidecar mode `old` (R2: its vLLM servers do
+    not return the experts they chose), said once, on rank 0's log; a dense model has no routes: `none`."""
+    from hybrid_rl.model.families import is_moe_folder
+
+    moe = cfg.model.moe
+    if moe.router_replay != "auto":
+        return
+    if not is_moe_folder(cfg.model.path):
+        moe.router_replay = "none"
+    elif cfg.rollout.mode == "sidecar":
+        moe.router_replay = "old"
+        if int(os.environ.get("RANK", 0)) == 0:
+            logging.getLogger(__name__).warning(
+                "model.moe.router_replay=auto: old in sidecar mode (the update replays the experts of the trainer's "
+                "own old-log-prob pass): the vLLM servers do not return the experts they chose, which rollout "
+                "replay needs (rollout.mode=colocated has it)")
+    else:
+        moe.router_replay = "rollout"
 
 
 def check_override(override: str) -> None:
@@ -609,8 +632,8 @@ MOE_LORA_TARGETS = {"q_proj", "k_proj", "v_proj", "o_proj"}  # LoRA on a mixture
 
 
 def _validate_moe(cfg: Config) -> None:
-    """What a mixture of experts cannot do yet: `rollout` replay needs the experts vLLM chose, which only the
-    colocated engine captures so far; LoRA adapts the attention projections only, synced merged."""
+    """What a mixture of experts cannot do yet: `rollout` replay (asked for by name; `auto` falls back to `old`)
+    needs the experts vLLM chose, which only the colocated engine captures so far; LoRA adapts the attention projections only, synced merged."""
     from hybrid_rl.model.families import is_moe_folder
 
     if not is_moe_folder(cfg.model.path):
@@ -618,7 +641,8 @@ def _validate_moe(cfg: Config) -> None:
     if cfg.model.moe.router_replay == "rollout" and cfg.rollout.mode == "sidecar":
         raise ConfigError("model.moe.router_replay=rollout is not supported with rollout.mode=sidecar: the vLLM "
                           "servers do not return the experts they chose; use rollout.mode=colocated, or "
-                          "model.moe.router_replay=old (replay the trainer's own old-log-prob pass) or none")
+                          "model.moe.router_replay=old (replay the trainer's own old-log-prob pass), auto (old in "
+                          "sidecar mode) or none")
     lora = cfg.model.lora
     if lora.rank and (set(lora.target_modules) - MOE_LORA_TARGETS or lora.sync != "merged"):
         raise ConfigError(

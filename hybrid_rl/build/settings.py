@@ -71,9 +71,12 @@ def prefix_share(cfg: Config) -> bool:
 
 def router_replay(cfg: Config) -> str:
     """`model.moe.router_replay` for the model at hand: a dense model has no routes, so `none` (a warning when `old`
-    was asked for; the default, `rollout`, is the MoE default and says nothing about a dense model)."""
+    was asked for; `rollout` and the default, `auto`, say nothing about a dense model). `load_config` has resolved
+    `auto` already (`config.resolve_router_replay`); a config built otherwise gets the same choice here, silently."""
     mode = cfg.model.moe.router_replay
     if is_moe_folder(cfg.model.path):
+        if mode == "auto":
+            return "old" if cfg.rollout.mode == "sidecar" else "rollout"
         return mode
     if mode == "old":
         log.warning("model.moe.router_replay=old is ignored: %s is a dense model (no experts to route)",

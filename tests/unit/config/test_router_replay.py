@@ -1,5 +1,6 @@
 """`model.moe.router_replay`: its choices, the trainer's setting for MoE and dense models, and sidecar mode's refusal
-of `rollout` replay (the servers return no routes)."""
+of `rollout` replay asked for by name (the servers return no routes), where the default, `auto`, falls back to `old`
+with one warning."""
 
 import logging
 
@@ -22,8 +23,9 @@ def _cfg(path, *extra):
 
 
 def test_choices_and_default(models):
-    assert set(allowed_values("model.moe.router_replay")) == {"none", "old", "rollout"}
-    assert _cfg(models["qwen3_moe"]).model.moe.router_replay == "rollout"
+    assert set(allowed_values("model.moe.router_replay")) == {"auto", "none", "old", "rollout"}
+    assert _cfg(models["qwen3_moe"]).model.moe.router_replay == "rollout"  # auto, resolved colocated
+    assert _cfg(models["qwen2"]).model.moe.router_replay == "none"
     with pytest.raises(ConfigError, match="model.moe.router_replay"):
         _cfg(models["qwen3_moe"], "model.moe.router_replay=r3")
 
@@ -39,9 +41,23 @@ def test_the_trainer_gets_the_mode_for_moe_and_none_for_dense(models, caplog):
     assert len(caplog.records) == 1 and "ignored" in caplog.records[0].getMessage()
 
 
-def test_sidecar_mode_refuses_rollout_replay_of_an_moe_model(models):
+def test_sidecar_mode_refuses_rollout_replay_of_an_moe_model_and_auto_falls_back_to_old(models, caplog, monkeypatch):
     with pytest.raises(ConfigError, match="router_replay=rollout is not supported with rollout.mode=sidecar"):
-        _cfg(models["qwen3_moe"], "rollout.mode=sidecar")
+        _cfg(models["qwen3_moe"], "rollout.mode=sidecar", "model.moe.router_replay=rollout")
+    for recipe in ("grpo", "grpo_moe"):  # the default and the MoE recipe: old, said once (on rank 0 only)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            cfg = load_config(recipe, [f"model.path={models['qwen3_moe']}", "data.train_files=[x.jsonl]",
+                                       "rollout.mode=sidecar"])
+        assert cfg.model.moe.router_replay == "old"
+        assert trainer_settings(cfg, world=2).router_replay == "old"
+        said = [r.getMessage() for r in caplog.records if "router_replay" in r.getMessage()]
+        assert len(said) == 1 and "auto: old in sidecar mode" in said[0], said
+    monkeypatch.setenv("RANK", "1")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert _cfg(models["qwen3_moe"], "rollout.mode=sidecar").model.moe.router_replay == "old"
+    assert not [r for r in caplog.records if "router_replay" in r.getMessage()]
     for cfg in (_cfg(models["qwen3_moe"], "rollout.mode=sidecar", "model.moe.router_replay=old"),
                 _cfg(models["qwen2"], "rollout.mode=sidecar")):
         assert cfg.rollout.mode == "sidecar"
