@@ -164,3 +164,26 @@ def heldout_kl(student: Path, teacher: Path, prompts: list[list[dict]], *, n: in
             k1 += gap[live].sum().item()
             count += live.sum().item()
     return {"exact": exact / count, "k1": k1 / count, "tokens": int(count)}
+
+
+def teacher_forced(scorer: Path, prompts: list[list[dict]], answers: list[list[int]]) -> dict:
+    """`scorer` reads each (prompt, answer) pair teacher-forced: on the answer's tokens, the share that are its own
+    argmax given the same prefix (`argmax_agree`) and their mean log-prob (`logp`, nats per token). With the teacher
+    as scorer and the student's greedy answers: how often the student's greedy choice is the teacher's choice at
+    that point, and how likely the teacher finds the answer; with the student as scorer and the teacher's answers:
+    the forward direction (the student's log-prob of what the teacher writes)."""
+    import torch
+
+    tok, model, _ = _load(scorer)
+    model.eval()
+    agree = logp = count = 0.0
+    with torch.no_grad(), _bf16():
+        for p, a in zip(_prompt_ids(tok, prompts), answers, strict=True):
+            if not a:
+                continue
+            logits = model(torch.tensor([p + a])).logits[0, len(p) - 1:-1].float()
+            target = torch.tensor(a)
+            agree += (logits.argmax(-1) == target).sum().item()
+            logp += torch.log_softmax(logits, -1).gather(-1, target[:, None]).sum().item()
+            count += len(a)
+    return {"argmax_agree": agree / max(count, 1.0), "logp": logp / max(count, 1.0), "tokens": int(count)}
