@@ -106,7 +106,10 @@ def closeness(model: Path, teacher: Path, val: list, answers: list[list[int]],
     return {"teacher_argmax_on_student_greedy": t_on_s["argmax_agree"],
             "teacher_logp_of_student_greedy": t_on_s["logp"], "student_logp_of_teacher_greedy": s_on_t["logp"],
             "student_argmax_on_teacher_greedy": s_on_t["argmax_agree"],
-            "tokens": {"student_greedy": t_on_s["tokens"], "teacher_greedy": s_on_t["tokens"]}}
+            "teacher_argmax_on_student_greedy_fresh": t_on_s["argmax_agree_fresh"],
+            "teacher_logp_of_student_greedy_fresh": t_on_s["logp_fresh"],
+            "tokens": {"student_greedy": t_on_s["tokens"], "teacher_greedy": s_on_t["tokens"],
+                       "student_greedy_fresh": t_on_s["fresh_tokens"]}}
 
 
 def evaluate(model: Path, teacher: Path, val: list, teacher_answers: list[list[int]], a: argparse.Namespace) -> dict:
@@ -131,6 +134,25 @@ def evaluate_cached(model: Path, teacher: Path, val: list, teacher_answers: list
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out))
     return out
+
+
+def rescore(names: list[str], teacher: Path, val: list, teacher_answers: list[list[int]], a: argparse.Namespace) -> None:
+    """Earlier runs' students (`results/NAME.json`'s student, `.cache/runs/NAME/export`) measured again for the
+    greedy agreement and the teacher-forced closeness (e.g. after a measure was added), into their JSON files."""
+    done: dict[Path, tuple] = {}
+    for name in names:
+        path = common.RESULTS / f"{name}.json"
+        d = json.loads(path.read_text())
+        assert d["spec"]["val_prompts"] == a.val_prompts, f"{name} was measured on {d['spec']['val_prompts']} prompts"
+        for side, model in (("before", Path(d["spec"]["student"])), ("after", common.CACHE / "runs" / name / "export")):
+            if model not in done:
+                answers = greedy(model, val, a.max_new_tokens)
+                done[model] = (closeness(model, teacher, val, answers, teacher_answers),
+                               agreement(answers, teacher_answers, a.k))
+            d["teacher_forced"][side], d["agreement"][side] = done[model]
+            print(f"{name} {side}: {done[model]}", flush=True)
+        d["rescored"] = f"agreement and teacher_forced measured again: {' '.join(sys.argv[1:])}"
+        path.write_text(json.dumps(d, indent=2) + "\n")
 
 
 def train(teacher: Path, student: Path, train_file: Path, a: argparse.Namespace) -> tuple[Path, list[dict]]:
@@ -195,6 +217,7 @@ def main() -> None:
     p.add_argument("--student", default="", help="start OPD from this model folder instead of the cut (no warm-up)")
     p.add_argument("--kl-samples", type=int, default=4, help="student samples a held-out prompt for the KL")
     p.add_argument("--name", default="distill", help="result files: benchmarks/results/NAME.json and NAME.png")
+    p.add_argument("--rescore", default="", help="NAME,...: measure these earlier runs' students again, no training")
     p.add_argument("--smoke", action="store_true", help=common.SMOKE_HELP)
     a = p.parse_args()
     if a.smoke:
@@ -207,6 +230,8 @@ def main() -> None:
     train_file, val_file = chat_prompts(common.CACHE / "distill_prompts", a.val_prompts)
     val = [json.loads(line)["prompt"] for line in val_file.read_text().splitlines()]
     answers = {"teacher": greedy(teacher, val, a.max_new_tokens)}
+    if a.rescore:
+        return rescore(a.rescore.split(","), teacher, val, answers["teacher"], a)
     warm_curve: list[dict] = []
     if a.warmup_steps:
         answers["cut"] = greedy(student, val, a.max_new_tokens)
