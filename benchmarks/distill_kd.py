@@ -164,3 +164,40 @@ def heldout_kl(student: Path, teacher: Path, prompts: list[list[dict]], *, n: in
             k1 += gap[live].sum().item()
             count += live.sum().item()
     return {"exact": exact / count, "k1": k1 / count, "tokens": int(count)}
+
+
+def teacher_forced(scorer: Path, prompts: list[list[dict]], answers: list[list[int]]) -> dict:
+    """`scorer` reads each (prompt, answer) pair teacher-forced: on the answer's tokens, the share that are its own
+    argmax given the same prefix (`argmax_agree`) and their mean log-prob (`logp`, nats per token); the same over the
+    fresh tokens only (`*_fresh`: a token whose pair with the one before has not yet occurred in the answer), since a
+    model predicts a loop it has seen, so repetition alone raises both. With the teacher as scorer and the student's
+    greedy answers: how often the student's greedy choice is the teacher's choice at that point, and how likely the
+    teacher finds the answer; with the student as scorer and the teacher's answers: the forward direction (the
+    student's log-prob of what the teacher writes)."""
+    import torch
+
+    tok, model, _ = _load(scorer)
+    model.eval()
+    sums = dict.fromkeys(("agree", "logp", "count", "agree_fresh", "logp_fresh", "fresh"), 0.0)
+    with torch.no_grad(), _bf16():
+        for p, a in zip(_prompt_ids(tok, prompts), answers, strict=True):
+            if not a:
+                continue
+            logits = model(torch.tensor([p + a])).logits[0, len(p) - 1:-1].float()
+            target = torch.tensor(a)
+            hit = logits.argmax(-1) == target
+            logp = torch.log_softmax(logits, -1).gather(-1, target[:, None])[:, 0]
+            seen, fresh = set(), torch.zeros(len(a), dtype=torch.bool)
+            for i, pair in enumerate(zip([None, *a[:-1]], a, strict=True)):
+                fresh[i] = pair not in seen
+                seen.add(pair)
+            sums["agree"] += hit.sum().item()
+            sums["logp"] += logp.sum().item()
+            sums["count"] += len(a)
+            sums["agree_fresh"] += hit[fresh].sum().item()
+            sums["logp_fresh"] += logp[fresh].sum().item()
+            sums["fresh"] += fresh.sum().item()
+    n, f = max(sums["count"], 1.0), max(sums["fresh"], 1.0)
+    return {"argmax_agree": sums["agree"] / n, "logp": sums["logp"] / n, "tokens": int(sums["count"]),
+            "argmax_agree_fresh": sums["agree_fresh"] / f, "logp_fresh": sums["logp_fresh"] / f,
+            "fresh_tokens": int(sums["fresh"])}
