@@ -33,7 +33,8 @@ class LoraConfig:
     rank: int = 0  # 0 = full fine-tuning
     alpha: float = 16.0  # LoRA scaling numerator: the update is alpha / rank * B @ A
     dropout: float = 0.0  # dropout on the LoRA input
-    # module names that get adapters (peft's target_modules)
+    # module names that get adapters (peft's target_modules); on a mixture of experts also `experts` (its fused expert
+    # tensors, peft's target_parameters), or one of them: gate_up_proj, down_proj
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                  "gate_proj", "up_proj", "down_proj"])
     # adapter: vLLM serves the adapter on the base weights sent once; merged: vLLM gets W + scaling * B @ A.
@@ -628,12 +629,14 @@ def validate(cfg: Config) -> None:
                           "free when vLLM starts, less a reserve for the weight sync)")
 
 
-MOE_LORA_TARGETS = {"q_proj", "k_proj", "v_proj", "o_proj"}  # LoRA on a mixture of experts: attention only
+MOE_LORA_TARGETS = {"q_proj", "k_proj", "v_proj", "o_proj"}  # LoRA on a mixture of experts: attention ...
+MOE_EXPERT_TARGETS = {"experts", "gate_up_proj", "down_proj"}  # ... and the fused experts (model/lora.py)
 
 
 def _validate_moe(cfg: Config) -> None:
     """What a mixture of experts cannot do yet: `rollout` replay (asked for by name; `auto` falls back to `old`)
-    needs the experts vLLM chose, which only the colocated engine captures so far; LoRA adapts the attention projections only, synced merged."""
+    needs the experts vLLM chose, which only the colocated engine captures so far; LoRA adapts the attention
+    projections and the fused experts (peft's `target_parameters`), synced merged."""
     from hybrid_rl.model.families import is_moe_folder
 
     if not is_moe_folder(cfg.model.path):
@@ -644,13 +647,19 @@ def _validate_moe(cfg: Config) -> None:
                           "model.moe.router_replay=old (replay the trainer's own old-log-prob pass), auto (old in "
                           "sidecar mode) or none")
     lora = cfg.model.lora
-    if lora.rank and (set(lora.target_modules) - MOE_LORA_TARGETS or lora.sync != "merged"):
+    allowed = MOE_LORA_TARGETS | MOE_EXPERT_TARGETS
+    if lora.rank and (set(lora.target_modules) - allowed or lora.sync != "merged"):
         raise ConfigError(
-            f"model.lora on a mixture of experts supports target_modules within {sorted(MOE_LORA_TARGETS)} with "
-            f"model.lora.sync=merged (got target_modules={lora.target_modules}, sync={lora.sync}): peft wraps the "
-            "fused expert tensors for gate_proj/up_proj/down_proj, which the sharded loader and the weight sync do "
-            "not handle yet, and vLLM's own LoRA over its fused-MoE layer is not verified; e.g. "
-            "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj] model.lora.sync=merged")
+            f"model.lora on a mixture of experts supports target_modules within {sorted(allowed)} with "
+            f"model.lora.sync=merged (got target_modules={lora.target_modules}, sync={lora.sync}): the experts are "
+            "two fused tensors per layer (experts.gate_up_proj, experts.down_proj: `experts` names both), adapted "
+            "as a whole, gate and up together; vLLM's own LoRA over its fused-MoE layer is not verified, so the "
+            "merged weights are synced; e.g. model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,experts] "
+            "model.lora.sync=merged")
+    if lora.rank and lora.dropout and set(lora.target_modules) & MOE_EXPERT_TARGETS:
+        raise ConfigError(f"model.lora.dropout={lora.dropout} with the experts among target_modules: peft adapts "
+                          "the fused expert tensors as parameters, where the input dropout cannot apply; set "
+                          "model.lora.dropout=0")
 
 
 def _validate_distillation(cfg: Config) -> None:

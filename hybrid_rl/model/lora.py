@@ -19,18 +19,34 @@ import torch
 from torch import nn
 
 from hybrid_rl.distributed.fsdp import local_rows, local_tensor
-from hybrid_rl.model.families import FusedNames
+from hybrid_rl.model.families import ExpertPiece, FusedNames, family_of
 
 ADAPTER = "default"
 
 
 def apply_lora(model: nn.Module, *, rank: int, alpha: float, dropout: float, target_modules: list[str]) -> nn.Module:
-    """Wrap a transformers causal LM with a LoRA adapter (before FSDP sharding); only the adapter trains."""
+    """Wrap a transformers causal LM with a LoRA adapter (before FSDP sharding); only the adapter trains.
+
+    A target that names a fused parameter of the model's family (`expert_targets`) adapts that parameter through
+    peft's `target_parameters` (one low-rank pair per expert); every other name is a module, as peft takes it."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
-                        task_type="CAUSAL_LM")
+    params = expert_targets(model.config, target_modules)
+    modules = [t for t in target_modules if not _names_fusion(t, params)]
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=modules or None,
+                        target_parameters=params or None, task_type="CAUSAL_LM")
     return get_peft_model(model, config)
+
+
+def expert_targets(config, target_modules: list[str]) -> list[str]:
+    """The fused parameters (`model.families`, e.g. `experts.gate_up_proj`) that `target_modules` names: by their
+    last part (`gate_up_proj`, `down_proj`) or all of them by `experts`."""
+    return [f.suffix for f in family_of(config).fusions(config)
+            if any(_names_fusion(t, [f.suffix]) for t in target_modules)]
+
+
+def _names_fusion(target: str, suffixes: list[str]) -> bool:
+    return any(target == s or s.endswith("." + target) or s.startswith(target + ".") for s in suffixes)
 
 
 def is_lora(model: nn.Module) -> bool:
@@ -59,13 +75,29 @@ def adapter_disabled(model: nn.Module) -> Iterator[None]:
 
 
 def hf_name(name: str) -> str:
-    """The base model's weight name for a peft parameter name."""
-    return name.replace("base_model.model.", "", 1).replace(".base_layer.", ".")
+    """The base model's weight name for a peft parameter name. peft nests one wrapper per adapted parameter of a
+    module (`experts.base_layer.base_layer.gate_up_proj`): a base weight loses every `base_layer`; an adapter's
+    tensor keeps those above its own wrapper, so that each wrapper's adapter has a name (and an initial value,
+    `materialize`) of its own."""
+    name = name.replace("base_model.model.", "", 1)
+    if ".lora_" in name:
+        return name
+    while ".base_layer." in name:
+        name = name.replace(".base_layer.", ".")
+    return name
 
 
 def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:
     """peft LoRA linear layers by their HF module name."""
-    return {hf_name(n + "."): m for n, m in model.named_modules() if hasattr(m, "lora_A") and ADAPTER in m.lora_A}
+    return {hf_name(n + "."): m for n, m in model.named_modules()
+            if hasattr(m, "lora_A") and ADAPTER in m.lora_A and not hasattr(m, "parameter_name")}
+
+
+def _wrapped(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
+    """peft's wrappers of single parameters (`target_parameters`: a mixture's fused experts) by the HF name of the
+    parameter each adapts: (the wrapper's peft module name, the wrapper)."""
+    return {hf_name(f"{n}.{m.parameter_name}"): (n, m) for n, m in model.named_modules()
+            if hasattr(m, "parameter_name") and hasattr(m, "lora_A") and ADAPTER in m.lora_A}
 
 
 class LoraWeights:
@@ -75,20 +107,25 @@ class LoraWeights:
         self.model = model
 
     def changed_names(self) -> set[str]:
-        """HF names of the weights LoRA changes (every other weight is the frozen base)."""
-        return {f"{prefix}weight" for prefix in _lora_layers(self.model)}
+        """HF names of the weights LoRA changes (every other weight is the frozen base); an adapted fused parameter
+        by its checkpoint names, one per expert and projection."""
+        fused = _fused_names(self.model)
+        experts = {pc.name for hf in _wrapped(self.model) for pc in fused.pieces(hf) or []}
+        return {f"{prefix}weight" for prefix in _lora_layers(self.model)} | experts
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor | Callable[[], torch.Tensor], tuple[int, ...]]]:
         """(HF name, this rank's dim-0 shard, full shape) for every base weight; a LoRA layer's as a function
         that merges it when called (a collective: it gathers `A`), so that only the weights being sent exist."""
-        layers = _lora_layers(self.model)
+        layers, wrapped = _lora_layers(self.model), _wrapped(self.model)
         for name, p in self.model.named_parameters():
             if ".lora_A." in name or ".lora_B." in name:
                 continue
             hf = hf_name(name)
             prefix = hf[: -len("weight")] if hf.endswith(".weight") else None
             layer = layers.get(prefix)
-            if layer is None:
+            if hf in wrapped:
+                yield from _merged_experts(self.model, hf, p, wrapped[hf][1])
+            elif layer is None:
                 yield from _frozen(self.model, hf, p)
             else:
                 yield hf, functools.partial(_merged_shard, p, layer), tuple(p.shape)
@@ -118,6 +155,54 @@ def _frozen(model: nn.Module, hf: str, p: nn.Parameter) -> Iterator[tuple[str, t
         yield from fused.split(hf, local_tensor(p).detach(), tuple(p.shape), local_rows(p))
     else:
         yield hf, local_tensor(p).detach(), tuple(p.shape)
+
+
+def _merged_experts(model: nn.Module, hf: str, p: nn.Parameter,
+                    wrapper: nn.Module) -> Iterator[tuple[str, Callable[[], torch.Tensor], tuple[int, ...]]]:
+    """An adapted fused parameter by its checkpoint names (one per expert and projection, as `_frozen`), each a
+    function giving its part of this rank's merged experts. The first call merges them all, `W + scaling * delta`
+    for the experts the rank holds (a collective: it gathers the adapter); the last one drops them. Every rank
+    calls every piece in the same order (`reshard.SourceParam`), those of experts it does not hold too."""
+    a, b = local_rows(p)
+    pieces = _fused_names(model).pieces(hf)
+    merged: list[torch.Tensor] = []
+    left = [len(pieces)]
+
+    def piece(pc: ExpertPiece) -> torch.Tensor:
+        if not merged:
+            merged.append(_merged_expert_shard(p, wrapper, (a, b)))
+        out = merged[0][pc.expert - a, pc.offset: pc.offset + pc.rows] if a <= pc.expert < b else \
+            merged[0].new_empty((0, *p.shape[2:]))
+        left[0] -= 1
+        if not left[0]:  # the fused parameter's last piece: the next sync merges again
+            merged.clear()
+            left[0] = len(pieces)
+        return out
+
+    for pc in pieces:
+        yield pc.name, functools.partial(piece, pc), (pc.rows, *p.shape[2:])
+
+
+@torch.no_grad()
+def _merged_expert_shard(p: nn.Parameter, wrapper: nn.Module, held: tuple[int, int]) -> torch.Tensor:
+    """`W + scaling * delta` for the experts [a, b) this rank holds of a fused [E, ...] parameter."""
+    a, b = held
+    full = [t.full_tensor() if hasattr(t, "full_tensor") else t
+            for t in (wrapper.lora_A[ADAPTER].weight, wrapper.lora_B[ADAPTER].weight)]
+    # peft's own flag for the layout of the fused tensor ([E, out, in] as transformers' experts, or [E, in, out])
+    delta = expert_delta(*full, wrapper.num_experts, wrapper._did_swap_in_out_features, experts=(a, b))
+    merged = local_tensor(p).float() + wrapper.scaling[ADAPTER] * delta
+    return merged.to(p.dtype)
+
+
+def expert_delta(a: torch.Tensor, b: torch.Tensor, num_experts: int, swapped: bool,
+                 experts: tuple[int, int] | None = None) -> torch.Tensor:
+    """peft's `ParamWrapper.get_delta_weight` (unscaled, float32) from whole adapter tensors, for experts [lo, hi):
+    `A` [r*E, in] holds expert e's rows at [e*r, (e+1)*r), `B` [out, r*E] its columns at e, e+E, e+2E, ..."""
+    lo, hi = experts or (0, num_experts)
+    a = a.float().reshape(num_experts, -1, a.shape[-1])[lo:hi]  # [e, r, in]
+    b = b.float().reshape(b.shape[0], -1, num_experts)[..., lo:hi]  # [out, r, e]
+    return torch.einsum("o r e, e r i -> e o i" if swapped else "o r e, e r i -> e i o", b, a)
 
 
 def _fused_names(model: nn.Module) -> FusedNames | None:
@@ -159,16 +244,21 @@ def merged_stream(model: nn.Module, stream: Iterator[tuple[str, torch.Tensor | N
     Tensors may be None (ranks other than the writer): names still flow, so every rank iterates alike.
     """
     scaling = {prefix: layer.scaling[ADAPTER] for prefix, layer in _lora_layers(model).items()}
+    wrapped = {hf: module for hf, (module, _) in _wrapped(model).items()}
+    wrappers = {module: (hf, w) for hf, (module, w) in _wrapped(model).items()}
     pending: dict[str, dict[str, torch.Tensor | None]] = {}
     for name, t in stream:
         module, part = _lora_part(name)
         if part is None:
             hf = hf_name(name)
             prefix = hf[: -len("weight")] if hf.endswith(".weight") else None
-            if prefix not in scaling:
+            if hf in wrapped:
+                module, part = wrapped[hf], "w"
+            elif prefix not in scaling:
                 yield hf, t
                 continue
-            module, part = name[: -len(".base_layer.weight")], "w"
+            else:
+                module, part = name[: -len(".base_layer.weight")], "w"
         elif t is not None:
             adapter[name] = t
         slot = pending.setdefault(module, {})
@@ -176,9 +266,14 @@ def merged_stream(model: nn.Module, stream: Iterator[tuple[str, torch.Tensor | N
         if len(slot) == 3:
             del pending[module]
             w, a, b = slot["w"], slot["a"], slot["b"]
-            hf = hf_name(module + ".base_layer.weight")
-            merged = None if w is None else (w.float() + scaling[hf[: -len("weight")]] * (b.float() @ a.float()))
-            yield hf, None if merged is None else merged.to(w.dtype)
+            if module in wrappers:
+                hf, wrapper = wrappers[module]
+                delta = None if w is None else wrapper.scaling[ADAPTER] * expert_delta(
+                    a, b, wrapper.num_experts, wrapper._did_swap_in_out_features)
+            else:
+                hf = hf_name(module + ".base_layer.weight")
+                delta = None if w is None else scaling[hf[: -len("weight")]] * (b.float() @ a.float())
+            yield hf, None if w is None else (w.float() + delta).to(w.dtype)
     assert not pending, f"LoRA layers without all their parts: {sorted(pending)[:3]}"
 
 

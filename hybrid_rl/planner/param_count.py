@@ -175,18 +175,32 @@ def _head(config, head: Head, dims: ArchDims) -> list[ParamShape]:
 def lora_params(params: list[ParamShape], *, rank: int, target_modules: list[str]) -> list[ParamShape]:
     """The parameters of `peft.get_peft_model(model, LoraConfig(r=rank, target_modules=...))`, in peft's
     names and order: every base weight frozen, and after each targeted linear's own weight (and bias)
-    a trainable `lora_A` [rank, in] and `lora_B` [out, rank]."""
+    a trainable `lora_A` [rank, in] and `lora_B` [out, rank]. A mixture's fused experts [E, out, in] named by the
+    targets (`experts`, or `gate_up_proj` / `down_proj`: `model.lora.apply_lora`'s `target_parameters`) get one
+    peft wrapper each, nested in their module, with `lora_A` [rank * E, in] and `lora_B` [out, rank * E]."""
     modules = {p.name.rpartition(".")[0]: p for p in params}  # module -> its last parameter
+    experts: dict[str, list[ParamShape]] = {}  # module -> its adapted fused parameters, in order
+    for p in params:
+        module, _, leaf = p.name.rpartition(".")
+        if len(p.shape) == 3 and (leaf in target_modules or module.rsplit(".", 1)[-1] in target_modules):
+            experts.setdefault(module, []).append(p)
     out = []
     for p in params:
         module, _, leaf = p.name.rpartition(".")
-        targeted = module.rsplit(".", 1)[-1] in target_modules
-        name = f"{module}.base_layer.{leaf}" if targeted else p.name
+        targeted = module.rsplit(".", 1)[-1] in target_modules and module not in experts
+        nested = len(experts.get(module, ()))
+        name = f"{module}.base_layer.{leaf}" if targeted else f"{module}{'.base_layer' * nested}.{leaf}"
         out.append(ParamShape("base_model.model." + name, p.shape, trainable=False))
         if targeted and modules[module] is p:
             fan_out, fan_in = next(q.shape for q in params if q.name == module + ".weight")
             out += [ParamShape(f"base_model.model.{module}.lora_A.default.weight", (rank, fan_in)),
                     ParamShape(f"base_model.model.{module}.lora_B.default.weight", (fan_out, rank))]
+        if nested and modules[module] is p:  # the innermost wrapper (the module's first fused parameter) first
+            for i, q in enumerate(experts[module]):
+                wrapper = f"base_model.model.{module}{'.base_layer' * (nested - 1 - i)}"
+                e, fan_out, fan_in = q.shape
+                out += [ParamShape(f"{wrapper}.lora_A.default.weight", (rank * e, fan_in)),
+                        ParamShape(f"{wrapper}.lora_B.default.weight", (fan_out, rank * e))]
     return out
 
 

@@ -213,13 +213,16 @@ def lora_adapter_bytes(spec: ModelSpec, dtype_bytes: int) -> int:
 def lora_merge_bytes(x: PlanInputs) -> int:
     """Merged LoRA sync (`model.lora.sync=merged`): each adapted weight is sent as `W + scaling * B @ A`, computed on
     each rank for the rows it holds (`model/lora.py:_merged_shard`): float32 copies of W's rows, of B @ A and of
-    their sum are alive at once, for one layer at a time (the largest counts). Adapter sync merges nothing."""
+    their sum are alive at once, for one layer at a time (the largest counts); a mixture's adapted fused experts
+    (`_merged_expert_shard`) the same way, for the experts the rank holds (a fused tensor in a module peft wrapped:
+    an upper bound where only one of a module's two is adapted). Adapter sync merges nothing."""
     s = x.actor
     if not s.lora_rank or x.rollout.lora_adapter:
         return 0
     adapted = {p.name.replace(".lora_B.default.weight", ".base_layer.weight") for p in s.params
                if p.name.endswith(".lora_B.default.weight")}
-    largest = max((p.numel for p in s.params if p.name in adapted), default=0)
+    largest = max((p.numel for p in s.params
+                   if p.name in adapted or (len(p.shape) == 3 and ".base_layer." in p.name)), default=0)
     return 3 * 4 * -(-largest // x.shard_ranks)
 
 

@@ -33,7 +33,7 @@ def _metrics(path: Path) -> dict[int, dict]:
 SHARED = ("adamw8bit", "lora", "moe")
 LAYOUT = {"full": (4, 2), "lora": (2, 1), "adamw8bit": (2, 1), "moe": (2, 1)}  # variant -> (ranks, rollout.tp)
 STEPS = {"moe": 2}  # variant -> total steps (stopped and checkpointed halfway); 4 unless named
-MOE_LORA = "[q_proj,k_proj,v_proj,o_proj]"  # LoRA on a mixture of experts: the attention projections only
+MOE_LORA = "[q_proj,k_proj,v_proj,o_proj,experts]"  # LoRA on a mixture of experts: attention and the fused experts
 
 
 def _runs(variant: str, tiny_models, task_files, root: Path) -> list[dict]:
@@ -71,10 +71,12 @@ def _runs(variant: str, tiny_models, task_files, root: Path) -> list[dict]:
 def shared_launch(tiny_models, task_files, tmp_path_factory) -> tuple[Path, dict]:
     root = tmp_path_factory.mktemp("resume")
     runs = [r for variant in SHARED for r in _runs(variant, tiny_models, task_files, root)]
-    # LoRA on a mixture of experts (attention adapters, merged sync: what config allows), two steps, no resume.
+    # LoRA on a mixture of experts (attention and expert adapters, merged sync: what config allows), two steps, no
+    # resume; each fused expert tensor sharded over both ranks along the experts, as its adapter's merge is.
     runs.append({"name": "moe_lora", "recipe": "grpo_moe", "overrides": tiny_overrides(
         tiny_models["qwen3_moe"], task_files, root / "moe_lora", **{"data.val_files": "[]", "optim.lr": "1e-3",
                                                                     "reward.fn": "tests.e2e.rewards:length_parity",
+                                                                    "trainer.shard_size": 2,
                                                                     "model.lora.rank": 8, "model.lora.sync": "merged",
                                                                     "model.lora.target_modules": MOE_LORA})})
     return root, run_torchrun(WORKER, json.dumps(runs), nproc=2, tmp_path=root, timeout=900)
@@ -125,9 +127,11 @@ def test_resumed_run_matches_uninterrupted_run_bitwise(tiny_models, task_files, 
 
 
 def test_lora_on_a_mixture_of_experts(shared_launch, tiny_models):
-    """Attention adapters on a tiny Qwen3-MoE: the merged weights (the experts split per expert as the frozen base)
-    land in vLLM and are verified at every sync, vLLM samples what the trainer computes, and the export is the base
-    with only the adapted attention projections changed."""
+    """Attention and expert adapters on a tiny Qwen3-MoE (peft's wrappers of the fused expert tensors): the merged
+    weights (each rank merging the experts it holds, sent one per expert and projection) land in vLLM and are
+    verified at every sync; after step 1 changed the adapters, vLLM samples what the trainer computes; the export
+    is the base with only the adapted attention projections and experts changed, and the exported adapter on the base
+    (peft) gives the merged export's logits."""
     import torch
     from safetensors.torch import load_file
 
@@ -144,4 +148,18 @@ def test_lora_on_a_mixture_of_experts(shared_launch, tiny_models):
     base, tuned = weights(Path(tiny_models["qwen3_moe"])), weights(root / "moe_lora" / "export")
     assert sorted(base) == sorted(tuned)
     changed = {k for k in base if not torch.equal(base[k].float(), tuned[k].float())}
-    assert changed and all(re.search(r"self_attn\.[qkvo]_proj\.weight$", k) for k in changed), sorted(changed)[:5]
+    adapted = r"(self_attn\.[qkvo]_proj|mlp\.experts\.\d+\.(gate|up|down)_proj)\.weight$"
+    assert all(re.search(adapted, k) for k in changed), sorted(changed)[:5]
+    for layer in range(2):  # both kinds trained in every layer, the experts on both ranks (experts 0-3, 4-7)
+        mine = [k for k in changed if k.startswith(f"model.layers.{layer}.")]
+        assert any("self_attn" in k for k in mine), mine
+        assert {int(k.split(".")[5]) // 4 for k in mine if ".experts." in k} == {0, 1}, mine
+    from peft import PeftModel  # the adapter alone, as exported, is the merged export on plain transformers and peft
+    from transformers import AutoModelForCausalLM
+
+    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_models["qwen3_moe"]),
+                                        str(root / "moe_lora" / "export" / "adapter"))
+    merged = AutoModelForCausalLM.from_pretrained(str(root / "moe_lora" / "export"))
+    ids = torch.arange(5, 29).reshape(2, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(adapter(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=1e-4, atol=1e-4)

@@ -63,13 +63,22 @@ def test_sidecar_mode_refuses_rollout_replay_of_an_moe_model_and_auto_falls_back
         assert cfg.rollout.mode == "sidecar"
 
 
-def test_lora_on_a_mixture_of_experts_is_attention_only_and_merged(models):
-    """peft wraps the fused expert tensors when the targets name gate/up/down_proj, which the loader and the sync do
-    not handle; vLLM's LoRA over its fused-MoE layer fails the sync's verification: both refused, naming what works."""
+def test_lora_on_a_mixture_of_experts_adapts_attention_and_experts_merged(models):
+    """Attention and the fused experts (`experts`, or one of its two tensors) are accepted with the merged sync;
+    gate_proj/up_proj (the experts' halves, which peft cannot adapt apart), adapter sync (vLLM's LoRA over its
+    fused-MoE layer is not verified) and dropout on the experts are refused, naming what works."""
     attention = "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]"
-    for bad in ([], [attention], ["model.lora.sync=merged"]):  # default targets reach the experts; default sync
-        with pytest.raises(ConfigError, match=r"supports target_modules within \['k_proj', 'o_proj', 'q_proj', "
-                                              r"'v_proj'\] with model.lora.sync=merged"):
+    for bad in ([], [attention], ["model.lora.sync=merged"],  # default targets name gate_proj/up_proj; default sync
+                ["model.lora.target_modules=[q_proj,experts]"]):
+        with pytest.raises(ConfigError, match=r"supports target_modules within \['down_proj', 'experts', "
+                                              r"'gate_up_proj', 'k_proj', 'o_proj', 'q_proj', 'v_proj'\] with "
+                                              r"model.lora.sync=merged"):
             _cfg(models["qwen3_moe"], "model.lora.rank=8", *bad)
-    assert _cfg(models["qwen3_moe"], "model.lora.rank=8", attention, "model.lora.sync=merged").model.lora.rank == 8
+    for targets in ("[q_proj,k_proj,v_proj,o_proj]", "[q_proj,v_proj,experts]", "[down_proj]"):
+        cfg = _cfg(models["qwen3_moe"], "model.lora.rank=8", f"model.lora.target_modules={targets}",
+                   "model.lora.sync=merged")
+        assert cfg.model.lora.rank == 8
+    with pytest.raises(ConfigError, match="model.lora.dropout=0.1 with the experts"):
+        _cfg(models["qwen3_moe"], "model.lora.rank=8", "model.lora.target_modules=[experts]", "model.lora.sync=merged",
+             "model.lora.dropout=0.1")
     assert _cfg(models["qwen2"], "model.lora.rank=8").model.lora.sync == "adapter"  # dense models: unchanged

@@ -43,10 +43,11 @@ def test_critic_and_reward_model_heads(arch_paths, name):
     assert _mine(model_params(hf, "score")) == _real(load_reward_model(arch_paths[name]))  # score: weight only
 
 
-@pytest.mark.parametrize("targets", [LoraConfig().target_modules, ["q_proj", "v_proj"]])
-def test_lora_shapes_and_trainable_flags(arch_paths, targets):
-    model = apply_lora(load_causal_lm(arch_paths["qwen3"]), rank=4, alpha=8.0, dropout=0.0, target_modules=targets)
-    base = model_params(load_config(arch_paths["qwen3"]))
+@pytest.mark.parametrize("arch,targets", [("qwen3", LoraConfig().target_modules), ("qwen3", ["q_proj", "v_proj"]),
+                                          ("qwen3_moe", ["q_proj", "experts"]), ("qwen3_moe", ["down_proj"])])
+def test_lora_shapes_and_trainable_flags(tiny_models, arch, targets):
+    model = apply_lora(load_causal_lm(tiny_models[arch]), rank=4, alpha=8.0, dropout=0.0, target_modules=targets)
+    base = model_params(load_config(tiny_models[arch]))
     assert _mine(lora_params(base, rank=4, target_modules=targets)) == _real(model)
 
 
