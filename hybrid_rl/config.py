@@ -653,8 +653,8 @@ def _validate_moe(cfg: Config) -> None:
             f"model.lora on a mixture of experts supports target_modules within {sorted(allowed)} with "
             f"model.lora.sync=merged (got target_modules={lora.target_modules}, sync={lora.sync}): the experts are "
             "two fused tensors per layer (experts.gate_up_proj, experts.down_proj: `experts` names both), adapted "
-            "as a whole, gate and up together; vLLM's own LoRA over its fused-MoE layer is not verified, so the "
-            "merged weights are synced; e.g. model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,experts] "
+            "as a whole, gate and up together; vLLM's own LoRA over its fused-MoE layer failed the sync's verification "
+            "when tried, so the merged weights are synced; e.g. model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,experts] "
             "model.lora.sync=merged")
     if lora.rank and lora.dropout and set(lora.target_modules) & MOE_EXPERT_TARGETS:
         raise ConfigError(f"model.lora.dropout={lora.dropout} with the experts among target_modules: peft adapts "
