@@ -168,12 +168,15 @@ class ToolSuffix:
     def text(self, messages: Sequence[Message]) -> str:
         """The text the template adds after a finished assistant turn for `messages` and the next generation prompt.
 
-        The base is rendered again with the messages, not taken from start-up: templates that write today's date
-        (Llama 3.2's, Mistral Small 3.2's) render it differently once the date changes, and a run goes on past
-        midnight. A second try covers the date changing between the two renderings."""
+        The base rendered at start-up is rendered again where the full text no longer starts with it: templates that
+        write today's date (Llama 3.2's, Mistral Small 3.2's) render it differently once the date changes, and a run
+        goes on past midnight. A second try covers the date changing between the two renderings."""
+        base = self.base_text
         for _ in range(2):
             full = self._render([*self.family.base, *messages], generation_prompt=True)
-            base = self._render(self.family.base, generation_prompt=False)
+            if full.startswith(base):
+                return full[len(base):]
+            base = self.base_text = self._render(self.family.base, generation_prompt=False)
             if full.startswith(base):
                 return full[len(base):]
         at = next((i for i, (a, b) in enumerate(zip(base, full, strict=False)) if a != b), len(full))
