@@ -70,11 +70,8 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: floa
     gqa = query.shape[1] != key.shape[1]
     # `split`, not a slice per sequence: a slice's backward writes its gradient into a zero tensor of the whole
     # packed length, so n sequences cost n full-size fills and adds per layer; split's backward is one concatenation.
-    out = []
-    for q, k, v in zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2), strict=True):
-        with sdpa_kernel(_backends(query.device, q.shape[2])):
-            out.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling,
-                                                      enable_gqa=gqa))
+    out = [_causal(q, k, v, scaling, gqa, dropout)
+           for q, k, v in zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2), strict=True)]
     return torch.cat(out, dim=2).transpose(1, 2).contiguous(), None
 
 
@@ -93,10 +90,11 @@ def tree_sdpa(query, key, value, segments, scaling, dropout: float = 0.0) -> tor
         if len(branches) == 1:
             out.append(_causal(q, k, v, scaling, gqa, dropout))
             continue
-        out.append(_causal(q[:, :, :p], k[:, :, :p], v[:, :, :p], scaling, gqa, dropout))
+        # `split` here too: slices' backward would fill a segment-length zero tensor per slice
+        (qp, qb), (kp, kb), (vp, vb) = (x.split([p, sum(branches)], 2) for x in (q, k, v))
+        out.append(_causal(qp, kp, vp, scaling, gqa, dropout))
         if sum(branches):
-            out.append(_branches(q[:, :, p:], k[:, :, :p], v[:, :, :p], k[:, :, p:], v[:, :, p:], branches, scaling,
-                                 gqa, dropout))
+            out.append(_branches(qb, kp, vp, kb, vb, branches, scaling, gqa, dropout))
     return torch.cat(out, dim=2).transpose(1, 2).contiguous()
 
 
