@@ -244,8 +244,8 @@ def merged_stream(model: nn.Module, stream: Iterator[tuple[str, torch.Tensor | N
     Tensors may be None (ranks other than the writer): names still flow, so every rank iterates alike.
     """
     scaling = {prefix: layer.scaling[ADAPTER] for prefix, layer in _lora_layers(model).items()}
-    wrapped = {hf: module for hf, (module, _) in _wrapped(model).items()}
     wrappers = {module: (hf, w) for hf, (module, w) in _wrapped(model).items()}
+    wrapped = {hf: module for module, (hf, _) in wrappers.items()}
     pending: dict[str, dict[str, torch.Tensor | None]] = {}
     for name, t in stream:
         module, part = _lora_part(name)
