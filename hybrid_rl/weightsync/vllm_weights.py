@@ -52,8 +52,8 @@ from hybrid_rl.weightsync.vllm_compat import (
 from hybrid_rl.weightsync.vllm_moe import cpu_experts, moe_dense
 
 # The paths that write each tensor at its rows of vLLM's weight (`ts.dest_offset`) and cast it as they copy (`copy_`,
-# `pack_rows_into`): the resharder hands them the trainer's weights uncast at world 1 and the received pieces
-# unassembled at more ranks (`stream_buckets(row_landing=True)`).
+# `pack_rows_into`): the resharder hands them the trainer's weights uncast where its plan is local (one rank, or
+# shard size 1) and the received pieces unassembled elsewhere (`stream_buckets(row_landing=True)`).
 ROW_PATHS = ("inplace", "packed")
 
 

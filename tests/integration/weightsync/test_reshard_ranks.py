@@ -60,7 +60,26 @@ def _hsdp(rank: int, world: int, tp: int, full, layout) -> dict:
         out[f"hsdp{shard}"] = (exact, bool(checksums_match(plan.expected, torch.stack(sums)).all()),
                                peers <= set(range(rank // shard * shard, rank // shard * shard + shard)),
                                plan.bytes_per_sync)
+    out["hsdp1_local"] = _local_row_landing(sources, layout, rank, world, tp, full)
     return out
+
+
+def _local_row_landing(sources, layout, rank: int, world: int, tp: int, full) -> tuple[bool, bool, bool, bool]:
+    """Shard size 1 with a landing that casts (`row_landing`): the plan is local, so every matrix comes as a view of
+    the rank's own weight, uncast (no send buffer, no all-to-all), and still lands exactly with the checksums."""
+    plan = build_plan(sources, layout, rank=rank, world=world, tp_rank_of=lambda r: r % tp,
+                      bucket_bytes=8 * 1024, dtype=torch.bfloat16, sharded=True, shard=1)
+    own = {s.tensor().untyped_storage().data_ptr() for s in sources}
+    exact, views, sums = True, True, []
+    for ts, tensor in stream_slices(plan, sources, device=torch.device("cpu"), probe_cols=16, row_landing=True):
+        want = full[ts.hf_name] if ts.dim is None else full[ts.hf_name].narrow(ts.dim, ts.start, ts.stop - ts.start)
+        landed = tensor.to(torch.bfloat16)
+        exact &= torch.equal(landed, want.to(torch.bfloat16))
+        if tensor.dim() == 2:
+            views &= tensor.untyped_storage().data_ptr() in own
+        cols = probe_for(ts, 16, 0)
+        sums.append(block_checksum(landed if cols is None else landed[:, cols], row0=0, col_ids=cols))
+    return plan.local, exact, views, bool(checksums_match(plan.expected, torch.stack(sums)).all())
 
 
 def _row_landed(rank: int, world: int, tp: int, full, sources, layout) -> dict:
@@ -128,3 +147,6 @@ def test_every_rank_receives_exactly_its_tp_slice_from_fsdp_shards():
             exact, checksums, own_replica, received = results[r][f"hsdp{shard}"]
             assert exact and checksums and own_replica, f"rank {r}, HSDP shard size {shard}"
             assert received == results[r]["received"], "HSDP receives a replica's bytes more than once"
+        local, exact, views, checksums = results[r]["hsdp1_local"]
+        assert local and exact and checksums, f"rank {r}: shard size 1, landing rows: {results[r]['hsdp1_local']}"
+        assert views, f"rank {r}: shard size 1 copied its own weights into a buffer instead of handing on views"
