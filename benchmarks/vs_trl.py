@@ -209,7 +209,8 @@ def run_trl(python: Path, configs: list[dict], steps: int, threads: int, huge_pa
 def run_ours(configs: list[dict], steps: int, round_index: int, topology: str, shard_size: int = 0) -> list[dict]:
     import throughput
 
-    nproc, threads = (int(x) for x in topology.split("x"))
+    layout, *levers = topology.split("+")  # e.g. 2x1+share: 2 ranks x 1 thread, trainer.prefix_share on
+    nproc, threads = (int(x) for x in layout.split("x"))
     runs = []
     for c in configs:
         w = c["workload"]
@@ -219,11 +220,12 @@ def run_ours(configs: list[dict], steps: int, round_index: int, topology: str, s
         extra = [f"model.dtype={dtype}", f"rollout.dtype={dtype}", f"optim.lr={w['lr']}",
                  f"algorithm.kl_coef={w['kl']}", "algorithm.use_reference=true", "optim.schedule=constant",
                  "optim.weight_decay=0.0", "optim.grad_clip=1.0", "rollout.temperature=1.0",
-                 f"trainer.shard_size={shard_size}"]
+                 f"trainer.shard_size={shard_size}", f"trainer.prefix_share={'share' in levers}"]
         overrides = throughput.run_overrides(c["model"], out, prompts=w["prompts"], n=w["n"],
                                              max_new_tokens=w["max_new_tokens"], steps=steps, extra=extra)
         runs.append({"name": f"{c['size']}_{c['precision']}", "recipe": "grpo", "overrides": overrides})
-    summaries = throughput.launch(runs, nproc=nproc, threads=threads, tag=f"vs_trl_{topology}_{round_index}")
+    summaries = throughput.launch(runs, nproc=nproc, threads=threads,
+                                  tag=f"vs_trl_{topology.replace('+', '_')}_{round_index}")
     out = []
     for c, s in zip(configs, summaries, strict=True):
         out.append(dict(c, topology=topology, step_s=s["step_samples_s"], tokens=s["step_tokens_samples"],
@@ -271,7 +273,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="4M model, fp32 only, 1 round of 3 steps (~4 min)")
     p.add_argument("--sizes", nargs="+", choices=SIZES, help="default 4M quick, 4M 25M full")
     p.add_argument("--ours", nargs="+", default=["2x1"], metavar="RANKSxTHREADS",
-                   help="our topologies: ranks x threads per rank (default 2x1, the recipe's; 1x2 = one rank, both cores)")
+                   help="our topologies: ranks x threads per rank (default 2x1, the recipe's; 1x2 = one rank, both "
+                   "cores), each optionally +share: with trainer.prefix_share (the group's prompt computed once)")
     p.add_argument("--precisions", nargs="+", choices=["bf16", "fp32"], help="default fp32 quick, bf16 fp32 full")
     p.add_argument("--trl-huge-pages", action="store_true", help="run TRL with our huge-page setting too "
                    "(THP_MEM_ALLOC_ENABLE=1, a runtime default of ours; TRL's own default is without)")
@@ -283,7 +286,8 @@ def main() -> None:
                    "created in smoke mode: a multi-GB install)")
     p.add_argument("--name", default="vs_trl", help="result file name (benchmarks/results/NAME.json)")
     p.add_argument("--shard-size", type=int, default=0, help="our trainer.shard_size (default 0: the planner's "
-                   "choice, 1 for these models: every rank holds the model whole; 2 at 2 ranks: plain FSDP)")
+                   "choice: 1 for 4M and 25M, every rank holds the model whole; 2 for the 0.5B shape at 2 ranks on a "
+                   "24 GiB box, plain FSDP)")
     p.add_argument("--trl-worker", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.trl_worker:
@@ -346,10 +350,10 @@ def report(rows: list[dict], rounds: int, steps: int, quick: bool, bandwidth: fl
         print(f"  {r['size']} {r['precision']} TRL     : " + ", ".join(f"{k} {v:.2f}" for k, v in t.items()))
     headline = [{"what": f"TRL/ours step time {r['size']} {r['precision']} ours {r['topology']}",
                  "value": r["step_ratio"]} for r in rows]
-    # The targets (issue 22): ours at least 1.5x faster than TRL at bf16 on 25M and on the 0.5B shape, with the
-    # recipe's defaults (2 ranks x 1 thread); the 0.5B step within 2.5x of its compute + bandwidth floor.
-    targets = [common.check(f"TRL/ours step time {r['size']} bf16 (ours {r['topology']})", r["step_ratio"], 1.5,
-                            higher_is_better=True)
+    # The targets: ours at least 1.5x faster than TRL at bf16 on 25M and 2x on the 0.5B shape (issue 45, raised from
+    # issue 22's 1.5x); the 0.5B step within 2.5x of its compute + bandwidth floor.
+    targets = [common.check(f"TRL/ours step time {r['size']} bf16 (ours {r['topology']})", r["step_ratio"],
+                            2.0 if r["size"] == "0.5B" else 1.5, higher_is_better=True)
                for r in rows if r["size"] in ("25M", "0.5B") and r["precision"] == "bf16"]
     targets += [common.check(f"0.5B step / floor (ours {r['topology']})", r["step_over_floor"], 2.5,
                              higher_is_better=False) for r in rows if r["size"] == "0.5B"]
