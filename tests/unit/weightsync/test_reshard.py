@@ -77,6 +77,22 @@ def test_one_rank_with_a_casting_landing_hands_on_the_sources_themselves():
     assert stats.peak_buffer_bytes == 0 < cast_stats.peak_buffer_bytes
 
 
+def test_a_plan_is_local_only_where_every_rank_holds_what_its_vllm_needs():
+    """`ReshardPlan.local` (no send buffer, no collective in the sync): one rank, or shard size 1 at any world and TP;
+    never where a weight is split over ranks."""
+    full = full_weights()
+
+    def plan(world, tp, shard, rank=0):
+        rows = {n: (0, w.shape[0]) if shard == 1 else (0, -(-w.shape[0] // shard)) for n, w in full.items()}
+        sources = [SourceParam(n, w[slice(*rows[n])], tuple(w.shape)) for n, w in full.items()]
+        return build_plan(sources, Layout(DIMS, tp), rank=rank, world=world, tp_rank_of=lambda r: r % tp,
+                          bucket_bytes=8 * 1024, dtype=torch.bfloat16, sharded=True, shard=shard)
+
+    assert plan(1, 1, 1).local
+    assert all(plan(4, tp, 1, rank).local for tp in (1, 2) for rank in range(4))
+    assert not any(plan(4, tp, shard, rank).local for tp in (1, 2) for shard in (2, 4) for rank in range(4))
+
+
 def test_probed_columns_are_adjacent_bands_that_cover_every_column_in_turn():
     from hybrid_rl.weightsync.verify import probe_columns, take_columns
 
