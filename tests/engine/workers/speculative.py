@@ -4,13 +4,16 @@ vLLM) run once without and once with `ngram` drafting (`release=restart`: one vL
 Measured: greedy tokens with and without (and the drafts accepted on the way); for sampled tokens, the log-probs
 vLLM returns against the policy's own (the mismatch the trainer's guard watches, `rollout/logprob_diff_*`) and the
 sampled distribution against the one without drafting (a chi-squared test of homogeneity per position over many
-samples). Writes the figures to $HR_TEST_OUT; the test says what they must be on this platform."""
+samples). Then vLLM's rejection sampler alone, with the kernels the engine registered, on a known distribution
+(rejection_cpu.py): where the sampled figures go wrong. Writes the figures to $HR_TEST_OUT; the test says what they
+must be on this platform."""
 
 import sys
 from dataclasses import replace
 
 import torch
 from common import build, log, write_result
+from rejection_cpu import probe
 
 from hybrid_rl.model.logprobs import forward_logprobs
 from hybrid_rl.rollout.speculative import Speculation
@@ -86,7 +89,10 @@ def main(model_path: str) -> None:
     chi2 = [chi2_homogeneity(a, b) for a, b in zip(off["positions"], on["positions"], strict=True)]
     log("chi2 per position (stat, df, p):", chi2, "drafted/accepted:", on["drafted"], on["accepted"])
     engine.close()
-    write_result({"greedy_equal": off["greedy"] == on["greedy"], "greedy_off": off["greedy"], "greedy_on": on["greedy"],
+    probes = probe()  # after the engine: its start registered vLLM's CPU kernels in this process
+    log("rejection sampler alone:", probes)
+    write_result({"probe": probes, "greedy_equal": off["greedy"] == on["greedy"], "greedy_off": off["greedy"],
+                  "greedy_on": on["greedy"],
                   "chi2": chi2, "drafted": on["drafted"], "accepted": on["accepted"],
                   "drafted_off": off["drafted"] + off["greedy_drafted"], "prompt": prompt,
                   "greedy_drafted": on["greedy_drafted"], "greedy_accepted": on["greedy_accepted"],
