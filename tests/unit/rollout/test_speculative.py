@@ -76,12 +76,29 @@ def test_acceptance_is_accepted_over_drafted_summed_over_responses():
     assert spec_metrics(0, 0)["rollout/spec_acceptance"] == 0.0
 
 
-def test_sampled_speculative_rollouts_are_refused_on_cpu_only():
-    r = RolloutConfig(speculative="ngram", temperature=1.0)
-    with pytest.raises(ConfigError, match="rollout.speculative=ngram with rollout.temperature=1.0 is refused on CPU"):
+def test_sampled_speculative_rollouts_are_refused_on_cpu_servers_only():
+    r = RolloutConfig(speculative="ngram", temperature=1.0, mode="sidecar")
+    with pytest.raises(ConfigError, match="rollout.speculative=ngram with rollout.temperature=1.0 is refused on CPU "
+                                          "in sidecar mode"):
         resolve_rollout(r, "cpu")
     resolve_rollout(r, "cuda")
-    resolve_rollout(RolloutConfig(speculative="ngram", temperature=0.0), "cpu")  # greedy drafts are exact
+    resolve_rollout(RolloutConfig(speculative="ngram", temperature=0.0, mode="sidecar"), "cpu")  # greedy is exact
+    resolve_rollout(RolloutConfig(speculative="ngram", temperature=1.0), "cpu")  # colocated: the engine's kernel
+
+
+def test_the_cpu_expand_kernel_writes_each_requests_value_in_the_outputs_dtype():
+    """`vllm_cpu_kernels.expand`, the rejection sampler's expand as the Triton kernel defines it: float temperatures
+    (0 replaced by 1), int top-k, over tokens given by cumulative counts; a request with no tokens writes none."""
+    import torch
+
+    from hybrid_rl.colocated.vllm_cpu_kernels import expand
+
+    out = torch.full((5,), float("nan"))
+    expand(out, torch.tensor([0.7, 0.0, 0.3]), torch.tensor([2, 2, 5], dtype=torch.int32), 0, 1)
+    assert torch.equal(out, torch.tensor([0.7, 0.7, 0.3, 0.3, 0.3]))
+    k = torch.full((4,), -5, dtype=torch.int32)
+    expand(k, torch.tensor([3, 0], dtype=torch.int32), torch.tensor([1, 3], dtype=torch.int32), 0, 50)
+    assert k.tolist() == [3, 50, 50, -5]
 
 
 def test_the_in_process_engines_per_request_histogram_gives_the_accepted_tokens():
