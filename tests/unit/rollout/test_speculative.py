@@ -25,10 +25,15 @@ def test_off_by_default_and_ngram_maps_to_vllms_speculative_config():
     validate(cfg)
     assert speculation(cfg.rollout).vllm_config() == {"method": "ngram", "num_speculative_tokens": 3,
                                                       "prompt_lookup_min": 1, "prompt_lookup_max": 5}
+    cfg = _cfg(speculative="siblings", spec_tokens=3, spec_ngram_min=1, spec_ngram_max=5)
+    validate(cfg)  # vLLM loads the drafter by its path, the window in the class name
+    assert speculation(cfg.rollout).vllm_config() == {
+        "method": "custom_class", "num_speculative_tokens": 3,
+        "model": "hybrid_rl.rollout.sibling_drafter.SiblingDrafter_1_5"}
 
 
 @pytest.mark.parametrize("override,message", [
-    ({"speculative": "eagle"}, r"rollout.speculative='eagle' is not allowed; choose one of: off, ngram"),
+    ({"speculative": "eagle"}, r"rollout.speculative='eagle' is not allowed; choose one of: off, ngram, siblings"),
     ({"spec_tokens": 0}, r"rollout.spec_tokens=0 must be an integer in \[1, 16\]"),
     ({"spec_tokens": 17}, r"rollout.spec_tokens=17 must be an integer in \[1, 16\]"),
     ({"spec_ngram_min": 5, "spec_ngram_max": 4}, r"1 <= spec_ngram_min <= spec_ngram_max"),
@@ -82,6 +87,9 @@ def test_sampled_speculative_rollouts_are_refused_on_cpu_only():
         resolve_rollout(r, "cpu")
     resolve_rollout(r, "cuda")
     resolve_rollout(RolloutConfig(speculative="ngram", temperature=0.0), "cpu")  # greedy drafts are exact
+    with pytest.raises(ConfigError, match="rollout.speculative=siblings with rollout.temperature=0.7 is refused"):
+        resolve_rollout(RolloutConfig(speculative="siblings", temperature=0.7), "cpu")
+    resolve_rollout(RolloutConfig(speculative="siblings", temperature=0.0), "cpu")
 
 
 def test_the_in_process_engines_per_request_histogram_gives_the_accepted_tokens():
