@@ -56,6 +56,9 @@ def test_the_sidecar_server_command_line_carries_the_config_and_asks_for_per_req
     assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == {
         "method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
     assert cmd[cmd.index("--per-request-spec-decode-metrics") + 1] == "summary"
+    cmd = server_command(ServerSpec(**spec, speculation=Speculation("siblings", 5, 2, 3)))  # the class by its path
+    assert json.loads(cmd[cmd.index("--speculative-config") + 1])["model"] == (
+        "hybrid_rl.rollout.sibling_drafter.SiblingDrafter_2_3")
     assert request_body([1], Sampling(max_tokens=2), 5)["stream_options"] == {"include_usage": True}
 
 
