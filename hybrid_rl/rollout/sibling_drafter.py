@@ -31,13 +31,23 @@ import weakref
 import numpy as np
 
 NAME = re.compile(r"SiblingDrafter_(\d+)_(\d+)")
+CHUNK = 1 << 22  # source positions compared per pass: bounds a step's temporaries (tens of MB) on long contexts
 
 
 def draft(tokens: np.ndarray, num_tokens: np.ndarray, num_prompt: np.ndarray, group: np.ndarray, rows: np.ndarray,
-          min_n: int, max_n: int, k: int, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+          min_n: int, max_n: int, k: int, max_len: int, chunk: int = CHUNK) -> tuple[np.ndarray, np.ndarray]:
     """Drafts for `rows`: ([len(rows), k] tokens, [len(rows)] how many of each are drafted). `tokens[r, :num_tokens[r]]`:
     row r's prompt and response so far, its first `num_prompt[r]` its prompt; `group[r]`: rows with the same value
-    have the same prompt. A match ends at `e` in a source row: the `m` tokens before `e` are the row's last `m`."""
+    have the same prompt. A match ends at `e` in a source row: the `m` tokens before `e` are the row's last `m`.
+    Each row compares its group's tokens (its own and its siblings'): rows go in passes of about `chunk` of those."""
+    cost = np.bincount(group)[group[rows]] * (int(num_tokens.max()) if len(num_tokens) else 0)
+    cuts = np.searchsorted(np.cumsum(cost), np.arange(chunk, int(cost.sum()), chunk), side="right")
+    parts = [_draft(tokens, num_tokens, num_prompt, group, part, min_n, max_n, k, max_len)
+             for part in np.split(rows, np.unique(cuts[(cuts > 0) & (cuts < len(rows))]))]
+    return np.concatenate([o for o, _ in parts]), np.concatenate([n for _, n in parts])
+
+
+def _draft(tokens, num_tokens, num_prompt, group, rows, min_n, max_n, k, max_len) -> tuple[np.ndarray, np.ndarray]:
     nr, batch = len(rows), len(group)
     out, lens = np.zeros((nr, k), dtype=np.int32), np.zeros(nr, dtype=np.int64)
     if nr == 0:

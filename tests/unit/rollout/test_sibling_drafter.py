@@ -69,6 +69,18 @@ def test_a_draft_stops_at_the_end_of_the_source_at_k_and_at_the_model_length_and
     assert drafts(rows, active=[1]) == [None, []]  # row 0 not asked for (its token was discarded): untouched
 
 
+def test_rows_in_passes_draft_what_one_pass_drafts():
+    rng = np.random.default_rng(0)
+    rows = [([1, 2] if i % 3 else [7], rng.integers(3, 6, size=rng.integers(1, 12)).tolist()) for i in range(10)]
+    tokens, num_tokens, num_prompt = batch(rows)
+    group, asked = prompt_groups(tokens, num_prompt, 10), np.array([0, 2, 3, 5, 6, 9])
+    one = draft(tokens, num_tokens, num_prompt, group, asked, 1, 3, 4, WIDTH)
+    assert one[1].sum() > 0
+    for chunk in (1, 20, 70):
+        passes = draft(tokens, num_tokens, num_prompt, group, asked, 1, 3, 4, WIDTH, chunk=chunk)
+        assert np.array_equal(one[0], passes[0]) and np.array_equal(one[1], passes[1])
+
+
 def test_groups_are_identical_prompt_tokens():
     tokens, _, num_prompt = batch([(P, [4]), (Q, [4]), (P, [5, 6]), (P[:2], [3])])
     assert prompt_groups(tokens, num_prompt, 4).tolist() == [0, 1, 0, 2]  # (1, 2) + response 3 is another prompt
