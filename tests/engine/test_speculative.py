@@ -1,5 +1,6 @@
-"""Speculative rollout (`rollout.speculative=ngram`) against the policy: the hybrid engine for real, without and with
-drafting in one launch (tests/engine/workers/speculative.py measures; this says what the figures must be on CPU)."""
+"""Speculative rollout (`rollout.speculative=ngram`, `=siblings`) against the policy: the hybrid engine for real,
+without and with drafting in one launch (tests/engine/workers/speculative.py measures; this says what the figures
+must be on CPU)."""
 
 from pathlib import Path
 
@@ -17,6 +18,11 @@ def test_drafting_keeps_the_policys_tokens_log_probs_and_distribution(tiny_model
     # Greedy: the same tokens with and without, and drafts accepted on the way (the counts reach the generations).
     assert r["greedy_equal"], (r["greedy_off"], r["greedy_on"])
     assert 0 < r["greedy_accepted"] <= r["greedy_drafted"], r
+    # The sibling drafter (vLLM's custom proposer, in the in-process engine): the same greedy tokens, and the second
+    # request, behind its sibling, accepted more drafts than the first (own context only: its sibling is behind it).
+    sib = r["siblings"]
+    assert sib["tokens"] == [r["base_greedy"], r["greedy_off"][0][:3], r["base_greedy"]], sib
+    assert sib["accepted"][2] > sib["accepted"][0] and sib["accepted"][2] <= sib["drafted"][2], sib
     # Without drafting vLLM's log-probs of sampled tokens are the policy's (float32), and none is NaN.
     assert r["lp_nan"]["off"] == 0 and r["lp_diff"]["off"][0] < 1e-3, r["lp_diff"]
     # Sampled (temperature 1), drafts were both accepted and rejected: the rejection sampler's resampling ran.

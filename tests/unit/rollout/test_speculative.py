@@ -25,10 +25,15 @@ def test_off_by_default_and_ngram_maps_to_vllms_speculative_config():
     validate(cfg)
     assert speculation(cfg.rollout).vllm_config() == {"method": "ngram", "num_speculative_tokens": 3,
                                                       "prompt_lookup_min": 1, "prompt_lookup_max": 5}
+    cfg = _cfg(speculative="siblings", spec_tokens=3, spec_ngram_min=1, spec_ngram_max=5)
+    validate(cfg)  # vLLM loads the drafter by its path, the window in the class name
+    assert speculation(cfg.rollout).vllm_config() == {
+        "method": "custom_class", "num_speculative_tokens": 3,
+        "model": "hybrid_rl.rollout.sibling_drafter.SiblingDrafter_1_5"}
 
 
 @pytest.mark.parametrize("override,message", [
-    ({"speculative": "eagle"}, r"rollout.speculative='eagle' is not allowed; choose one of: off, ngram"),
+    ({"speculative": "eagle"}, r"rollout.speculative='eagle' is not allowed; choose one of: off, ngram, siblings"),
     ({"spec_tokens": 0}, r"rollout.spec_tokens=0 must be an integer in \[1, 16\]"),
     ({"spec_tokens": 17}, r"rollout.spec_tokens=17 must be an integer in \[1, 16\]"),
     ({"spec_ngram_min": 5, "spec_ngram_max": 4}, r"1 <= spec_ngram_min <= spec_ngram_max"),
@@ -51,6 +56,9 @@ def test_the_sidecar_server_command_line_carries_the_config_and_asks_for_per_req
     assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == {
         "method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
     assert cmd[cmd.index("--per-request-spec-decode-metrics") + 1] == "summary"
+    cmd = server_command(ServerSpec(**spec, speculation=Speculation("siblings", 5, 2, 3)))  # the class by its path
+    assert json.loads(cmd[cmd.index("--speculative-config") + 1])["model"] == (
+        "hybrid_rl.rollout.sibling_drafter.SiblingDrafter_2_3")
     assert request_body([1], Sampling(max_tokens=2), 5)["stream_options"] == {"include_usage": True}
 
 
@@ -84,6 +92,9 @@ def test_sampled_speculative_rollouts_are_refused_on_cpu_servers_only():
     resolve_rollout(r, "cuda")
     resolve_rollout(RolloutConfig(speculative="ngram", temperature=0.0, mode="sidecar"), "cpu")  # greedy is exact
     resolve_rollout(RolloutConfig(speculative="ngram", temperature=1.0), "cpu")  # colocated: the engine's kernel
+    with pytest.raises(ConfigError, match="rollout.speculative=siblings with rollout.temperature=0.7 is refused"):
+        resolve_rollout(RolloutConfig(speculative="siblings", temperature=0.7, mode="sidecar"), "cpu")
+    resolve_rollout(RolloutConfig(speculative="siblings", temperature=0.7), "cpu")
 
 
 def test_the_cpu_expand_kernel_writes_each_requests_value_in_the_outputs_dtype():
