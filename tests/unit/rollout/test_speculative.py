@@ -97,6 +97,15 @@ def test_sampled_speculative_rollouts_are_refused_on_cpu_servers_only():
     resolve_rollout(RolloutConfig(speculative="siblings", temperature=0.7), "cpu")
 
 
+def test_ngram_is_refused_where_the_engine_restarts_on_cpu():
+    r = RolloutConfig(speculative="ngram", temperature=0.0, release="restart")
+    with pytest.raises(ConfigError, match="rollout.speculative=ngram with rollout.release=restart is refused on CPU"):
+        resolve_rollout(r, "cpu")
+    resolve_rollout(r, "cuda")
+    resolve_rollout(RolloutConfig(speculative="siblings", temperature=0.0, release="restart"), "cpu")
+    resolve_rollout(RolloutConfig(speculative="ngram", temperature=0.0), "cpu")  # keep: one start
+
+
 def test_the_cpu_expand_kernel_writes_each_requests_value_in_the_outputs_dtype():
     """`vllm_cpu_kernels.expand`, the rejection sampler's expand as the Triton kernel defines it: float temperatures
     (0 replaced by 1), int top-k, over tokens given by cumulative counts; a request with no tokens writes none."""
