@@ -294,8 +294,8 @@ def main() -> None:
 
 
 def run(model: str, a, repeats: int) -> dict:
-    from hybrid_rl.distributed.mesh import free_port
     from hybrid_rl.sidecar.etcd_server import EtcdProcess
+    from hybrid_rl.sidecar.vllm_server import server_port
 
     (common.CACHE / "logs").mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="ckpt_bench_", dir=common.CACHE))
@@ -307,7 +307,7 @@ def run(model: str, a, repeats: int) -> dict:
     try:
         r = common.torchrun(__file__, ["--worker", "--model", model, "--dtype", a.dtype, "--repeats", str(repeats),
                                        "--bucket-mb", str(a.bucket_mb), "--overrides", json.dumps(overrides),
-                                       "--port", str(free_port())], nproc=2, timeout=1800, tag="checkpoint_engine")
+                                       "--port", str(server_port(2))], nproc=2, timeout=1800, tag="checkpoint_engine")
     finally:
         etcd.stop()
     return _figures(r)
@@ -315,8 +315,8 @@ def run(model: str, a, repeats: int) -> dict:
 
 def run_servers(model: str, a, repeats: int) -> dict:
     """The 4-rank, TP-2 launch: one pod with two servers (a private etcd for their registrations)."""
-    from hybrid_rl.distributed.mesh import free_port
     from hybrid_rl.sidecar.etcd_server import EtcdProcess
+    from hybrid_rl.sidecar.vllm_server import server_port
 
     root = Path(tempfile.mkdtemp(prefix="ckpt_servers_", dir=common.CACHE))
     train = root / "train.jsonl"
@@ -325,9 +325,7 @@ def run_servers(model: str, a, repeats: int) -> dict:
     etcd.start()
     overrides = [o for o in _overrides(model, a, etcd.endpoint, f"/bench_s_{os.getpid()}", root / "run", train)
                  if not o.startswith(("rollout.tp=", "sidecar.pods="))] + ["rollout.tp=2", "rollout.kv_cache_gb=0.0625"]
-    port = free_port()
-    while not all(common_port_free(p) for p in (port, port + 1)):
-        port = free_port()
+    port = server_port(2)
     try:
         r = common.torchrun(__file__, ["--servers-worker", "--model", model, "--dtype", a.dtype, "--repeats",
                                        str(repeats), "--bucket-mb", str(a.bucket_mb), "--overrides",
@@ -343,12 +341,6 @@ def run_servers(model: str, a, repeats: int) -> dict:
     for k, v in ratios.items():
         print(f"  {k}: {v:.3g}x")
     return {"ratios": ratios, "raw": r}
-
-
-def common_port_free(port: int) -> bool:
-    from hybrid_rl.sidecar.vllm_server import port_free
-
-    return port_free("127.0.0.1", port)
 
 
 def _figures(r: dict) -> dict:

@@ -167,6 +167,21 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
+def server_port(n: int = 1, host: str = "127.0.0.1") -> int:
+    """n free consecutive ports below the kernel's ephemeral range: a server binds its port a minute or more after it
+    is chosen (its start), and in between any outgoing connection or port-0 listener (gloo's, etcd's clients) may be
+    given a port of that range, so a port free now there is often taken by then."""
+    import random
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(max(1024, low - 12000), low - n)
+        if all(port_free(host, p) for p in range(port, port + n)):
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
+
+
 def check_python(python: str) -> None:
     """ServerError unless `python` is an interpreter that can import vLLM (cheap: no import happens)."""
     if not (Path(python).is_file() and os.access(python, os.X_OK)):

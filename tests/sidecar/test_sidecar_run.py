@@ -17,7 +17,6 @@ tests/sidecar/test_async_run.py on one pod.)
 
 import json
 import os
-import random
 import re
 import subprocess
 import sys
@@ -28,7 +27,7 @@ import pytest
 from hybrid_rl.build import sidecar_namespace
 from hybrid_rl.config import load_config
 from hybrid_rl.sidecar.shm_reclaim import unmapped
-from hybrid_rl.sidecar.vllm_server import port_free
+from hybrid_rl.sidecar.vllm_server import server_port
 from tests.conftest import REPO, TIMING, VLLM_TP2, run_torchrun
 from tests.e2e.conftest import tiny_overrides
 from tests.sidecar.etcd import SharedEtcd
@@ -170,19 +169,6 @@ def _without_secret(**extra: str) -> dict[str, str]:
     from hybrid_rl.sidecar.auth import SECRET_ENV
 
     return {k: v for k, v in {**os.environ, **extra}.items() if k != SECRET_ENV}
-
-
-def server_port(n: int = 1) -> int:
-    """n free consecutive ports below the kernel's ephemeral range: a server binds its port minutes after it is
-    chosen (its start on a loaded machine), and in between any outgoing connection or port-0 listener (gloo's,
-    etcd's clients) may be given a port of that range."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    rng = random.Random()
-    for _ in range(1000):
-        port = rng.randrange(max(1024, low - 12000), low - n)
-        if all(port_free("127.0.0.1", p) for p in range(port, port + n)):
-            return port
-    raise RuntimeError("no free port below the ephemeral range")
 
 
 def _answers(endpoint: str) -> bool:
