@@ -47,6 +47,23 @@ def expand_is_right() -> bool:
     return torch.equal(out, torch.tensor([0.7, 0.7, 1.0]))
 
 
+def installed():
+    """The expand kernel vLLM launches now."""
+    from vllm.v1.sample import rejection_sampler
+
+    return rejection_sampler._expand.kernel
+
+
+def install(kernel) -> None:
+    """Make `kernel` the expand vLLM launches: rebind its two holders, as vLLM's `register_kernels` would."""
+    from vllm.v1.sample import rejection_sampler
+
+    rejection_sampler.expand_kernel = kernel
+    launcher = rejection_sampler._expand  # a JIT warmup owner: it launches its `kernel` attribute
+    launcher.kernel = kernel
+    vars(launcher).pop("_kernel_arg_names", None)  # its cached launch binding, derived again from the kernel
+
+
 def mend_expand() -> bool:
     """Put `expand` in place where vLLM's CPU kernel is wrong; True when it did (and then checked it right)."""
     if expand_is_right():
@@ -54,11 +71,7 @@ def mend_expand() -> bool:
     from vllm.triton_utils.dispatcher import KernelOverride
     from vllm.v1.sample import rejection_sampler
 
-    wrapper = KernelOverride(rejection_sampler.expand_kernel, expand)
-    rejection_sampler.expand_kernel = wrapper
-    launcher = rejection_sampler._expand  # a JIT warmup owner: it launches its `kernel` attribute
-    launcher.kernel = wrapper
-    vars(launcher).pop("_kernel_arg_names", None)  # its cached launch binding, derived again from the wrapper
+    install(KernelOverride(rejection_sampler.expand_kernel, expand))
     if not expand_is_right():
         raise RuntimeError(f"the CPU expand kernel registered for {EXPAND} still gets a known case wrong")
     log.info("vLLM's CPU expand kernel leaves float outputs unwritten (sampled speculative drafts would be verified "

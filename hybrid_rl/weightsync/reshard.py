@@ -130,8 +130,8 @@ class ReshardPlan:
     rank: int
     world: int
     bytes_per_sync: int = 0
-    # Every piece this rank needs is its own and it sends to no one (one rank, or shard size 1: every rank holds each
-    # weight whole): nothing moves between ranks.
+    # Shard size 1 (one rank, or every rank holding each weight whole): each rank's pieces are its own and it sends to
+    # no one, so nothing moves between ranks. The same on every rank, as it must be: it decides the collectives.
     local: bool = False
     # Senders' checksums of this rank's slices, filled in at the end of each `stream_slices`.
     expected: torch.Tensor | None = field(default=None, repr=False)
@@ -174,9 +174,8 @@ def build_plan(
         current += g
     if current:
         buckets.append(_bucket(current, params, layout, rank, world, tp_rank_of, shard, elt, receives))
-    plan = ReshardPlan(slices, buckets, dtype, rank, world)
+    plan = ReshardPlan(slices, buckets, dtype, rank, world, local=shard == 1)
     plan.bytes_per_sync = sum(b.recv_bytes for b in buckets)
-    plan.local = all(not b.sends[d] and not b.recvs[d] for b in buckets for d in range(world) if d != rank)
     return plan
 
 

@@ -79,11 +79,9 @@ def run_mode(engine, model, prompt: list[int]) -> dict:
 
 
 def _registered_expand_is_ours() -> bool:
-    from vllm.v1.sample import rejection_sampler
-
     from hybrid_rl.colocated import vllm_cpu_kernels
 
-    return getattr(rejection_sampler._expand.kernel, "func", None) is vllm_cpu_kernels.expand
+    return getattr(vllm_cpu_kernels.installed(), "func", None) is vllm_cpu_kernels.expand
 
 
 def run_siblings(engine) -> dict:
@@ -108,9 +106,9 @@ def main(model_path: str) -> None:
     prompt = BASE + cont
     off_seqs = engine.vllm.spec.max_num_seqs
     off = run_mode(engine, model, prompt)
-    from vllm.v1.sample import rejection_sampler
+    from hybrid_rl.colocated import vllm_cpu_kernels
 
-    vllms_expand = rejection_sampler._expand.kernel  # vLLM's own (on CPU its C++ op, registered at the engine's start)
+    vllms_expand = vllm_cpu_kernels.installed()  # vLLM's own (on CPU its C++ op, registered at the engine's start)
     # Before ngram: vLLM's n-gram drafter imports numba, after which vllm-cpu starts no other engine in the process.
     siblings = run_siblings(engine)
     engine.vllm.spec = replace(engine.vllm.spec, max_num_seqs=off_seqs,
@@ -122,8 +120,7 @@ def main(model_path: str) -> None:
     engine.close()
     probes = None
     if not torch.cuda.is_available():
-        rejection_sampler.expand_kernel = rejection_sampler._expand.kernel = vllms_expand  # vLLM's own again
-        vars(rejection_sampler._expand).pop("_kernel_arg_names", None)
+        vllm_cpu_kernels.install(vllms_expand)  # vLLM's own again
         probes = probe()
     log("rejection sampler alone:", probes)
     write_result({"probe": probes, "mended": mended, "greedy_equal": off["greedy"] == on["greedy"], "greedy_off": off["greedy"],
