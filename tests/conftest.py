@@ -19,6 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 # (`tests.e2e.rewards:length_parity`): the repository goes on their path, as it is on pytest's. The installed project
 # itself needs no path: `make install` installs it (editable).
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+# A process the tests start that dies of a signal (a C++ abort, a segfault) prints every thread's Python stack first.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 # tests/gpu checks the training side on a CUDA device (`make test-gpu`, which sets HR_GPU_TESTS=1); `make test` and CI,
 # on machines without one, do not collect it.
@@ -145,6 +147,6 @@ def run_torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: int = 
            "--standalone", str(script), *args]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0 or not out.exists():
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-80:])
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-150:])  # room for a fault handler's stacks
         pytest.fail(f"torchrun {Path(script).name} failed (exit {proc.returncode}):\n{tail}")
     return json.loads(out.read_text())

@@ -46,6 +46,8 @@ def test_drafting_keeps_the_policys_tokens_log_probs_and_distribution(tiny_model
     # fixes it this fails: drop vllm_cpu_kernels.py (it registers nothing where vLLM's kernel is right).
     expand = r["probe"]["expand"]
     assert any(x != x or abs(x - y) > 1e-6 for x, y in zip(expand, [0.7, 0.7, 1.0], strict=True)), expand
-    for s in r["probe"]["sampler"]:  # the sampler alone on a known distribution, temperatures 0.7 and 1: what the
-        # uninitialised memory holds varies, so wrong log-probs or a shifted first token, not always both
-        assert s["lp_nan"] > 0 or s["lp_diff_max"] > 1e-3 or s["chi2"][2] < 1e-3, s
+    # The sampler alone on a known distribution (temperatures 0.7 and 1, seeded): with the engine's expand its first
+    # tokens follow the distribution and its log-probs are exact. With vLLM's own the figures are only logged: they
+    # come from whatever the unwritten memory held, which can by chance be the right temperatures (seen in CI at 1).
+    for s in r["probe"]["sampler_mended"]:
+        assert s["lp_nan"] == 0 and s["lp_diff_max"] < 1e-4 and s["chi2"][2] > 1e-3, s

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 from common import build, log, write_result
-from rejection_cpu import probe
+from rejection_cpu import TEMPERATURES, probe, sampler_probe
 
 from hybrid_rl.model.logprobs import forward_logprobs
 from hybrid_rl.rollout.speculative import Speculation
@@ -120,8 +120,9 @@ def main(model_path: str) -> None:
     engine.close()
     probes = None
     if not torch.cuda.is_available():
+        ours = [sampler_probe(t) for t in TEMPERATURES]  # the sampler alone with the engine's expand in place
         vllm_cpu_kernels.install(vllms_expand)  # vLLM's own again
-        probes = probe()
+        probes = {**probe(), "sampler_mended": ours}
     log("rejection sampler alone:", probes)
     write_result({"probe": probes, "mended": mended, "greedy_equal": off["greedy"] == on["greedy"], "greedy_off": off["greedy"],
                   "greedy_on": on["greedy"],
