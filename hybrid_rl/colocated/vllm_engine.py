@@ -154,7 +154,7 @@ class VLLMEngine:
         if cpu_shm:
             self._shm.record(before)
         if self.spec.speculation.on and not torch.cuda.is_available():  # after vLLM's worker registered its kernels
-            from hybrid_rl.colocated.vllm_cpu_kernels import mend_expand
+            from hybrid_rl.weightsync.vllm_cpu_kernels import mend_expand
 
             mend_expand()
         if self.spec.capture_routes:

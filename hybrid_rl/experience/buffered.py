@@ -50,6 +50,7 @@ from hybrid_rl.rollout.agentic import trajectory_metrics
 from hybrid_rl.rollout.base import RolloutError, StreamingRollout, agent_row, prompt_of
 from hybrid_rl.rollout.exchange import gather_index
 from hybrid_rl.rollout.sampling import request_seed, sample_of
+from hybrid_rl.rollout.speculative import SpecTally
 from hybrid_rl.types import Request, Rollout, Sample, Scores
 from hybrid_rl.utils.timer import PhaseTimer
 
@@ -90,6 +91,7 @@ class BufferedSource:
         # multi-turn: keys whose tools failed for infrastructure reasons (left out of the batch), trajectory counts
         self.infra: set[int] = set()
         self.traj_stats: dict[int, dict[str, float]] = {}
+        self.spec: dict[int, tuple[int, int]] = {}  # drafted and accepted tokens of each finished request
         self.scores: dict[int, tuple[float, ...]] = {}  # key -> (total, errors, timeouts, *parts)
         self.scoring: list[tuple[object, list[int]]] = []  # pool handles in progress, with their keys
         self.score_s = 0.0
@@ -179,6 +181,8 @@ class BufferedSource:
                 self.infra.add(key)
             if a.stats:
                 self.traj_stats[key] = dict(a.stats)
+            gens = [e.generation for e in a.earlier] + [a.generation]  # an episode's turns, each drafted apart
+            self.spec[key] = (sum(g.spec_drafted for g in gens), sum(g.spec_accepted for g in gens))
             new.append(key)
         self._score(new)
 
@@ -252,7 +256,7 @@ class BufferedSource:
 
     def _forget(self, gid: int) -> None:
         for key in range(gid * self.s.n, (gid + 1) * self.s.n):
-            for d in (self.held, self.earlier, self.scores, self.traj_stats):
+            for d in (self.held, self.earlier, self.scores, self.traj_stats, self.spec):
                 d.pop(key, None)
             self.infra.discard(key)
 
@@ -281,7 +285,13 @@ class BufferedSource:
                         int(t[_ERRORS].sum()), int(t[_TIMEOUTS].sum()), status.score_s / self.dims.world)
         fields = {self.book.live[gid].record.index: self.book.live[gid].record.fields for gid in take}
         stats = [self.traj_stats[k] for gid in take for k in range(gid * n, (gid + 1) * n) if k in self.traj_stats]
-        rollout = Rollout(held, gather_index(held, size), trajectory_metrics(stats))
+        metrics = trajectory_metrics(stats)
+        if self.s.speculative:
+            tally = SpecTally()
+            for key in (k for gid in take for k in range(gid * n, (gid + 1) * n) if k in self.spec):
+                tally.count(*self.spec[key])
+            metrics.update(tally.metrics())
+        rollout = Rollout(held, gather_index(held, size), metrics)
         for gid in (*take, *plan.drop):
             self._forget(gid)
         self.score_s = 0.0

@@ -57,6 +57,7 @@ class SourceSettings:
     max_staleness: int
     seed: int
     max_restarts: int  # failed-request recoveries in a row before the run stops (sidecar.max_restarts)
+    speculative: bool = False  # `rollout.speculative` on: drafted and accepted tokens go into the step's metrics
 
 
 class ExperienceSource(Protocol):

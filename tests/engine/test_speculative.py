@@ -27,7 +27,7 @@ def test_drafting_keeps_the_policys_tokens_log_probs_and_distribution(tiny_model
     assert r["lp_nan"]["off"] == 0 and r["lp_diff"]["off"][0] < 1e-3, r["lp_diff"]
     # Sampled (temperature 1), drafts were both accepted and rejected: the rejection sampler's resampling ran.
     assert 0 < r["accepted"] < r["drafted"], r
-    # With the engine's expand kernel (hybrid_rl/colocated/vllm_cpu_kernels.py) the sampled tokens' log-probs are the
+    # With the engine's expand kernel (hybrid_rl/weightsync/vllm_cpu_kernels.py) the sampled tokens' log-probs are the
     # policy's and each position's distribution is the one without drafting (600 samples, seeded per request).
     assert r["mended"], "the engine did not replace vLLM's CPU expand kernel"
     assert r["lp_nan"]["on"] == 0 and r["lp_diff"]["on"][0] < 1e-3, (r["lp_nan"], r["lp_diff"])

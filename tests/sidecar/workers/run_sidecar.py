@@ -217,6 +217,7 @@ def main() -> None:
             check = greedy_check(c, cfg, trainer)
             check["loss_finite"] = all(v == v for k, v in metrics.items() if k.startswith("actor/"))
             check["logprob_diff_max"] = metrics["rollout/logprob_diff_max"]
+            check["spec"] = [metrics.get("rollout/spec_drafted", 0.0), metrics.get("rollout/spec_accepted", 0.0)]
             result["steps"].append(check)
         engine = c.rollout.engine
         pushes = all_gather_object((engine.server_index, engine.pushes) if engine.leader else None)

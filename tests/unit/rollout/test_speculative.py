@@ -84,17 +84,11 @@ def test_acceptance_is_accepted_over_drafted_summed_over_responses():
     assert spec_metrics(0, 0)["rollout/spec_acceptance"] == 0.0
 
 
-def test_sampled_speculative_rollouts_are_refused_on_cpu_servers_only():
-    r = RolloutConfig(speculative="ngram", temperature=1.0, mode="sidecar")
-    with pytest.raises(ConfigError, match="rollout.speculative=ngram with rollout.temperature=1.0 is refused on CPU "
-                                          "in sidecar mode"):
-        resolve_rollout(r, "cpu")
-    resolve_rollout(r, "cuda")
-    resolve_rollout(RolloutConfig(speculative="ngram", temperature=0.0, mode="sidecar"), "cpu")  # greedy is exact
-    resolve_rollout(RolloutConfig(speculative="ngram", temperature=1.0), "cpu")  # colocated: the engine's kernel
-    with pytest.raises(ConfigError, match="rollout.speculative=siblings with rollout.temperature=0.7 is refused"):
-        resolve_rollout(RolloutConfig(speculative="siblings", temperature=0.7, mode="sidecar"), "cpu")
-    resolve_rollout(RolloutConfig(speculative="siblings", temperature=0.7), "cpu")
+def test_sampled_speculative_rollouts_run_in_both_deployments_on_cpu():
+    """Both put the corrected expand kernel in vLLM's processes (the sidecar run test drafts sampled on CPU servers)."""
+    for mode in ("colocated", "sidecar"):
+        for method in ("ngram", "siblings"):
+            resolve_rollout(RolloutConfig(speculative=method, temperature=0.7, mode=mode), "cpu")
 
 
 def test_ngram_is_refused_where_the_engine_restarts_on_cpu():
@@ -111,7 +105,7 @@ def test_the_cpu_expand_kernel_writes_each_requests_value_in_the_outputs_dtype()
     (0 replaced by 1), int top-k, over tokens given by cumulative counts; a request with no tokens writes none."""
     import torch
 
-    from hybrid_rl.colocated.vllm_cpu_kernels import expand
+    from hybrid_rl.weightsync.vllm_cpu_kernels import expand
 
     out = torch.full((5,), float("nan"))
     expand(out, torch.tensor([0.7, 0.0, 0.3]), torch.tensor([2, 2, 5], dtype=torch.int32), 0, 1)

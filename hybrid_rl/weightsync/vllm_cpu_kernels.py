@@ -14,8 +14,10 @@ then scans every loaded module for other holders, and in a trainer's process tha
 not expect (`'_lib_fn_wrapper' object has no attribute 'get'`), part-way. So `mend_expand` rebinds the kernel's two
 holders itself, as that function would: the defining module's `expand_kernel` and the dispatcher `_expand` that
 launches it. It does so after vLLM's worker has registered its own kernels, and only when a probe of the kernel in
-place gets a known case wrong: a vLLM that fixes the op keeps its own. The sidecar's servers run vLLM in their own processes, which this cannot reach (the config refuses sampled
-drafting there on CPU). CUDA runs the Triton kernel and never calls this.
+place gets a known case wrong: a vLLM that fixes the op keeps its own. The colocated engine calls it once vLLM has
+started; a sidecar server's transfer backend (`sidecar/shm_transfer.py`) in each worker when it is first initialised,
+before the server's first update and so before it generates. CUDA runs the Triton kernel and never calls this.
+It sits beside the weight sync's vLLM landing: the one package under both deployments that may import vLLM.
 """
 
 from __future__ import annotations
