@@ -136,6 +136,28 @@ def real_chat_templates() -> Path:
     return built()
 
 
+# A C++ abort with no Python error in any rank: "terminate called without an active exception" from one rank, mid-run
+# or at exit, in about one of several hundred multi-process launches under `make test`'s load (gloo_comms' 3 ranks,
+# a benchmark smoke's vLLM start-up); 0 of 91 launches of the same worker beside three others reproduced it. Its stack
+# is printed (PYTHONFAULTHANDLER above). A launch that dies of it is run once more, with a warning in the summary.
+NATIVE_ABORT = "terminate called without an active exception"
+
+
+def run_once_more_on_native_abort(cmd: list[str], name: str, **kwargs) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, capture_output=True, text=True, **kwargs)`, run a second time (and only then) if the first
+    failed with `NATIVE_ABORT` in its output. `name`: what the warning calls the launch."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0 and NATIVE_ABORT in out:
+        import warnings
+
+        tail = "\n".join(out.splitlines()[-150:])
+        warnings.warn(f"{name}: a process aborted "
+                      f"({NATIVE_ABORT!r}); launched once more. Its output's end:\n{tail}", stacklevel=2)
+        proc = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
+    return proc
+
+
 def run_torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: int = 900, tmp_path: Path) -> dict:
     """Launch `script` under `torchrun --nproc_per_node=nproc`; return the JSON its rank 0 wrote.
 
@@ -145,7 +167,7 @@ def run_torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: int = 
     env = dict(os.environ, HR_TEST_OUT=str(out), PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            "--standalone", str(script), *args]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    proc = run_once_more_on_native_abort(cmd, Path(script).name, env=env, cwd=REPO, timeout=timeout)
     if proc.returncode != 0 or not out.exists():
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-150:])  # room for a fault handler's stacks
         pytest.fail(f"torchrun {Path(script).name} failed (exit {proc.returncode}):\n{tail}")

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO, run_once_more_on_native_abort
+
 BENCH = REPO / "benchmarks"
 sys.path.insert(0, str(BENCH))
 import run_all  # noqa: E402
@@ -34,8 +34,8 @@ def test_every_script_is_a_listed_benchmark():
 def test_benchmark_smoke(name: str, tmp_path: Path):
     env = dict(os.environ, HR_BENCH_RESULTS=str(tmp_path), PYTHONUNBUFFERED="1")
     t0 = time.time()
-    proc = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), "--smoke"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = run_once_more_on_native_abort([sys.executable, str(BENCH / f"{name}.py"), "--smoke"], f"{name}.py --smoke",
+                                         cwd=REPO, env=env, timeout=900)
     tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
     assert proc.returncode == 0, f"benchmarks/{name}.py --smoke exited {proc.returncode}:\n{tail}"
     result = tmp_path / f"{name}.json"
