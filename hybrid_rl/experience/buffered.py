@@ -284,12 +284,12 @@ class BufferedSource:
                         {name: t[_PARTS + k].repeat_interleave(count) for k, name in enumerate(self.scorer.part_names)},
                         int(t[_ERRORS].sum()), int(t[_TIMEOUTS].sum()), status.score_s / self.dims.world)
         fields = {self.book.live[gid].record.index: self.book.live[gid].record.fields for gid in take}
-        stats = [self.traj_stats[k] for gid in take for k in range(gid * n, (gid + 1) * n) if k in self.traj_stats]
-        metrics = trajectory_metrics(stats)
+        keys = [k for gid in take for k in range(gid * n, (gid + 1) * n)]
+        metrics = trajectory_metrics([self.traj_stats[k] for k in keys if k in self.traj_stats])
         if self.s.speculative:
             tally = SpecTally()
-            for key in (k for gid in take for k in range(gid * n, (gid + 1) * n) if k in self.spec):
-                tally.count(*self.spec[key])
+            for k in (k for k in keys if k in self.spec):
+                tally.count(*self.spec[k])
             metrics.update(tally.metrics())
         rollout = Rollout(held, gather_index(held, size), metrics)
         for gid in (*take, *plan.drop):

