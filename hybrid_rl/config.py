@@ -124,6 +124,9 @@ class RolloutConfig:
     verify_probe_cols: int = 32  # adjacent columns checked per 2-D weight (every row); the band moves each sync
     # CPU, bf16: vLLM's linears keep packed weights the sync writes in place (no rerun of vLLM's weight processing)
     cpu_packed_linears: bool = True
+    # CPU, ranks of one host: the sync's buckets move through shared memory (two slots of a bucket per rank in
+    # /dev/shm) instead of gloo's all-to-all; falls back to the all-to-all across hosts or when /dev/shm is short
+    cpu_shm_sync: bool = True
     val_greedy: bool = True  # held-out validation samples greedily (false: at rollout.temperature)
     # Speculative rollout (docs/guides/performance.md): ngram drafts tokens from n-grams of each request's own context,
     # siblings also from the responses of the requests with the same prompt (the group's other samples); the policy

@@ -57,7 +57,7 @@ def _engine(cfg: Config, dims: ParallelDims, actor: Model, offload: OffloadManag
     o = cfg.offload
     options = SwitchOptions(bucket_bytes=bucket_bytes, verify=r.verify, probe_cols=r.verify_probe_cols,
                             release=d.release, offload_params=o.actor_params, offload_grads=o.actor_grads,
-                            offload_optim=o.actor_optim)
+                            offload_optim=o.actor_optim, cpu_shm_sync=r.cpu_shm_sync)
     layout = Layout(ModelDims.from_hf_config(actor.module.config), r.tp)
     weights, adapter = (LoraWeights(actor.module) if is_lora(actor.module) else None), None
     if adapter_on:

@@ -23,6 +23,7 @@ class SwitchOptions:
     offload_params: str  # none | cpu | disk
     offload_grads: str
     offload_optim: str
+    cpu_shm_sync: bool = True  # CPU: the sync's buckets through shared memory (`reshard.shared_exchange`)
 
 
 @dataclass(frozen=True)

@@ -39,18 +39,13 @@ from hybrid_rl.distributed.offload import (
     optimizer_tensors,
     param_tensors,
 )
+from hybrid_rl.distributed.shm_exchange import ShmExchange
 from hybrid_rl.model.optimizers import resident_state_to_come
 from hybrid_rl.types import Generation, Sampling
 from hybrid_rl.utils import memory
 from hybrid_rl.weightsync.grouped import slice_digest
-from hybrid_rl.weightsync.reshard import (
-    ReshardPlan,
-    SourceParam,
-    SyncStats,
-    WeightSyncError,
-    build_plan,
-    stream_buckets,
-)
+from hybrid_rl.weightsync.plan import ReshardPlan, SourceParam, build_plan
+from hybrid_rl.weightsync.reshard import SyncStats, WeightSyncError, shared_exchange, stream_buckets
 from hybrid_rl.weightsync.source import ModuleWeights
 from hybrid_rl.weightsync.verify import checksums_match, probe_for, target_label, verify_targets
 from hybrid_rl.weightsync.vllm_weights import ROW_PATHS
@@ -71,6 +66,7 @@ class SwitchReport:
 
     seconds: dict[str, float] = field(default_factory=dict)
     sync_path: str = ""
+    transport: str = ""  # how buckets moved between ranks: none (each rank its own), shared_memory or all_to_all
     bytes_received: int = 0
     buckets: int = 0
     peak_buffer_bytes: int = 0
@@ -90,6 +86,7 @@ class HybridEngine:
         self.weights = policy.weights or ModuleWeights(policy.module)
         self.adapter = policy.adapter  # `model.lora.sync=adapter`: the adapter goes to vLLM by itself after each sync
         self._plans: dict[tuple[str, ...], ReshardPlan] = {}
+        self._exchanges: dict[tuple[str, ...], ShmExchange | None] = {}
         self._path: str | None = None
         self._vllm_current = False  # vLLM holds the weights of the last sync (so only changes need sending)
         self._verbose = True  # log the first round trip's checklist at INFO
@@ -244,9 +241,11 @@ class HybridEngine:
                 log.info("weight sync: %s path, %d weights in %d buckets, %.2f MiB per rank", self._path,
                          len(plan.slices), len(plan.buckets), plan.bytes_per_sync / 2**20)
         stats = SyncStats()
+        row_landing = self._path in ROW_PATHS
+        exchange = self._exchange(key, plan) if row_landing else None
         buckets = stream_buckets(
             plan, sources, device=self.device, probe_cols=self.options.probe_cols,
-            sync_index=self.sync_index, stats=stats, row_landing=self._path in ROW_PATHS,
+            sync_index=self.sync_index, stats=stats, row_landing=row_landing, exchange=exchange,
         )
         self.vllm.load_weights((items for _, items in buckets), self._path)  # whole buckets: grouped landing
         if self.options.verify:
@@ -254,7 +253,17 @@ class HybridEngine:
         self.sync_index += 1
         self._vllm_current = self.options.release in ("keep", "sleep")
         rep.sync_path, rep.bytes_received = self._path, stats.bytes_received
+        rep.transport = "none" if plan.local or plan.world == 1 else "shared_memory" if exchange else "all_to_all"
         rep.buckets, rep.peak_buffer_bytes = stats.buckets, stats.peak_buffer_bytes
+
+    def _exchange(self, key: tuple, plan: ReshardPlan) -> ShmExchange | None:
+        """The shared-memory exchange of this plan's buckets (CPU ranks of one host), made at its first sync and
+        kept: a fresh one would fault in its pages again. Collective, the same on every rank."""
+        if self.device.type != "cpu" or not self.options.cpu_shm_sync:
+            return None
+        if key not in self._exchanges:
+            self._exchanges[key] = shared_exchange(plan)
+        return self._exchanges[key]
 
     def _verify(self, plan: ReshardPlan) -> None:
         """Compare the senders' checksums with checksums of what vLLM's forward now reads (each weight where it

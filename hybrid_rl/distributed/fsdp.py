@@ -113,7 +113,7 @@ def local_rows(p: torch.Tensor) -> tuple[int, int]:
     """Rows [a, b) of dim 0 that this rank's shard of `p` holds; a plain tensor holds them all.
 
     FSDP2 shards dim 0 over the mesh's shard dimension with torch.chunk semantics: chunks of ceil(rows / shard),
-    the last ones short or empty (as `weightsync/reshard.fsdp_row_ranges`).
+    the last ones short or empty (as `weightsync/plan.fsdp_row_ranges`).
     """
     if not is_sharded(p):
         return 0, p.shape[0]

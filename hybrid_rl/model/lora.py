@@ -162,7 +162,7 @@ def _merged_experts(model: nn.Module, hf: str, p: nn.Parameter,
     """An adapted fused parameter by its checkpoint names (one per expert and projection, as `_frozen`), each a
     function giving its part of this rank's merged experts. The first call merges them all, `W + scaling * delta`
     for the experts the rank holds (a collective: it gathers the adapter); the last one drops them. Every rank
-    calls every piece in the same order (`reshard.SourceParam`), those of experts it does not hold too."""
+    calls every piece in the same order (`plan.SourceParam`), those of experts it does not hold too."""
     a, b = local_rows(p)
     pieces = _fused_names(model).pieces(hf)
     merged: list[torch.Tensor] = []

@@ -2,7 +2,7 @@
 
 One update ("register shard", then "update weight"), on every trainer rank in lockstep:
 
-1. The colocated resharding plan (`reshard.build_plan`) with the *servers'* TP layout: a node runs
+1. The colocated resharding plan (`weightsync/plan.build_plan`) with the *servers'* TP layout: a node runs
    `servers` servers, server g fed by the node's ranks g*tp .. g*tp+tp-1 (rank r writes TP slice r % tp
    of its server: its "writer"; the first of them, the server's leader, drives it over HTTP); ranks
    beyond them only send their FSDP rows. Cached per set of weights.
@@ -50,7 +50,8 @@ from hybrid_rl.sidecar.shm_ring import (
 )
 from hybrid_rl.sidecar.vllm_server import ServerError, VLLMServer
 from hybrid_rl.weightsync.layout import Layout, TPSlice
-from hybrid_rl.weightsync.reshard import ReshardPlan, SourceParam, WeightSyncError, build_plan, stream_buckets
+from hybrid_rl.weightsync.plan import ReshardPlan, SourceParam, build_plan
+from hybrid_rl.weightsync.reshard import WeightSyncError, stream_buckets
 from hybrid_rl.weightsync.verify import checksums_match, target_label, verify_targets
 
 log = logging.getLogger(__name__)

@@ -60,7 +60,8 @@ from hybrid_rl.sidecar.server_adapter import load_on_server, read_files
 from hybrid_rl.sidecar.versions import servers_at, token_versions_of
 from hybrid_rl.sidecar.vllm_server import SERVED_MODEL, ServerError
 from hybrid_rl.types import Request, Rollout, Sampling
-from hybrid_rl.weightsync.reshard import SourceParam, WeightSyncError
+from hybrid_rl.weightsync.plan import SourceParam
+from hybrid_rl.weightsync.reshard import WeightSyncError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

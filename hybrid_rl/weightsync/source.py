@@ -13,7 +13,7 @@ from hybrid_rl.model.families import FusedNames
 
 class WeightSource(Protocol):
     """What the policy offers to sync: (HF name, this rank's dim-0 shard, full shape) per weight; the shard may be
-    a function that computes it when its bucket is sent (`reshard.SourceParam`)."""
+    a function that computes it when its bucket is sent (`plan.SourceParam`)."""
 
     def weights(self) -> Iterable[tuple[str, torch.Tensor | Callable[[], torch.Tensor], tuple[int, ...]]]: ...
 

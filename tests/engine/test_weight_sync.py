@@ -67,6 +67,7 @@ def test_packed_sync_lands_every_slice_in_the_weight_vllms_kernel_reads(tp1_laun
     r = tp1_launch["packed"]
     for step in r["steps"]:
         assert step["sync_path"] == "packed"  # bf16 on AMX: no reload of vLLM's weight processing
+        assert step["transport"] == "shared_memory"  # two ranks of one host (rollout.cpu_shm_sync)
         assert step["packed_slices_min"] >= step["slices"] // 2, step  # every projection, on every rank
         assert step["mismatched"] == 0, step  # bit-exact, read through the kernel itself
         assert step["max_logprob_diff"] < 0.1, step  # bf16 on both sides, different kernels

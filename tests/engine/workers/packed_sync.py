@@ -60,7 +60,8 @@ def packed_check(model_path: str, tp: int, steps: int = 3) -> dict:
             f"max |dlogp|={max_diff:.3f}")
         stats = torch.tensor([max_diff, len(mismatched), -packed, engine.report.peak_buffer_bytes])
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-        result["steps"].append({"sync_path": engine.report.sync_path, "max_logprob_diff": stats[0].item(),
+        result["steps"].append({"sync_path": engine.report.sync_path, "transport": engine.report.transport,
+                                "max_logprob_diff": stats[0].item(),
                                 "mismatched": int(stats[1].item()), "packed_slices_min": int(-stats[2].item()),
                                 "slices": len(slices), "buffer_bytes_max": int(stats[3].item())})
     engine.close()

@@ -8,8 +8,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hybrid_rl.distributed.mesh import free_port
+from hybrid_rl.distributed.shm_exchange import ShmExchange
+from hybrid_rl.utils.shm import SHM_DIR
 from hybrid_rl.weightsync.layout import Layout
-from hybrid_rl.weightsync.reshard import SourceParam, build_plan, fsdp_row_ranges, stream_buckets, stream_slices
+from hybrid_rl.weightsync.plan import SourceParam, build_plan, fsdp_row_ranges
+from hybrid_rl.weightsync.reshard import shared_exchange, stream_buckets, stream_slices
 from hybrid_rl.weightsync.verify import block_checksum, checksums_match, probe_for
 from tests.unit.weightsync.test_reshard import DIMS, full_weights
 
@@ -35,7 +38,8 @@ def _worker(rank: int, world: int, tp: int, port: int, results) -> None:
     results[rank] = dict(exact=exact, checksums_ok=bool(checksums_match(plan.expected, sums).all()),
                          buckets=len(plan.buckets), received=plan.bytes_per_sync, **_writers_only(rank, world, tp, full,
                                                                                                    sources, layout),
-                         **_row_landed(rank, world, tp, full, sources, layout), **_hsdp(rank, world, tp, full, layout))
+                         **_row_landed(rank, world, tp, full, sources, layout), **_hsdp(rank, world, tp, full, layout),
+                         **_shared_memory(rank, world, tp, full, sources, layout))
     dist.destroy_process_group()
 
 
@@ -100,6 +104,48 @@ def _row_landed(rank: int, world: int, tp: int, full, sources, layout) -> dict:
                 r_buckets=len(plan.buckets))
 
 
+def _shared_memory(rank: int, world: int, tp: int, full, sources, layout) -> dict:
+    """The row landing with the buckets through shared memory (`rollout.cpu_shm_sync`): three syncs of other
+    weights each (both slots written, then one rewritten), every piece read in place from its sender's slot; ranks
+    of one TP rank (0 and 2, 1 and 3) need the same pieces, which each sender writes once."""
+    plan = build_plan(sources, layout, rank=rank, world=world, tp_rank_of=lambda r: r % tp,
+                      bucket_bytes=8 * 1024, dtype=torch.bfloat16, sharded=True)
+    exchange = shared_exchange(plan)
+    told, exchange_parts = [], exchange.exchange
+
+    def recorded(send, parts, recv_splits):
+        told.append(list(parts))
+        return exchange_parts(send, parts, recv_splits)
+
+    exchange.exchange = recorded
+    first_row = {ts.hf_name: ts.dest_offset for ts in plan.slices}
+    exact, checksums, in_place = True, True, True
+    for k in range(3):
+        scaled = [SourceParam(s.name, s.tensor() * (k + 1), s.shape) for s in sources]
+        landed = {ts.hf_name: torch.full(ts.shape, float("nan"), dtype=torch.bfloat16) for ts in plan.slices}
+        for ts, tensor in stream_slices(plan, scaled, device=torch.device("cpu"), probe_cols=16, row_landing=True,
+                                        exchange=exchange, sync_index=k):
+            landed[ts.hf_name].narrow(0, ts.dest_offset - first_row[ts.hf_name], tensor.shape[0]).copy_(tensor)
+            in_place &= any(tensor.untyped_storage().data_ptr() == s.untyped_storage().data_ptr()
+                            for mine in exchange._slots for s in mine)
+        sums = []
+        for ts in plan.slices:
+            want = (full[ts.hf_name] if ts.dim is None else full[ts.hf_name].narrow(ts.dim, ts.start, ts.stop - ts.start))
+            exact &= torch.equal(landed[ts.hf_name], (want * (k + 1)).to(torch.bfloat16))
+            cols = probe_for(ts, 16, k)
+            t = landed[ts.hf_name]
+            sums.append(block_checksum(t if cols is None else t[:, cols], row0=0, col_ids=cols))
+        checksums &= bool(checksums_match(plan.expected, torch.stack(sums)).all())
+    dist.barrier()
+    left = [p.name for p in SHM_DIR.glob("hybrid_rl-xchg-*")]
+    # Every exchange's (offset, elements) of each destination's part in this rank's slot: ranks 0 and 2 (1 and 3)
+    # read one part; some parts are not empty.
+    once = all(p[0] == p[2] and p[1] == p[3] for p in told) and any(p[0][1] and p[1][1] for p in told)
+    no_room = ShmExchange.create(1 << 50) is None  # more than /dev/shm holds: the all-to-all stays, on every rank
+    return dict(s_exact=exact, s_checksums=checksums, s_in_place=in_place, s_left=left, s_sent_once=once,
+                s_no_room=no_room)
+
+
 def _writers_only(rank: int, world: int, tp: int, full, sources, layout) -> dict:
     """The sidecar's plan: only ranks < tp receive (server TP rank r <- trainer rank r), straight into the buffers
     `alloc` hands out (a shared-memory slot in the checkpoint engine); the other ranks only send."""
@@ -147,6 +193,11 @@ def test_every_rank_receives_exactly_its_tp_slice_from_fsdp_shards():
             exact, checksums, own_replica, received = results[r][f"hsdp{shard}"]
             assert exact and checksums and own_replica, f"rank {r}, HSDP shard size {shard}"
             assert received == results[r]["received"], "HSDP receives a replica's bytes more than once"
+        assert results[r]["s_exact"] and results[r]["s_checksums"], f"rank {r}: through shared memory"
+        assert results[r]["s_in_place"], f"rank {r}: a piece was copied out of its sender's slot"
+        assert results[r]["s_sent_once"], f"rank {r}: ranks of one TP rank were written the same pieces twice"
+        assert results[r]["s_no_room"], f"rank {r}: an exchange larger than /dev/shm was made"
+        assert results[r]["s_left"] == [], f"shared-memory files left: {results[r]['s_left']}"
         local, exact, views, checksums = results[r]["hsdp1_local"]
         assert local and exact and checksums, f"rank {r}: shard size 1, landing rows: {results[r]['hsdp1_local']}"
         assert views, f"rank {r}: shard size 1 copied its own weights into a buffer instead of handing on views"

@@ -9,7 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybrid_rl.weightsync.grouped import slice_digest
 from hybrid_rl.weightsync.layout import Layout, ModelDims
-from hybrid_rl.weightsync.reshard import SourceParam, build_plan, stream_buckets
+from hybrid_rl.weightsync.plan import SourceParam, build_plan
+from hybrid_rl.weightsync.reshard import stream_buckets
 from hybrid_rl.weightsync.verify import block_checksum, checksums_match, probe_for
 from hybrid_rl.weightsync.vllm_weights import load_inplace, readback
 

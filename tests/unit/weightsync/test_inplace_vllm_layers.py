@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from hybrid_rl.weightsync.layout import Layout, ModelDims
-from hybrid_rl.weightsync.reshard import SourceParam, SyncStats, build_plan, stream_slices
+from hybrid_rl.weightsync.plan import SourceParam, build_plan
+from hybrid_rl.weightsync.reshard import SyncStats, stream_slices
 from hybrid_rl.weightsync.vllm_weights import check_storages, load_inplace, model_params, storage_ptrs, sync_path
 
 vllm_linear = pytest.importorskip("vllm.model_executor.layers.linear")

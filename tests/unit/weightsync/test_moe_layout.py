@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from hybrid_rl.weightsync.layout import Layout, ModelDims
-from hybrid_rl.weightsync.reshard import SourceParam, build_plan, stream_slices
+from hybrid_rl.weightsync.plan import SourceParam, build_plan
+from hybrid_rl.weightsync.reshard import stream_slices
 from hybrid_rl.weightsync.vllm_moe import moe_dense
 from hybrid_rl.weightsync.vllm_weights import load_inplace, model_params, sync_path
 

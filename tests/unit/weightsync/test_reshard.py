@@ -4,7 +4,8 @@
 import torch
 
 from hybrid_rl.weightsync.layout import Layout, ModelDims
-from hybrid_rl.weightsync.reshard import SourceParam, SyncStats, build_plan, stream_buckets, stream_slices
+from hybrid_rl.weightsync.plan import SourceParam, build_plan
+from hybrid_rl.weightsync.reshard import SyncStats, stream_buckets, stream_slices
 from hybrid_rl.weightsync.verify import block_checksum, checksums_match, probe_for
 
 DIMS = ModelDims("LlamaForCausalLM", vocab_size=100, hidden_size=64, intermediate_size=96, num_heads=2,

@@ -1,0 +1,134 @@
+"""An all-to-all through shared memory, for the ranks of one CPU host (the weight sync's buckets).
+
+Between two ranks of one host gloo's `all_to_all_single` goes through loopback TCP: at the 0.5B shape, 2 ranks
+x 1 thread, the bytes each rank receives took 2.5x a `copy_` of them alone. Here every rank writes what it
+sends into its own shared-memory slot, the ranks meet at a barrier, and each reads what it receives straight
+from the senders' slots: the bytes cross once, by the receiver's own copy (the landing that reads them).
+
+Each rank has two slots and writes them in turn (exchange j uses slot j % 2). Rank A writes slot j % 2 only after
+the barrier of exchange j - 1, which rank B reaches only after it has finished reading exchange j - 2, the last
+one in that slot; so a consumer must be done with exchange j's views before it starts exchange j + 1 (the
+weight sync's row landing is: it lands each bucket before it asks for the next).
+
+The files are unlinked as soon as every rank has mapped them: nothing stays in /dev/shm while the run lives or
+after it ends (even killed); the memory is freed when the last process unmaps it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hybrid_rl.utils.shm import SHM_DIR
+
+log = logging.getLogger(__name__)
+
+_ALIGN = 64  # each slot's data starts on a cache line; the header: (offset, bytes) of each destination's part
+
+
+def _host_key() -> str:
+    """Same value exactly for processes of one host (boot id: containers on one host share /dev/shm only if
+    they share it, which the mapping itself checks)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}:{boot}:{os.stat(SHM_DIR).st_ino if SHM_DIR.exists() else ''}"
+
+
+class ShmExchange:
+    """All-to-all of byte buffers between the ranks of `group`, through shared memory. Build with `create`."""
+
+    def __init__(self, slots: list[list[torch.Tensor]], rank: int, world: int, slot_bytes: int, group) -> None:
+        self._slots = slots  # [rank][0 or 1]: uint8, header then data
+        self.rank, self.world, self.slot_bytes, self.group = rank, world, slot_bytes, group
+        self._count = 0
+        self._head = -(-world * 16 // _ALIGN) * _ALIGN
+
+    @classmethod
+    def create(cls, slot_bytes: int, group=None, shm_dir: Path = SHM_DIR) -> ShmExchange | None:
+        """Collective over `group`. None (every rank the same) where the ranks are not all on one host or /dev/shm
+        has no room for two slots a rank: then the caller keeps its collective."""
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        head = -(-world * 16 // _ALIGN) * _ALIGN
+        st = os.statvfs(shm_dir) if shm_dir.exists() else None
+        free = st.f_bavail * st.f_frsize if st else 0
+        keys: list = [None] * world
+        dist.all_gather_object(keys, (_host_key(), free, slot_bytes), group=group)
+        slot_bytes = -(-max(b for _, _, b in keys) // _ALIGN) * _ALIGN  # every rank maps every slot at one size
+        need = 2 * world * (head + slot_bytes)  # every rank's two slots, all on this host
+        hosts, least = len({k for k, _, _ in keys}), min(f for _, f, _ in keys)
+        if hosts != 1 or least < need * 1.25:
+            if rank == 0:
+                log.info("weight sync: buckets move by the process group's all-to-all (%s)",
+                         "ranks on several hosts" if hosts != 1 else f"/dev/shm has {least / 2**20:.0f} MiB free, "
+                         f"the shared-memory exchange needs {need / 2**20:.0f}")
+            return None
+        token = [uuid.uuid4().hex[:16] if rank == 0 else None]
+        dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        paths = [[shm_dir / f"hybrid_rl-xchg-{token[0]}-r{r}-s{s}" for s in range(2)] for r in range(world)]
+        size = head + slot_bytes
+        error = None
+        try:
+            for p in paths[rank]:
+                fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                try:
+                    os.ftruncate(fd, size)
+                finally:
+                    os.close(fd)
+        except OSError as e:
+            error = f"rank {rank}: {e}"
+        errors: list = [None] * world
+        dist.all_gather_object(errors, error, group=group)
+        slots, failed = None, [e for e in errors if e]
+        if not failed:
+            try:
+                slots = [[torch.from_file(str(p), shared=True, size=size, dtype=torch.uint8) for p in mine]
+                         for mine in paths]
+            except (OSError, RuntimeError) as e:
+                error = f"rank {rank}: {e}"
+            dist.all_gather_object(errors, error, group=group)  # every rank has mapped every file (or failed)
+            failed = [e for e in errors if e]
+        for p in paths[rank]:
+            p.unlink(missing_ok=True)
+        if failed:
+            if rank == 0:
+                log.warning("weight sync: the shared-memory exchange could not start (%s); buckets move by the "
+                            "process group's all-to-all", "; ".join(failed))
+            return None
+        if rank == 0:
+            log.info("weight sync: buckets move through shared memory (2 slots of %.1f MiB a rank)", slot_bytes / 2**20)
+        return cls(slots, rank, world, slot_bytes, group)
+
+    def send_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Where this rank writes the next exchange's send elements."""
+        nbytes = numel * dtype.itemsize
+        if nbytes > self.slot_bytes:
+            raise ValueError(f"a send of {nbytes} bytes exceeds the exchange's slot of {self.slot_bytes}")
+        slot = self._slots[self.rank][self._count % 2]
+        return slot[self._head : self._head + nbytes].view(dtype)
+
+    def exchange(self, send: torch.Tensor, parts: list[tuple[int, int]], recv_splits: list[int]) -> list[torch.Tensor]:
+        """Collective: `send` (from `send_buffer`) holds the part for rank d at elements [parts[d][0], + parts[d][1])
+        (parts may coincide: ranks that receive the same bytes read them from one place); returns what each source
+        rank sent to this one, as views of its slot (valid until the next exchange but one)."""
+        k = self._count % 2
+        self._count += 1
+        elt = send.element_size()
+        header = self._slots[self.rank][k][: self.world * 16].view(torch.int64)
+        header.copy_(torch.tensor(parts, dtype=torch.int64).flatten() * elt)
+        dist.barrier(group=self.group)
+        out = []
+        for s in range(self.world):
+            start, nbytes = self._slots[s][k][: self.world * 16].view(torch.int64)[2 * self.rank : 2 * self.rank + 2].tolist()
+            if nbytes != recv_splits[s] * elt:
+                raise RuntimeError(f"rank {self.rank}: rank {s} sent {nbytes} bytes, {recv_splits[s] * elt} expected: "
+                                   "the ranks' sync plans differ")
+            out.append(self._slots[s][k][self._head + start : self._head + start + nbytes].view(send.dtype))
+        return out
