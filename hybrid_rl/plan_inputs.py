@@ -53,7 +53,7 @@ def plan_for(cfg: Config, world: int, *, device: DeviceSpec | None = None, atten
         activation_checkpointing=cfg.model.activation_checkpointing,
         attention=_attention(attention, device), entropy=get_objective(a.objective).entropy,
         old_logp_pass=not a.old_logp_from_update, optimizer=cfg.optim.name, router_replay=cfg.model.moe.router_replay,
-        shard=cfg.trainer.shard_size,
+        shard=cfg.trainer.shard_size, shm_collectives=cfg.trainer.cpu_shm_collectives,
         prefix_share=cfg.rollout.n if cfg.trainer.prefix_share and not get_objective(a.objective).paired else 0,
     )
     try:

@@ -210,7 +210,8 @@ def _scheduler(opt, cfg: Config, warmup: int):
 
 def _shard(module: torch.nn.Module, path: str, cfg: Config, dims: ParallelDims) -> torch.nn.Module:
     """Shard a meta-device model, then fill this rank's shards from the checkpoint (never the whole model)."""
-    shard_model(module, fsdp_mesh(dims), param_dtype=DTYPES[cfg.model.dtype])
+    shard_model(module, fsdp_mesh(dims), param_dtype=DTYPES[cfg.model.dtype],
+                shared_memory=cfg.trainer.cpu_shm_collectives)
     materialize(module, path, device=device(), seed=cfg.trainer.seed)
     return module
 

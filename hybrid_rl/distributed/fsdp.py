@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from hybrid_rl.distributed import gloo_comms
+from hybrid_rl.distributed import gloo_comms, shm_comms
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -26,7 +26,7 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 
 def shard_model(
     model: nn.Module, mesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32,
-    cpu_offload: bool = False, reshard_after_forward: bool | None = None,
+    cpu_offload: bool = False, reshard_after_forward: bool | None = None, shared_memory: bool = True,
 ) -> nn.Module:
     """Apply `fully_shard` per block and to the root, in place; returns the model.
 
@@ -34,6 +34,9 @@ def shard_model(
     rank, or HSDP with `trainer.shard_size=1`). There resharding frees no memory that matters (the float32 weights
     stay) and backward would copy every block's compute copy again; so a forward that records a graph keeps its
     compute copies for backward (which frees them), and a no-grad pass frees them when it ends (`_reshard_if_no_grad`).
+
+    `shared_memory` (CPU, `trainer.cpu_shm_collectives`): the ranks of one host gather and reduce through shared
+    memory (`shm_comms`); otherwise, and across hosts, by gloo's pairwise exchanges (`gloo_comms`).
     """
     whole = _mesh_shard_size(mesh) == 1
     if reshard_after_forward is None:
@@ -46,8 +49,11 @@ def shard_model(
     for unit in units:
         fully_shard(unit, **kwargs)
     if mesh.device_type == "cpu" and mesh.size() > 1:
-        for unit in units:
-            gloo_comms.install(unit)
+        if shared_memory and not whole:
+            shm_comms.install(units, mesh.get_group(mesh.ndim - 1))
+        else:
+            for unit in units:
+                gloo_comms.install(unit)
     if not reshard_after_forward:
         model.register_forward_hook(_reshard_if_no_grad(units))
     return model

@@ -42,6 +42,64 @@ def _host_key() -> str:
     return f"{socket.gethostname()}:{boot}:{os.stat(SHM_DIR).st_ino if SHM_DIR.exists() else ''}"
 
 
+def all_ranks(value, group=None) -> list:
+    """Collective: every rank's `value`, in rank order."""
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def map_segments(sizes: list[int], count: int, group=None, *, what: str,
+                 shm_dir: Path = SHM_DIR) -> list[list[torch.Tensor]] | None:
+    """Collective: `count` shared-memory segments of `sizes[r]` bytes made by each rank r of `group` (0: none), each
+    mapped by every rank: [rank][k] uint8 tensors. The files are unlinked before this returns.
+
+    None on every rank, said once, where the ranks are not all on one host, /dev/shm lacks room for every segment
+    (with a quarter to spare), or a rank could not make or map one: the caller keeps its collectives.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    st = os.statvfs(shm_dir) if shm_dir.exists() else None
+    keys = all_ranks((_host_key(), st.f_bavail * st.f_frsize if st else 0), group)
+    need, least = count * sum(sizes), min(f for _, f in keys)
+    if len({k for k, _ in keys}) != 1 or least < need * 1.25:
+        if rank == 0:
+            log.info("%s keeps the process group's collectives (%s)", what, "ranks on several hosts"
+                     if len({k for k, _ in keys}) != 1 else f"/dev/shm has {least / 2**20:.0f} MiB free, shared "
+                     f"memory would need {need / 2**20:.0f}")
+        return None
+    token = [uuid.uuid4().hex[:16] if rank == 0 else None]
+    dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    paths = [[shm_dir / f"hybrid_rl-shm-{token[0]}-r{r}-s{k}" for k in range(count)] if sizes[r] else []
+             for r in range(world)]
+    error = None
+    try:
+        for p in paths[rank]:
+            fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            try:
+                os.ftruncate(fd, sizes[rank])
+            finally:
+                os.close(fd)
+    except OSError as e:
+        error = f"rank {rank}: {e}"
+    failed = [e for e in all_ranks(error, group) if e]
+    segments = None
+    if not failed:
+        try:
+            segments = [[torch.from_file(str(p), shared=True, size=sizes[r], dtype=torch.uint8) for p in paths[r]]
+                        for r in range(world)]
+        except (OSError, RuntimeError) as e:
+            error = f"rank {rank}: {e}"
+        failed = [e for e in all_ranks(error, group) if e]  # every rank has mapped every file (or failed)
+    for p in paths[rank]:
+        p.unlink(missing_ok=True)
+    if failed:
+        if rank == 0:
+            log.warning("%s could not use shared memory (%s); it keeps the process group's collectives", what,
+                        "; ".join(failed))
+        return None
+    return segments
+
+
 class ShmExchange:
     """All-to-all of byte buffers between the ranks of `group`, through shared memory. Build with `create`."""
 
@@ -57,50 +115,9 @@ class ShmExchange:
         has no room for two slots a rank: then the caller keeps its collective."""
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         head = -(-world * 16 // _ALIGN) * _ALIGN
-        st = os.statvfs(shm_dir) if shm_dir.exists() else None
-        free = st.f_bavail * st.f_frsize if st else 0
-        keys: list = [None] * world
-        dist.all_gather_object(keys, (_host_key(), free, slot_bytes), group=group)
-        slot_bytes = -(-max(b for _, _, b in keys) // _ALIGN) * _ALIGN  # every rank maps every slot at one size
-        need = 2 * world * (head + slot_bytes)  # every rank's two slots, all on this host
-        hosts, least = len({k for k, _, _ in keys}), min(f for _, f, _ in keys)
-        if hosts != 1 or least < need * 1.25:
-            if rank == 0:
-                log.info("weight sync: buckets move by the process group's all-to-all (%s)",
-                         "ranks on several hosts" if hosts != 1 else f"/dev/shm has {least / 2**20:.0f} MiB free, "
-                         f"the shared-memory exchange needs {need / 2**20:.0f}")
-            return None
-        token = [uuid.uuid4().hex[:16] if rank == 0 else None]
-        dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-        paths = [[shm_dir / f"hybrid_rl-xchg-{token[0]}-r{r}-s{s}" for s in range(2)] for r in range(world)]
-        size = head + slot_bytes
-        error = None
-        try:
-            for p in paths[rank]:
-                fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-                try:
-                    os.ftruncate(fd, size)
-                finally:
-                    os.close(fd)
-        except OSError as e:
-            error = f"rank {rank}: {e}"
-        errors: list = [None] * world
-        dist.all_gather_object(errors, error, group=group)
-        slots, failed = None, [e for e in errors if e]
-        if not failed:
-            try:
-                slots = [[torch.from_file(str(p), shared=True, size=size, dtype=torch.uint8) for p in mine]
-                         for mine in paths]
-            except (OSError, RuntimeError) as e:
-                error = f"rank {rank}: {e}"
-            dist.all_gather_object(errors, error, group=group)  # every rank has mapped every file (or failed)
-            failed = [e for e in errors if e]
-        for p in paths[rank]:
-            p.unlink(missing_ok=True)
-        if failed:
-            if rank == 0:
-                log.warning("weight sync: the shared-memory exchange could not start (%s); buckets move by the "
-                            "process group's all-to-all", "; ".join(failed))
+        slot_bytes = -(-max(all_ranks(slot_bytes, group)) // _ALIGN) * _ALIGN  # every rank maps every slot at one size
+        slots = map_segments([head + slot_bytes] * world, 2, group, what="the weight sync's exchange", shm_dir=shm_dir)
+        if slots is None:
             return None
         if rank == 0:
             log.info("weight sync: buckets move through shared memory (2 slots of %.1f MiB a rank)", slot_bytes / 2**20)

@@ -107,6 +107,7 @@ class PlanInputs:
     shard: int = 0  # trainer.shard_size: ranks FSDP splits each weight over (HSDP), 0 = the world
     max_response_tokens: int = 0  # the longest response (rollout.max_new_tokens)
     prefix_share: int = 0  # trainer.prefix_share: rollout.n, the branches of a group's segment (0: off)
+    shm_collectives: bool = True  # trainer.cpu_shm_collectives (CPU): FSDP's buffers in shared memory
 
     @property
     def shard_ranks(self) -> int:

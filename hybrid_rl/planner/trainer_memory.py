@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from hybrid_rl.distributed.shm_comms import AG_SLOTS
 from hybrid_rl.model.optimizers import OPTIMIZERS
 from hybrid_rl.planner.activations import forward_activations, train_activations
 from hybrid_rl.planner.inputs import OFFLOADABLE, ModelSpec, PlanInputs, frees_device
@@ -106,7 +107,25 @@ def process_items(x: PlanInputs, phase: str) -> list[Item]:
         return items
     vllm = x.rollout.enabled and phase != "startup"
     what = "python, torch, transformers" + (", vllm" if vllm else "")
-    return [Item("process", what, CPU_PROCESS_BYTES + (CPU_VLLM_IMPORT_BYTES if vllm else 0))]
+    items = [Item("process", what, CPU_PROCESS_BYTES + (CPU_VLLM_IMPORT_BYTES if vllm else 0))]
+    if phase != "startup" and (shm := shm_collective_bytes(x)):
+        items.append(Item("process", "FSDP's all-gathers and reduce-scatters in shared memory", shm))
+    return items
+
+
+def shm_collective_bytes(x: PlanInputs) -> int:
+    """What `distributed/shm_comms` maps on a CPU rank once the first pass has run, as its resident memory counts
+    it (shared pages count in every process that touches them): the all-gathers' `AG_SLOTS` buffers of the largest
+    unit of any sharded model, in its compute dtype, which the rank reads whole; its own reduce-scatter input (the
+    largest trained unit's float32 gradients) and its chunk of every other rank's."""
+    if x.device.kind != "cpu" or not x.shm_collectives or x.world == 1 or x.shard_ranks == 1:
+        return 0
+    specs = [s for s in (x.actor, x.reference, x.critic, x.reward_model, x.teacher) if s is not None]
+    gathered = max(max(s.root_numel(), s.block_numel()) for s in specs) * x.compute_bytes  # every model's param_dtype
+    trained = [s for s in (x.actor, x.critic) if s is not None]
+    grads = max(max(s.root_numel(trainable=True), s.block_numel(trainable=True)) * 4 for s in trained)
+    w = x.shard_ranks
+    return AG_SLOTS * gathered + grads + grads * (w - 1) // w
 
 
 def nccl_communicators(x: PlanInputs) -> int:

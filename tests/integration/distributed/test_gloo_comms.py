@@ -34,10 +34,19 @@ def test_the_reduce_scatter_refuses_an_op_it_does_not_do(record):
 
 def test_shard_model_installs_them_on_every_unit_on_cpu(record):
     assert record["installed"]
+    assert record["installed_shm"]  # shared memory by default, the pairwise exchanges with shared_memory=False
 
 
 def test_training_through_them_matches_training_through_gloos(record):
     assert record["first_logits_equal"]  # the gathered weights are bitwise gloo's
     assert record["min_param_moved"] > 0  # two steps moved every parameter...
-    assert record["max_param_diff"] < 1e-5, record  # ...the same way (summed in another order: not bitwise)
+    assert record["max_param_diff_pairwise"] < 1e-5, record  # ...the same way (summed in another order: not bitwise)
     assert record["losses"]["pairwise"] == pytest.approx(record["losses"]["gloo"], rel=1e-4)
+
+
+def test_training_through_shared_memory_matches_training_through_gloos(record):
+    assert record["shm_used"], "the all-gathers and reduce-scatters did not go through shared memory"
+    assert record["first_logits_equal_shm"]
+    assert record["max_param_diff_shm"] < 1e-5, record
+    assert record["losses"]["shm"] == pytest.approx(record["losses"]["gloo"], rel=1e-4)
+    assert record["shm_left"] == [], "shared-memory files left in /dev/shm while the segments are mapped"

@@ -137,7 +137,7 @@ def _shared_memory(rank: int, world: int, tp: int, full, sources, layout) -> dic
             sums.append(block_checksum(t if cols is None else t[:, cols], row0=0, col_ids=cols))
         checksums &= bool(checksums_match(plan.expected, torch.stack(sums)).all())
     dist.barrier()
-    left = [p.name for p in SHM_DIR.glob("hybrid_rl-xchg-*")]
+    left = [p.name for p in SHM_DIR.glob("hybrid_rl-shm-*")]
     # Every exchange's (offset, elements) of each destination's part in this rank's slot: ranks 0 and 2 (1 and 3)
     # read one part; some parts are not empty.
     once = all(p[0] == p[2] and p[1] == p[3] for p in told) and any(p[0][1] and p[1][1] for p in told)

@@ -1,8 +1,10 @@
-"""FSDP2 on gloo with `gloo_comms`' pairwise collectives against gloo's own, run under torchrun (3 ranks).
+"""FSDP2 on gloo with `gloo_comms`' pairwise collectives and `shm_comms`' shared memory against gloo's own, run
+under torchrun (3 ranks).
 
 Rank 0 writes a JSON record to $HR_TEST_OUT: the collectives alone on integer-valued tensors (sums
-exact in any order, so bitwise comparable), and two training steps of the tiny model sharded both ways
-(`shard_model` installs the pairwise comms on CPU; the reference model is sharded with gloo's own).
+exact in any order, so bitwise comparable), and two training steps of the tiny model sharded three ways
+(`shard_model` installs the shared-memory comms on CPU, or the pairwise ones with `shared_memory=False`; the
+reference model is sharded with gloo's own).
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from hybrid_rl.distributed import gloo_comms  # noqa: E402
+from hybrid_rl.distributed import gloo_comms, shm_comms  # noqa: E402
 from hybrid_rl.distributed.fsdp import shard_model, transformer_blocks  # noqa: E402
 from hybrid_rl.distributed.mesh import fsdp_mesh, init_distributed  # noqa: E402
+from hybrid_rl.utils.shm import SHM_DIR  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--model", required=True)
@@ -55,23 +58,27 @@ except ValueError:
     record["avg_refused"] = True
 
 
-def sharded(pairwise: bool) -> torch.nn.Module:
+def sharded(comms: str) -> torch.nn.Module:
     torch.manual_seed(0)
     m = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
-    if pairwise:
-        return shard_model(m, fsdp_mesh(dims), param_dtype=torch.bfloat16)
+    if comms != "gloo":
+        return shard_model(m, fsdp_mesh(dims), param_dtype=torch.bfloat16, shared_memory=comms == "shm")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for unit in [*transformer_blocks(m), m]:
         fully_shard(unit, mesh=fsdp_mesh(dims), mp_policy=mp)
     return m
 
 
-models = {"pairwise": sharded(True), "gloo": sharded(False)}
-record["installed"] = all(
-    isinstance(g._all_gather_comm, gloo_comms.PairwiseAllGather)
-    and isinstance(g._reduce_scatter_comm, gloo_comms.PairwiseReduceScatter)
-    for mod in models["pairwise"].modules() if isinstance(mod, FSDPModule)
-    for g in mod._get_fsdp_state()._fsdp_param_groups)
+models = {"shm": sharded("shm"), "pairwise": sharded("pairwise"), "gloo": sharded("gloo")}
+
+
+def installed(model, gather, reduce) -> bool:
+    return all(isinstance(g._all_gather_comm, gather) and isinstance(g._reduce_scatter_comm, reduce)
+               for mod in model.modules() if isinstance(mod, FSDPModule) for g in mod._get_fsdp_state()._fsdp_param_groups)
+
+
+record["installed"] = installed(models["pairwise"], gloo_comms.PairwiseAllGather, gloo_comms.PairwiseReduceScatter)
+record["installed_shm"] = installed(models["shm"], shm_comms.ShmAllGather, shm_comms.ShmReduceScatter)
 ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(100 + rank))  # each rank its own data
 logits, losses = {}, {}
 for name, m in models.items():
@@ -86,11 +93,17 @@ for name, m in models.items():
     losses[name] = float(out.loss)
     m.eval()
 record["first_logits_equal"] = torch.equal(logits["pairwise"], logits["gloo"])
-diffs = [float((p.full_tensor() - q.full_tensor()).abs().max()) for p, q in
-         zip(models["pairwise"].parameters(), models["gloo"].parameters(), strict=True)]
+record["first_logits_equal_shm"] = torch.equal(logits["shm"], logits["gloo"])
+for name in ("pairwise", "shm"):
+    diffs = [float((p.full_tensor() - q.full_tensor()).abs().max()) for p, q in
+             zip(models[name].parameters(), models["gloo"].parameters(), strict=True)]
+    record[f"max_param_diff_{name}"] = max(diffs)
 moved = [float((p.full_tensor() - q).abs().max()) for p, q in
-         zip(models["pairwise"].parameters(), AutoModelForCausalLM.from_pretrained(a.model).parameters(), strict=True)]
-record.update(max_param_diff=max(diffs), min_param_moved=min(moved), losses=losses)
+         zip(models["shm"].parameters(), AutoModelForCausalLM.from_pretrained(a.model).parameters(), strict=True)]
+shm = next(g for mod in models["shm"].modules() if isinstance(mod, FSDPModule)
+           for g in mod._get_fsdp_state()._fsdp_param_groups)
+record.update(min_param_moved=min(moved), losses=losses, shm_used=shm._all_gather_comm.segments.uses > 0
+              and shm._reduce_scatter_comm.segments.uses > 0, shm_left=[p.name for p in SHM_DIR.glob("hybrid_rl-*")])
 if rank == 0:
     with open(os.environ["HR_TEST_OUT"], "w") as f:
         json.dump(record, f)
