@@ -327,8 +327,9 @@ class TrainerConfig:
     # the whole model, a step does one gradient all-reduce and no gathers (small models); the world: plain FSDP.
     # 0 = auto: the memory plan picks the smallest that fits (the largest replication), and its verdict says which.
     shard_size: int = 0
-    # CPU, ranks of one host: FSDP's all-gathers and reduce-scatters go through shared memory (in /dev/shm: three
-    # buffers of the largest block's weights per host, one of its gradients per rank) instead of gloo's sends
+    # CPU, ranks of one host: FSDP's all-gathers and reduce-scatters of the transformer blocks go through shared
+    # memory (in /dev/shm: two buffers of the largest block's weights per host, one of its gradients per rank)
+    # instead of gloo's sends
     cpu_shm_collectives: bool = True
 
 

@@ -50,7 +50,7 @@ def shard_model(
         fully_shard(unit, **kwargs)
     if mesh.device_type == "cpu" and mesh.size() > 1:
         if shared_memory and not whole:
-            shm_comms.install(units, mesh.get_group(mesh.ndim - 1))
+            shm_comms.install(units, units[:-1], mesh.get_group(mesh.ndim - 1))
         else:
             for unit in units:
                 gloo_comms.install(unit)

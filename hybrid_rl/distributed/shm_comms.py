@@ -6,15 +6,17 @@ memory, so its own copy-in writes where every rank can read.
 
 * **All-gather.** One output buffer serves the whole group: each rank's copy-in writes its shard at its place in
   it, the ranks meet at a barrier, and each copies the gathered weights out (FSDP2's copy-out). The buffer is a
-  ring of `AG_SLOTS`: FSDP2 issues the next unit's all-gather before it copies the last one out (backward
-  prefetch), so a rank may write slot j % 3 only when every rank is done with gather j - 3, which the barrier of
-  gather j - 1 guarantees (a rank reaches it having copied out all but the one gather in flight before it).
+  ring of `AG_SLOTS`: with backward prefetch FSDP2 issues a unit's all-gather before that unit's compute, but only
+  after it copied out the one before; so when a rank passes the barrier of gather j - 1, every rank has copied out
+  gather j - 2, and slot j % 2 may be written again.
 * **Reduce-scatter.** Each rank's input (its whole unit's gradients, FSDP2's copy-in) goes to its own shared
   segment; after a barrier each rank sums its chunk of every rank's input into its output, then a second barrier
   lets the next reduce-scatter reuse the segments. It sums only, as `gloo_comms` (FSDP2 divides after).
 
-The segments grow when a unit needs more (every rank asks the same sizes in the same order, so they grow together)
-and are unlinked from /dev/shm as soon as every rank has mapped them. Where the ranks cannot share memory (several
+Only the transformer blocks go through shared memory (`install`'s `max_numel`): the root unit (embeddings and head)
+is gathered once a pass, and at a 150k vocabulary it is larger than several blocks, whose rings would all have to
+grow to it. The segments grow when a block needs more (every rank asks the same sizes in the same order, so they
+grow together) and are unlinked from /dev/shm as soon as every rank has mapped them. Where the ranks cannot share memory (several
 hosts, /dev/shm too small), `install` keeps `gloo_comms`' pairwise exchanges.
 """
 
@@ -30,23 +32,25 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from hybrid_rl.distributed import gloo_comms
 from hybrid_rl.distributed.shm_exchange import map_segments
 
-AG_SLOTS = 3  # the memory plan counts them (`planner/trainer_memory.shm_collective_bytes`)
+AG_SLOTS = 2  # the memory plan counts them (`planner/trainer_memory.shm_collective_bytes`)
 _ALIGN = 64
 
 
 class _Segments:
     """A group's shared segments of one kind, grown (collectively) to the largest size asked."""
 
-    def __init__(self, group: dist.ProcessGroup, count: int, per_rank: bool, what: str):
+    def __init__(self, group: dist.ProcessGroup, count: int, per_rank: bool, what: str, max_numel: int):
         self.group, self.count, self.per_rank, self.what = group, count, per_rank, what
+        self.max_numel = max_numel  # larger requests (the root unit) keep the pairwise exchanges
         self.size, self.maps, self.uses = 0, None, 0
         self.usable = True
 
-    def take(self, nbytes: int) -> list[torch.Tensor] | None:
-        """Collective: the next slot ([rank] segments, or one for the group) of at least `nbytes`; None when shared
-        memory is not to be had (then for good)."""
-        if not self.usable:
+    def take(self, numel: int, dtype: torch.dtype) -> list[torch.Tensor] | None:
+        """Collective: the next slot ([rank] segments, or one for the group) for `numel` elements; None for a request
+        over `max_numel`, or when shared memory is not to be had (then for good)."""
+        if not self.usable or numel > self.max_numel:
             return None
+        nbytes = numel * dtype.itemsize
         if nbytes > self.size:
             size = -(-nbytes // _ALIGN) * _ALIGN
             world = self.group.size()
@@ -64,14 +68,14 @@ class _Segments:
 class ShmAllGather(AllGather):
     """`output` = every rank's `input` in rank order, in a shared buffer every rank of the group wrote its part of."""
 
-    def __init__(self, group: dist.ProcessGroup, fallback: AllGather):
+    def __init__(self, group: dist.ProcessGroup, fallback: AllGather, max_numel: int):
         self.group, self.fallback = group, fallback
-        self.segments = _Segments(group, AG_SLOTS, per_rank=False, what="FSDP's all-gathers")
+        self.segments = _Segments(group, AG_SLOTS, per_rank=False, what="FSDP's all-gathers", max_numel=max_numel)
         self.shared: set[int] = set()  # data pointers of the buffers handed out that live in shared memory
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         numel = int(torch.Size(size).numel())
-        slot = self.segments.take(numel * dtype.itemsize) if device.type == "cpu" else None
+        slot = self.segments.take(numel, dtype) if device.type == "cpu" else None
         if slot is None:
             return torch.empty(*size, dtype=dtype, device=device)
         out = slot[0][: numel * dtype.itemsize].view(dtype).view(*size)
@@ -93,9 +97,9 @@ class ShmAllGather(AllGather):
 class ShmReduceScatter(ReduceScatter):
     """`output` = the sum over ranks of their `input`'s chunk number `rank`, each input in its rank's shared segment."""
 
-    def __init__(self, group: dist.ProcessGroup, fallback: ReduceScatter):
+    def __init__(self, group: dist.ProcessGroup, fallback: ReduceScatter, max_numel: int):
         self.group, self.fallback = group, fallback
-        self.segments = _Segments(group, 1, per_rank=True, what="FSDP's reduce-scatters")
+        self.segments = _Segments(group, 1, per_rank=True, what="FSDP's reduce-scatters", max_numel=max_numel)
         self.inputs: dict[int, list[torch.Tensor]] = {}  # input data pointer -> every rank's input, same place
         self._next_is_input = True
 
@@ -103,7 +107,7 @@ class ShmReduceScatter(ReduceScatter):
         # FSDP2 asks twice per reduce-scatter: its input (every rank's whole unit), then its output (one chunk).
         is_input, self._next_is_input = self._next_is_input, not self._next_is_input
         numel = int(torch.Size(size).numel())
-        slot = self.segments.take(numel * dtype.itemsize) if is_input and device.type == "cpu" else None
+        slot = self.segments.take(numel, dtype) if is_input and device.type == "cpu" else None
         if slot is None:
             return torch.empty(*size, dtype=dtype, device=device)
         views = [seg[: numel * dtype.itemsize].view(dtype).view(*size) for seg in slot]
@@ -128,20 +132,33 @@ class ShmReduceScatter(ReduceScatter):
         return None
 
 
+def _padded(p: torch.Tensor, world: int) -> int:
+    """A weight's elements as FSDP2 gathers them: its rows padded to a multiple of the ranks."""
+    if p.dim() == 0:
+        return 1
+    rows = p.shape[0]
+    return -(-rows // world) * world * (p.numel() // max(rows, 1))
+
+
 _COMMS: dict[tuple[int, ...], tuple[ShmAllGather, ShmReduceScatter]] = {}
 
 
-def install(units: list[FSDPModule], group: dist.ProcessGroup) -> None:
-    """Make every FSDP2 unit gather and reduce through shared memory, pairwise exchanges where it is refused.
+def install(units: list[FSDPModule], blocks: list[FSDPModule], group: dist.ProcessGroup) -> None:
+    """Make every FSDP2 unit gather and reduce through shared memory where it is one of `blocks`, by pairwise
+    exchanges otherwise (the root) and where shared memory is refused.
 
     One pair of comms per set of ranks in the process: every unit of every model (actor, reference, critic) shares
-    their rings, which then hold the largest unit of them all; the ranks issue FSDP2's collectives in one order,
+    their rings, which then hold the largest block of them all; the ranks issue FSDP2's collectives in one order,
     so the rings' turns agree between them."""
+    world = group.size()
+    largest = max((sum(_padded(p, world) for p in b.parameters()) for b in blocks), default=0)
     key = tuple(dist.get_process_group_ranks(group))
     if key not in _COMMS:
-        _COMMS[key] = (ShmAllGather(group, gloo_comms.PairwiseAllGather()),
-                       ShmReduceScatter(group, gloo_comms.PairwiseReduceScatter()))
+        _COMMS[key] = (ShmAllGather(group, gloo_comms.PairwiseAllGather(), largest),
+                       ShmReduceScatter(group, gloo_comms.PairwiseReduceScatter(), largest))
     gather, reduce = _COMMS[key]
+    for comm in (gather, reduce):
+        comm.segments.max_numel = max(comm.segments.max_numel, largest)
     for unit in units:
         unit.set_custom_all_gather(gather)
         unit.set_custom_reduce_scatter(reduce)

@@ -116,14 +116,15 @@ def process_items(x: PlanInputs, phase: str) -> list[Item]:
 def shm_collective_bytes(x: PlanInputs) -> int:
     """What `distributed/shm_comms` maps on a CPU rank once the first pass has run, as its resident memory counts
     it (shared pages count in every process that touches them): the all-gathers' `AG_SLOTS` buffers of the largest
-    unit of any sharded model, in its compute dtype, which the rank reads whole; its own reduce-scatter input (the
-    largest trained unit's float32 gradients) and its chunk of every other rank's."""
+    block of any sharded model, in its compute dtype, which the rank reads whole; its own reduce-scatter input (the
+    largest trained block's float32 gradients) and its chunk of every other rank's. The root unit keeps gloo's
+    exchanges (its buffers are among the compute copies)."""
     if x.device.kind != "cpu" or not x.shm_collectives or x.world == 1 or x.shard_ranks == 1:
         return 0
     specs = [s for s in (x.actor, x.reference, x.critic, x.reward_model, x.teacher) if s is not None]
-    gathered = max(max(s.root_numel(), s.block_numel()) for s in specs) * x.compute_bytes  # every model's param_dtype
+    gathered = max(s.block_numel() for s in specs) * x.compute_bytes  # every model's param_dtype
     trained = [s for s in (x.actor, x.critic) if s is not None]
-    grads = max(max(s.root_numel(trainable=True), s.block_numel(trainable=True)) * 4 for s in trained)
+    grads = max(s.block_numel(trainable=True) for s in trained) * 4
     w = x.shard_ranks
     return AG_SLOTS * gathered + grads + grads * (w - 1) // w
 
