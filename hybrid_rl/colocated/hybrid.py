@@ -178,6 +178,7 @@ class HybridEngine:
             self.enter_train()
         self.vllm.stop()
         self.offload.close()
+        self._exchanges.clear()  # unmaps the sync's shared memory once no view of it is left
         if self.adapter is not None:
             self.adapter.close()
 

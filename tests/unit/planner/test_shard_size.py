@@ -57,3 +57,24 @@ def test_sharding_wider_is_among_the_fixes_of_a_replicated_layout(tiny_models):
 def test_a_shard_size_must_divide_the_world(tiny_models):
     with pytest.raises(ConfigError, match="trainer.shard_size=3 must divide"):
         plan_for(_cfg(tiny_models, "trainer.shard_size=3"), 4, device=DeviceSpec("cuda", 64 * GIB))
+
+
+def test_shared_memory_collectives_are_counted_where_they_run(tiny_models):
+    """CPU ranks sharding a model map the blocks' all-gather ring and gradient segments (`distributed/shm_comms`):
+    counted in every phase after start-up, as the resident memory measures them; not with one rank, shard size 1,
+    the switch off, or on a GPU."""
+    from hybrid_rl.distributed.shm_comms import AG_SLOTS
+
+    def item(*overrides, world=2, kind="cpu"):
+        plan = plan_for(_cfg(tiny_models, *overrides), world, device=DeviceSpec(kind, 64 * GIB))
+        got = {p.name: sum(i.bytes for i in p.items if "shared memory" in i.what) for p in plan.phases}
+        return got, plan.inputs
+
+    got, x = item("trainer.shard_size=2")
+    block = x.actor.block_numel()
+    assert got["startup"] == 0
+    assert got["update"] == got["rollout"] == AG_SLOTS * block * x.compute_bytes + block * 4 + block * 4 // 2 > 0
+    for overrides, world, kind in (((), 1, "cpu"), (("trainer.shard_size=1",), 2, "cpu"),
+                                   (("trainer.shard_size=2", "trainer.cpu_shm_collectives=false"), 2, "cpu"),
+                                   (("trainer.shard_size=2",), 2, "cuda")):
+        assert not any(item(*overrides, world=world, kind=kind)[0].values()), (overrides, world, kind)
