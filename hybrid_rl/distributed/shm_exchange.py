@@ -1,4 +1,5 @@
-"""An all-to-all through shared memory, for the ranks of one CPU host (the weight sync's buckets).
+"""Shared memory between the ranks of one CPU host: segments every rank maps (`map_segments`, which FSDP's
+collectives in `shm_comms` use too) and an all-to-all through them (`ShmExchange`, the weight sync's buckets).
 
 Between two ranks of one host gloo's `all_to_all_single` goes through loopback TCP: at the 0.5B shape, 2 ranks
 x 1 thread, the bytes each rank receives took 2.5x a `copy_` of them alone. Here every rank writes what it
@@ -33,8 +34,8 @@ _ALIGN = 64  # each slot's data starts on a cache line; the header: (offset, byt
 
 
 def _host_key() -> str:
-    """Same value exactly for processes of one host (boot id: containers on one host share /dev/shm only if
-    they share it, which the mapping itself checks)."""
+    """Equal for processes that can share memory through /dev/shm: one host (hostname and boot id) and one /dev/shm
+    (its inode: containers on one host may each have their own)."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
