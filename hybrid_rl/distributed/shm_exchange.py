@@ -77,7 +77,9 @@ def map_segments(sizes: list[int], count: int, group=None, *, what: str,
         for p in paths[rank]:
             fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             try:
-                os.ftruncate(fd, sizes[rank])
+                # Reserved now, not at first touch: a full /dev/shm then fails here (ENOSPC, every rank told) instead
+                # of killing a rank with SIGBUS in the middle of a collective.
+                os.posix_fallocate(fd, 0, sizes[rank])
             finally:
                 os.close(fd)
     except OSError as e:
