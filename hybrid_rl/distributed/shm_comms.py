@@ -30,10 +30,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from hybrid_rl.distributed import gloo_comms
-from hybrid_rl.distributed.shm_exchange import map_segments
+from hybrid_rl.distributed.shm_exchange import aligned, map_segments
 
 AG_SLOTS = 2  # the memory plan counts them (`planner/trainer_memory.shm_collective_bytes`)
-_ALIGN = 64
 
 
 class _Segments:
@@ -52,7 +51,7 @@ class _Segments:
             return None
         nbytes = numel * dtype.itemsize
         if nbytes > self.size:
-            size = -(-nbytes // _ALIGN) * _ALIGN
+            size = aligned(nbytes)
             world = self.group.size()
             sizes = [size] * world if self.per_rank else [size] + [0] * (world - 1)
             self.maps = map_segments(sizes, self.count, self.group, what=self.what)
@@ -71,20 +70,21 @@ class ShmAllGather(AllGather):
     def __init__(self, group: dist.ProcessGroup, fallback: AllGather, max_numel: int):
         self.group, self.fallback = group, fallback
         self.segments = _Segments(group, AG_SLOTS, per_rank=False, what="FSDP's all-gathers", max_numel=max_numel)
-        self.shared: set[int] = set()  # data pointers of the buffers handed out that live in shared memory
+        self.handed: int | None = None  # data pointer of the last buffer handed out, where it is shared memory
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         numel = int(torch.Size(size).numel())
         slot = self.segments.take(numel, dtype) if device.type == "cpu" else None
         if slot is None:
+            self.handed = None
             return torch.empty(*size, dtype=dtype, device=device)
         out = slot[0][: numel * dtype.itemsize].view(dtype).view(*size)
-        self.shared = {out.data_ptr()}
+        self.handed = out.data_ptr()
         return out
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> None:
-        if output_tensor.data_ptr() not in self.shared:
+        if output_tensor.data_ptr() != self.handed:
             return self.fallback(output_tensor, input_tensor, group, async_op)
         rank, n = group.rank(), input_tensor.numel()
         mine = output_tensor.view(group.size(), n)[rank]

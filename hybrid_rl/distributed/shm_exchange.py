@@ -26,11 +26,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hybrid_rl.utils.shm import SHM_DIR
+from hybrid_rl.distributed.collectives import all_gather_object
+from hybrid_rl.utils.shm import SHM_DIR, shm_free_bytes
 
 log = logging.getLogger(__name__)
 
-_ALIGN = 64  # each slot's data starts on a cache line; the header: (offset, bytes) of each destination's part
+_ALIGN = 64  # segments and each slot's data start on a cache line
+
+
+def aligned(nbytes: int) -> int:
+    """`nbytes` rounded up to a whole number of cache lines."""
+    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 def _host_key() -> str:
@@ -43,13 +49,6 @@ def _host_key() -> str:
     return f"{socket.gethostname()}:{boot}:{os.stat(SHM_DIR).st_ino if SHM_DIR.exists() else ''}"
 
 
-def all_ranks(value, group=None) -> list:
-    """Collective: every rank's `value`, in rank order."""
-    out: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, value, group=group)
-    return out
-
-
 def map_segments(sizes: list[int], count: int, group=None, *, what: str,
                  shm_dir: Path = SHM_DIR) -> list[list[torch.Tensor]] | None:
     """Collective: `count` shared-memory segments of `sizes[r]` bytes made by each rank r of `group` (0: none), each
@@ -59,8 +58,7 @@ def map_segments(sizes: list[int], count: int, group=None, *, what: str,
     (with a quarter to spare), or a rank could not make or map one: the caller keeps its collectives.
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    st = os.statvfs(shm_dir) if shm_dir.exists() else None
-    keys = all_ranks((_host_key(), st.f_bavail * st.f_frsize if st else 0), group)
+    keys = all_gather_object((_host_key(), shm_free_bytes(shm_dir)), group=group)
     need, least = count * sum(sizes), min(f for _, f in keys)
     if len({k for k, _ in keys}) != 1 or least < need * 1.25:
         if rank == 0:
@@ -84,7 +82,7 @@ def map_segments(sizes: list[int], count: int, group=None, *, what: str,
                 os.close(fd)
     except OSError as e:
         error = f"rank {rank}: {e}"
-    failed = [e for e in all_ranks(error, group) if e]
+    failed = [e for e in all_gather_object(error, group=group) if e]
     segments = None
     if not failed:
         try:
@@ -92,7 +90,7 @@ def map_segments(sizes: list[int], count: int, group=None, *, what: str,
                         for r in range(world)]
         except (OSError, RuntimeError) as e:
             error = f"rank {rank}: {e}"
-        failed = [e for e in all_ranks(error, group) if e]  # every rank has mapped every file (or failed)
+        failed = [e for e in all_gather_object(error, group=group) if e]  # every rank has mapped every file (or failed)
     for p in paths[rank]:
         p.unlink(missing_ok=True)
     if failed:
@@ -110,16 +108,21 @@ class ShmExchange:
         self._slots = slots  # [rank][0 or 1]: uint8, header then data
         self.rank, self.world, self.slot_bytes, self.group = rank, world, slot_bytes, group
         self._count = 0
-        self._head = -(-world * 16 // _ALIGN) * _ALIGN
+        self._head = self.header_bytes(world)
+
+    @staticmethod
+    def header_bytes(world: int) -> int:
+        """A slot's header: (offset, bytes) of each destination's part, as int64."""
+        return aligned(world * 16)
 
     @classmethod
     def create(cls, slot_bytes: int, group=None, shm_dir: Path = SHM_DIR) -> ShmExchange | None:
         """Collective over `group`. None (every rank the same) where the ranks are not all on one host or /dev/shm
         has no room for two slots a rank: then the caller keeps its collective."""
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        head = -(-world * 16 // _ALIGN) * _ALIGN
-        slot_bytes = -(-max(all_ranks(slot_bytes, group)) // _ALIGN) * _ALIGN  # every rank maps every slot at one size
-        slots = map_segments([head + slot_bytes] * world, 2, group, what="the weight sync's exchange", shm_dir=shm_dir)
+        slot_bytes = aligned(max(all_gather_object(slot_bytes, group=group)))  # every rank maps every slot at one size
+        slots = map_segments([cls.header_bytes(world) + slot_bytes] * world, 2, group, what="the weight sync's exchange",
+                             shm_dir=shm_dir)
         if slots is None:
             return None
         if rank == 0:

@@ -34,7 +34,7 @@ import torch
 
 from hybrid_rl.sidecar.auth import SecretError, check_private
 from hybrid_rl.sidecar.leftovers import identity, sweep_rings
-from hybrid_rl.utils.shm import SHM_DIR
+from hybrid_rl.utils.shm import SHM_DIR, shm_free_bytes
 from hybrid_rl.weightsync.layout import TPSlice
 from hybrid_rl.weightsync.verify import verify_targets
 
@@ -354,11 +354,6 @@ def _sweep_once(shm_dir: Path) -> None:
 
 class ShmSpaceError(RuntimeError):
     """/dev/shm has less room than the rings need."""
-
-
-def shm_free_bytes(shm_dir: Path = SHM_DIR) -> int:
-    st = os.statvfs(shm_dir)
-    return st.f_bavail * st.f_frsize
 
 
 def check_space(nbytes: int, shm_dir: Path = SHM_DIR, what: str = "the checkpoint engine's rings") -> None:

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
+
+
+def shm_free_bytes(shm_dir: Path = SHM_DIR) -> int:
+    """Bytes `shm_dir` has free (0 where there is no such directory)."""
+    if not shm_dir.exists():
+        return 0
+    st = os.statvfs(shm_dir)
+    return st.f_bavail * st.f_frsize
 
 
 def mapped_paths(pids: list[str] | None = None) -> set[str]:

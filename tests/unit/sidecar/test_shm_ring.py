@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from hybrid_rl.sidecar.shm_ring import (
-    SHM_DIR,
     Manifest,
     RingAborted,
     RingTimeout,
@@ -15,9 +14,9 @@ from hybrid_rl.sidecar.shm_ring import (
     ShmSpaceError,
     layout_bucket,
     read_manifest,
-    shm_free_bytes,
     write_manifest,
 )
+from hybrid_rl.utils.shm import SHM_DIR, shm_free_bytes
 from hybrid_rl.weightsync.layout import TPSlice
 
 
