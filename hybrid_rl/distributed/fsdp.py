@@ -53,7 +53,7 @@ def shard_model(
             shm_comms.install(units, units[:-1], mesh.get_group(mesh.ndim - 1))
         else:
             for unit in units:
-                gloo_comms.install(unit)
+                gloo_comms.install(unit, one_rank=whole)
     if not reshard_after_forward:
         model.register_forward_hook(_reshard_if_no_grad(units))
     return model

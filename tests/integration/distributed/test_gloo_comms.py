@@ -50,3 +50,10 @@ def test_training_through_shared_memory_matches_training_through_gloos(record):
     assert record["max_param_diff_shm"] < 1e-5, record
     assert record["losses"]["shm"] == pytest.approx(record["losses"]["gloo"], rel=1e-4)
     assert record["shm_left"] == [], "shared-memory files left in /dev/shm while the segments are mapped"
+
+
+def test_weights_whole_on_every_rank_train_as_with_gloos_own_without_the_copy(record):
+    """HSDP at shard size 1: the reduce-scatter's output is its input (no copy), and training is bitwise FSDP2's."""
+    assert record["installed_whole"]
+    assert record["whole_outputs_aliased"] == 2, "every unit's two backwards should take the input as output"
+    assert record["whole_equal"], record["whole_losses"]
