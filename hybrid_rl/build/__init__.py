@@ -63,6 +63,7 @@ from hybrid_rl.rollout.base import RolloutWorker
 from hybrid_rl.rollout.chat_template import with_tools
 from hybrid_rl.rollout.tools import EnvironmentReward, load_environment
 from hybrid_rl.types import Head
+from hybrid_rl.utils.env import keep_freed_memory
 from hybrid_rl.utils.schedule import lr_multiplier
 from hybrid_rl.weightsync.layout import check_architecture
 
@@ -120,6 +121,8 @@ def build(cfg: Config) -> Components:
         prompts_tokenizer = with_tools(tokenizer, tool_schemas(cfg), raw_prompts=bool(cfg.rollout.environment))
     loader, val_records = _datasets(cfg, prompts_tokenizer)
     plan = _check_memory(cfg, dims, [len(r.prompt_ids) for r in loader.dataset])
+    if plan.keeps_freed_host_memory:  # room for glibc to keep freed buffers: fewer page faults (CPU)
+        keep_freed_memory()
     dims = dataclasses.replace(dims, shard=plan.inputs.shard_ranks)  # trainer.shard_size, or the plan's choice
     rewards = None if cfg.algorithm.offline_pairs else _rewards(cfg)
 

@@ -69,6 +69,13 @@ class MemoryPlan:
     def fits(self) -> bool:
         return self.peak.total <= self.usable_bytes
 
+    @property
+    def keeps_freed_host_memory(self) -> bool:
+        """CPU: the run can let glibc keep freed buffers for reuse (`utils.env.keep_freed_memory`) instead of
+        returning every one of 1 MiB or more to the OS at once. Kept memory stays mapped through later phases, so
+        a rank may hold up to its largest phase's peak again on top of any phase: allowed when twice the peak fits."""
+        return self.inputs.device.kind == "cpu" and 2 * self.peak.total <= self.usable_bytes
+
     def phase(self, name: str) -> Phase:
         return next(p for p in self.phases if p.name == name)
 

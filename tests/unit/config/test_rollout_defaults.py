@@ -115,6 +115,48 @@ def test_malloc_threshold_is_taken_from_the_environment(monkeypatch):
     assert thresholds == [32 << 20, 1 << 20]
 
 
+def test_a_run_with_room_lets_glibc_keep_freed_buffers_unless_the_user_chose_a_threshold(monkeypatch):
+    """`keep_freed_memory` (a plan with room, build.py) raises the mmap and trim thresholds; it leaves a threshold set
+    by HR_MALLOC_MMAP_THRESHOLD alone."""
+    import ctypes
+
+    from hybrid_rl.utils import env
+
+    calls = []
+
+    class Libc:
+        def mallopt(self, key, value):
+            calls.append((key, value))
+            return 1
+
+        def prctl(self, option, *args):
+            calls.append(("prctl", option, *args))
+            return 0
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: Libc())
+    monkeypatch.delenv("HR_MALLOC_MMAP_THRESHOLD", raising=False)
+    assert env.keep_freed_memory()
+    assert calls[:2] == [(env._M_MMAP_THRESHOLD, 32 << 20), (env._M_TRIM_THRESHOLD, 1 << 30)]
+    assert calls[2:] == [("prctl", 41, 1, 0, 0, 0)]  # PR_SET_THP_DISABLE
+    calls.clear()
+    monkeypatch.setenv("HR_MALLOC_MMAP_THRESHOLD", str(4 << 20))
+    assert not env.keep_freed_memory() and calls == []
+
+
+def test_glibc_and_linux_take_the_kept_settings():
+    """The real mallopt takes the thresholds and the process loses its huge pages (the kernel says so in
+    /proc/self/status); run in a fresh process, whose memory settings nothing else depends on."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from pathlib import Path; from hybrid_rl.utils import env\n"
+            "assert env.tune_malloc() and env.keep_freed_memory()\n"
+            "assert 'THP_enabled:\\t0' in Path('/proc/self/status').read_text()")
+    environ = {k: v for k, v in os.environ.items() if k != "HR_MALLOC_MMAP_THRESHOLD"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=environ)
+
+
 def test_a_black_box_agent_needs_sidecar_mode_and_no_tools_of_the_runs():
     cfg = Config()
     cfg.model.path, cfg.data.train_files, cfg.rollout.agent = "/m", ["/t.jsonl"], "my_pkg.agent:run"
