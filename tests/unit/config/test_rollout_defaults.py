@@ -143,20 +143,6 @@ def test_a_run_with_room_lets_glibc_keep_freed_buffers_unless_the_user_chose_a_t
     assert not env.keep_freed_memory() and calls == []
 
 
-def test_glibc_and_linux_take_the_kept_settings():
-    """The real mallopt takes the thresholds and the process loses its huge pages (the kernel says so in
-    /proc/self/status); run in a fresh process, whose memory settings nothing else depends on."""
-    import os
-    import subprocess
-    import sys
-
-    code = ("from pathlib import Path; from hybrid_rl.utils import env\n"
-            "assert env.tune_malloc() and env.keep_freed_memory()\n"
-            "assert 'THP_enabled:\\t0' in Path('/proc/self/status').read_text()")
-    environ = {k: v for k, v in os.environ.items() if k != "HR_MALLOC_MMAP_THRESHOLD"}
-    subprocess.run([sys.executable, "-c", code], check=True, env=environ)
-
-
 def test_a_black_box_agent_needs_sidecar_mode_and_no_tools_of_the_runs():
     cfg = Config()
     cfg.model.path, cfg.data.train_files, cfg.rollout.agent = "/m", ["/t.jsonl"], "my_pkg.agent:run"
