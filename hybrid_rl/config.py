@@ -311,7 +311,8 @@ class TrainerConfig:
     # Pack the samples of a group as [prompt, response_1, ..., response_n]: the prompt is computed once per group in
     # the old-log-prob, reference, teacher, critic and update passes (docs/guides/performance.md). Needs the packed
     # SDPA attention (off where flash-attn is installed on CUDA); not with MoE routing replay or preference pairs.
-    prefix_share: bool = False
+    # null (auto): on on CPU, where it was measured; off on CUDA, where it has not run yet. true / false force it.
+    prefix_share: bool | None = None
     val_every: int = 0  # 0 = before and after training only
     max_bad_steps: int = 3  # consecutive NaN/Inf steps before the run stops
     # The run stops when rollout/logprob_diff_mean (|trainer - sampler| log-prob per token, on tokens sampled by the

@@ -54,7 +54,7 @@ def plan_for(cfg: Config, world: int, *, device: DeviceSpec | None = None, atten
         attention=_attention(attention, device), entropy=get_objective(a.objective).entropy,
         old_logp_pass=not a.old_logp_from_update, optimizer=cfg.optim.name, router_replay=cfg.model.moe.router_replay,
         shard=cfg.trainer.shard_size, shm_collectives=cfg.trainer.cpu_shm_collectives,
-        prefix_share=cfg.rollout.n if cfg.trainer.prefix_share and not get_objective(a.objective).paired else 0,
+        prefix_share=cfg.rollout.n if _prefix_share(cfg, device) and not get_objective(a.objective).paired else 0,
     )
     try:
         inputs = choose_shard(inputs)
@@ -70,6 +70,12 @@ def plan_for(cfg: Config, world: int, *, device: DeviceSpec | None = None, atten
         notes += (f"prompts counted as data.max_prompt_tokens={cfg.data.max_prompt_tokens} long (an upper bound: the "
                   "training files were not read)",)
     return dataclasses.replace(plan, notes=plan.notes + notes)
+
+
+def _prefix_share(cfg: Config, device: DeviceSpec) -> bool:
+    """`trainer.prefix_share` on the planned device: null (auto) is on for a CPU and off for a GPU."""
+    share = cfg.trainer.prefix_share
+    return device.kind == "cpu" if share is None else share
 
 
 def training_records(cfg: Config, tokenizer):

@@ -58,8 +58,14 @@ def trainer_settings(cfg: Config, *, world: int, distil_only: bool = False) -> T
 
 def prefix_share(cfg: Config) -> bool:
     """`trainer.prefix_share` where the attention supports it: flash-attn's varlen kernels (CUDA with flash-attn
-    installed) have no prefix-shared layout, so it is off there, with a warning."""
-    if not cfg.trainer.prefix_share:
+    installed) have no prefix-shared layout, so it is off there, with a warning when it was asked for. Null (auto):
+    on on CPU, off on CUDA (not run on a GPU yet; `plan_inputs` decides the same for the plan's device)."""
+    share = cfg.trainer.prefix_share
+    if share is None:
+        import torch
+
+        return not torch.cuda.is_available()
+    if not share:
         return False
     from hybrid_rl.model.loading import attn_implementation
 

@@ -70,9 +70,10 @@ def test_every_recipe_runs_two_steps_and_logs_its_metrics(tiny_models, task_file
     # RLOO with truncated IS (its old log-probs come from the update's own forward; PPO's from a separate pass),
     # truncating at 1.001 so that bf16's mismatch (ratios within ~2% of 1 here) gets truncated somewhere.
     # GRPO packs each group's samples prefix-shared (its prompt once per micro-batch) in the reference pass and the
-    # update: the trainer's path of `trainer.prefix_share`, whose equality to the unshared passes the unit tests prove.
+    # update: the trainer's path of `trainer.prefix_share`, whose equality to the unshared passes the unit tests prove
+    # (on by default on CPU); Dr. GRPO packs every sample apart, the other path.
     correction = {"rloo": {"algorithm.rollout_correction": "tis", "algorithm.rollout_correction_high": 1.001},
-                  "grpo": {"trainer.prefix_share": "true"}}
+                  "grpo": {"trainer.prefix_share": "true"}, "dr_grpo": {"trainer.prefix_share": "false"}}
     for recipe in ("grpo", "dr_grpo", "rloo", "reinforce_pp"):
         runs.append({"name": recipe, "recipe": recipe, "overrides": overrides(recipe, **correction.get(recipe, {}))})
     # Online DPO pairs best against worst by reward: a reward whose scores vary gives it pairs to train.
@@ -130,6 +131,8 @@ def test_every_recipe_runs_two_steps_and_logs_its_metrics(tiny_models, task_file
             assert not OLD_LOGP_PASS & set(steps[2]), f"{name}: ran an old-log-prob pass it did not need"
         if name == "grpo":  # trainer.prefix_share: each rank's groups packed with their prompt once
             assert all(steps[s]["actor/prefix_saved_frac"] > 0 for s in (1, 2)), steps
+        if name == "dr_grpo":
+            assert "actor/prefix_saved_frac" not in steps[2], steps[2]
         if expected & set(CORRECTION_KEYS):
             _check_correction(name, steps, applied=name == "rloo")
         assert (out / "checkpoints" / "step_2" / "COMPLETE").exists(), f"{name}: no final checkpoint"
