@@ -100,7 +100,10 @@ def test_every_recipe_runs_two_steps_and_logs_its_metrics(tiny_models, task_file
                                                "model.activation_checkpointing": "true"})})
     runs.append({"name": "grpo_slow_reward", "recipe": "grpo", "overrides": overrides(
         "grpo_slow_reward", **{"reward.fn": "tests.e2e.rewards:slow", "trainer.total_steps": 1,
-                               "data.val_files": "[]", "algorithm.old_logp_pass": "always"})})
+                               "data.val_files": "[]", "algorithm.old_logp_pass": "always",
+                               # passes long enough for the overlap to be measured (a tiny model's shared,
+                               # single-micro-batch passes took 18 ms, under a reward worker's start)
+                               "trainer.prefix_share": "false", "trainer.micro_batch_tokens": 64})})
     dpo = overrides("dpo", data=dict(task_files, train=task_files["prefs"]))
     runs.append({"name": "dpo", "recipe": "dpo", "overrides": [o for o in dpo if not o.startswith("data.val")]})
     for target in ("cpu", "disk"):  # last: the PPO run again, everything offloaded
